@@ -1,0 +1,181 @@
+"""``save`` and ``load``: plan -> write -> commit, and open -> plan -> read."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import commit as protocol
+from . import dtypes
+from .dist import Group
+from .errors import LayoutMismatchError, ZarrckptError
+from .format import ArrayMeta, Manifest
+from .keys import iter_leaves, flat_key, set_leaf
+from .layout import Box
+from .localstate import collect, tensor_box
+from .plan import DEFAULT_CHUNK_BYTES, build_save_plan
+from .reader import Request, read_regions
+from .storage import Storage
+from .writer import write_rank
+
+log = logging.getLogger("zarrckpt")
+URL = str | os.PathLike[str]
+
+
+def save(
+    state_dict: Mapping[str, Any],
+    url: URL,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    process_group: Any = None,
+    overwrite: bool = False,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> None:
+    """Save ``state_dict`` as a Zarr v3 checkpoint at ``url``; every rank calls it.
+
+    Each rank writes only the shards it owns; a replicated region is written once, by its
+    lowest rank. Returns once the checkpoint is committed. Nothing is written when the ranks'
+    tensors do not cover every global tensor exactly once (``SaveLayoutError``).
+    """
+    group = Group(process_group)
+    start = time.perf_counter()
+    local = group.run_together(lambda: collect(state_dict), "collecting the state dict")
+    plan = build_save_plan(group.all_gather_json(local.describe()), chunk_bytes)
+    storage = Storage(url, storage_options)
+    save_id = group.run_together(lambda: protocol.prepare(storage, overwrite) if group.rank == 0 else "", "preparing")
+    nbytes = group.run_together(lambda: write_rank(storage, plan, local, group.rank), "writing shards")
+    manifest = Manifest(save_id, plan.arrays, plan.values, plan.world_size, protocol.now(), _library())
+    group.run_together(lambda: protocol.commit(storage, manifest) if group.rank == 0 else None, "committing")
+    log.info("saved %s: %d tensors, this rank wrote %.1f MB in %.2fs", storage.url, len(plan.arrays), nbytes / 1e6,
+             time.perf_counter() - start)
+
+
+def load(
+    state_dict: MutableMapping[str, Any],
+    url: URL,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    process_group: Any = None,
+    strict: bool = True,
+) -> None:
+    """Load the checkpoint at ``url`` into ``state_dict`` in place; every rank calls it.
+
+    Tensors (plain or DTensor local shards, any sharding) are filled in place, reading only the
+    chunks they need; non-tensor values are replaced. Shape, dtype or kind differences always
+    raise ``LayoutMismatchError``; key-set differences raise unless ``strict=False``, which loads
+    the keys both sides have and logs the rest.
+    """
+    group = Group(process_group)
+    storage = Storage(url, storage_options)
+    manifest = group.run_together(lambda: protocol.read_manifest(storage), "opening the checkpoint")
+    start = time.perf_counter()
+    leaves = {flat_key(path): (path, value) for path, value in iter_leaves(state_dict)}
+    saved = manifest.arrays.keys() | manifest.values.keys()
+    mismatches = [d for key, (_, v) in leaves.items() if key in saved for d in _compare(key, v, manifest)]
+    views = group.all_gather_json({"keys": sorted(leaves), "mismatches": mismatches})
+    mismatches = sorted({m for v in views for m in v["mismatches"]})
+    wanted = {k for v in views for k in v["keys"]}
+    missing, unexpected = sorted(wanted - saved), sorted(saved - wanted)
+    if mismatches or (strict and (missing or unexpected)):
+        diffs = mismatches + [f"{k}: expected, not in the checkpoint" for k in missing]
+        diffs += [f"{k}: in the checkpoint, not expected" for k in unexpected] if strict else []
+        raise LayoutMismatchError(
+            f"the state dict does not match the checkpoint at {storage.url!r} (saved vs expected):\n  "
+            + "\n  ".join(diffs[:100])
+            + ("" if len(diffs) <= 100 else f"\n  ... and {len(diffs) - 100} more")
+            + "\nA different model is a model conversion, not a topology change; "
+            "strict=False loads only the keys both sides have.",
+            diffs,
+        )
+    if (missing or unexpected) and group.rank == 0:
+        log.warning("loaded with strict=False; not in the checkpoint: %s; not loaded: %s", missing, unexpected)
+
+    requests, finish = _plan_targets(leaves, manifest, state_dict)
+    try:
+        nbytes = group.run_together(lambda: read_regions(storage, requests), "reading")
+    except ZarrckptError:
+        protocol.check_unchanged(storage, manifest.save_id)  # an overwrite explains it better
+        raise
+    protocol.check_unchanged(storage, manifest.save_id)
+    for fn in finish:
+        fn()
+    for key, value in manifest.values.items():
+        if key in leaves:
+            path, old = leaves[key]
+            set_leaf(state_dict, path, _like(value, old))
+    log.info("loaded %s: this rank read %.1f MB in %.2fs", storage.url, nbytes / 1e6, time.perf_counter() - start)
+
+
+def _compare(key: str, value: Any, manifest: Manifest) -> list[str]:
+    """How a target leaf differs from what was saved under ``key`` (empty when it can be loaded)."""
+    meta = manifest.arrays.get(key)
+    if meta is None:  # saved as a plain value
+        if isinstance(value, (torch.Tensor, np.ndarray, bytes, bytearray)):
+            return [f"{key}: saved a plain value, expected a {type(value).__name__}"]
+        return []
+    if meta.kind == "bytes":
+        return [] if isinstance(value, (bytes, bytearray)) else [f"{key}: saved bytes, expected {type(value).__name__}"]
+    if meta.kind == "ndarray" and isinstance(value, np.ndarray):
+        shape, dtype = tuple(value.shape), dtypes.zarr_name(torch.from_numpy(np.empty(0, value.dtype)).dtype)
+    elif isinstance(value, torch.Tensor):
+        shape, dtype = tuple(value.shape), dtypes.zarr_name(value.dtype)
+    else:
+        return [f"{key}: saved a {meta.kind} {list(meta.shape)} {meta.dtype}, expected a {type(value).__name__}"]
+    out = []
+    if shape != meta.shape:
+        out.append(f"{key}: shape {list(meta.shape)} saved vs {list(shape)} expected")
+    if dtype != meta.dtype:
+        out.append(f"{key}: dtype {meta.dtype} saved vs {dtype} expected")
+    return out
+
+
+def _plan_targets(
+    leaves: dict[str, Any], manifest: Manifest, state_dict: MutableMapping[str, Any]
+) -> tuple[list[Request], list[Callable[[], Any]]]:
+    """Read requests for every array target, and what to run once the data is in."""
+    requests: list[Request] = []
+    finish: list[Callable[[], Any]] = []
+    for key, (path, value) in leaves.items():
+        meta = manifest.arrays.get(key)
+        if meta is None:
+            continue
+        if meta.kind == "bytes":
+            buf = np.empty(meta.shape, dtype=np.uint8)
+            requests.append(Request(meta, Box.full(meta.shape), buf))
+            make = type(value)
+            finish.append(lambda path=path, buf=buf, make=make: set_leaf(state_dict, path, make(buf.tobytes())))
+        elif isinstance(value, np.ndarray):
+            requests.append(Request(meta, Box.full(meta.shape), value.view(dtypes.storage_dtype(meta.dtype))))
+        else:
+            local, _, box, _ = tensor_box(value)
+            requests.append(_tensor_request(meta, box, local, finish))
+    return requests, finish
+
+
+def _tensor_request(meta: ArrayMeta, box: Box, target: torch.Tensor, finish: list[Callable[[], Any]]) -> Request:
+    if target.device.type == "cpu":
+        return Request(meta, box, dtypes.as_numpy(target.detach()))
+    staging = torch.empty(target.shape, dtype=target.dtype, pin_memory=torch.cuda.is_available())
+    finish.append(lambda: target.detach().copy_(staging, non_blocking=False))
+    return Request(meta, box, dtypes.as_numpy(staging))
+
+
+def _like(value: Any, old: Any) -> Any:
+    """Give a loaded JSON value back the tuple-ness of the value it replaces."""
+    if isinstance(old, tuple) and isinstance(value, list):
+        return tuple(_like(v, old[i] if i < len(old) else None) for i, v in enumerate(value))
+    if isinstance(old, list) and isinstance(value, list):
+        return [_like(v, old[i] if i < len(old) else None) for i, v in enumerate(value)]
+    return value
+
+
+def _library() -> str:
+    from . import __version__
+
+    return f"zarrckpt {__version__}"

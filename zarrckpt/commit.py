@@ -1,0 +1,87 @@
+"""The commit protocol: a checkpoint exists only once its manifest (the root zarr.json) exists.
+
+save:  prepare (refuse or un-commit an old checkpoint, mark the prefix pending) -> every rank
+       writes its shards -> commit (group nodes, then the manifest last, then drop the marker).
+load:  read the manifest (one GET) -> read data -> read the manifest again: a different save_id
+       means the checkpoint was overwritten meanwhile, and the load fails instead of mixing.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import UTC, datetime
+
+from .errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    IncompleteCheckpointError,
+    InvalidCheckpointError,
+    ZarrckptError,
+)
+from .format import MANIFEST, PENDING, Manifest, group_json, group_paths
+from .storage import Storage
+
+
+def read_manifest(storage: Storage) -> Manifest:
+    """The committed manifest, or a clear error saying why there is none."""
+    try:
+        raw = storage.read(MANIFEST)
+    except FileNotFoundError:
+        if storage.is_empty():
+            raise CheckpointNotFoundError(f"no checkpoint at {storage.url!r}: nothing is stored there") from None
+        raise IncompleteCheckpointError(
+            f"{storage.url!r} holds a checkpoint that was never committed (no {MANIFEST} manifest): its save "
+            "failed or is still running. Load an earlier checkpoint, or save again with overwrite=True."
+        ) from None
+    return Manifest.loads(raw, storage.where(MANIFEST))
+
+
+def prepare(storage: Storage, overwrite: bool) -> str:
+    """Make the prefix ready for a new save and mark it pending; returns the new save id."""
+    if storage.exists(MANIFEST):
+        try:
+            read_manifest(storage)
+        except InvalidCheckpointError as e:
+            raise ZarrckptError(f"refusing to write to {storage.url!r}: it holds something else ({e})") from None
+        if not overwrite:
+            raise CheckpointExistsError(
+                f"a committed checkpoint already exists at {storage.url!r}; pass overwrite=True to replace it"
+            )
+        storage.delete(MANIFEST)  # un-commit first: from here on readers see an incomplete checkpoint
+        storage.delete_all()
+    elif not storage.is_empty():
+        if not storage.exists(PENDING):
+            raise ZarrckptError(
+                f"refusing to write to {storage.url!r}: it is not empty and holds no zarrckpt checkpoint"
+            )
+        storage.delete_all()  # leftovers of a save that never committed
+    save_id = uuid.uuid4().hex
+    storage.write(PENDING, [json.dumps({"save_id": save_id, "started": now()}).encode()])
+    return save_id
+
+
+def commit(storage: Storage, manifest: Manifest) -> None:
+    """Write the group nodes, then the manifest (the commit point), then drop the pending marker."""
+    arrays = list(manifest.arrays.values())
+    group = json.dumps(group_json()).encode()
+    storage.run_all(lambda p: storage.write(f"{p}/zarr.json", [group]), group_paths(arrays))
+    storage.write(MANIFEST, [manifest.dumps()])
+    storage.delete(PENDING)
+
+
+def check_unchanged(storage: Storage, save_id: str) -> None:
+    """Fail if the checkpoint was overwritten or deleted since its manifest was read."""
+    try:
+        current = read_manifest(storage).save_id
+    except ZarrckptError:
+        current = None
+    if current != save_id:
+        raise IncompleteCheckpointError(
+            f"the checkpoint at {storage.url!r} was overwritten or deleted while it was being read; "
+            "the data read may mix two saves and was discarded — load again"
+        )
+
+
+def now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")

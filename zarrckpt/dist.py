@@ -1,0 +1,70 @@
+"""The only module that makes process-group calls. Without torch.distributed it is a 1-rank no-op.
+
+Everything exchanged is JSON encoded into uint8 tensors, so no pickle crosses ranks either.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as torch_dist
+
+from .errors import ZarrckptError
+
+T = TypeVar("T")
+
+
+class Group:
+    """The ranks taking part in one save or load."""
+
+    def __init__(self, process_group: Any = None) -> None:
+        self.pg = process_group
+        self.active = torch_dist.is_available() and torch_dist.is_initialized()
+        self.rank = torch_dist.get_rank(process_group) if self.active else 0
+        self.size = torch_dist.get_world_size(process_group) if self.active else 1
+        if self.size == 1:
+            self.active = False
+        backend = torch_dist.get_backend(process_group) if self.active else "gloo"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+    def all_gather_json(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (JSON-serialisable), in rank order."""
+        raw = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+        if not self.active:
+            return [json.loads(raw)]
+        length = torch.tensor([len(raw)], dtype=torch.int64, device=self.device)
+        lengths = [torch.zeros_like(length) for _ in range(self.size)]
+        torch_dist.all_gather(lengths, length, group=self.pg)
+        longest = int(max(int(n.item()) for n in lengths))
+        buf = torch.zeros(longest, dtype=torch.uint8, device=self.device)
+        buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else buf[:0]
+        bufs = [torch.empty_like(buf) for _ in range(self.size)]
+        torch_dist.all_gather(bufs, buf, group=self.pg)
+        return [json.loads(bytes(b[: int(n.item())].cpu().numpy())) for b, n in zip(bufs, lengths, strict=True)]
+
+    def barrier(self) -> None:
+        if self.active:
+            torch_dist.barrier(group=self.pg)
+
+    def run_together(self, fn: Callable[[], T], what: str) -> T:
+        """Run ``fn`` on this rank; if it fails on any rank, raise on every rank.
+
+        The failing rank re-raises its own exception; the others raise a ZarrckptError naming it.
+        """
+        result: T | None = None
+        error: BaseException | None = None
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - reported to every rank, then re-raised
+            error = e
+        status = self.all_gather_json(None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        failed = [(r, msg) for r, msg in enumerate(status) if msg is not None]
+        if failed:
+            rank, msg = failed[0]
+            raise ZarrckptError(f"{what} failed on rank {rank}: {msg}")
+        return result  # type: ignore[return-value]

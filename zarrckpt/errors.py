@@ -1,0 +1,65 @@
+"""zarrckpt's exception types. Every error zarrckpt raises on purpose derives from ZarrckptError."""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CorruptChunkError",
+    "IncompleteCheckpointError",
+    "InvalidCheckpointError",
+    "InvalidKeyError",
+    "LayoutMismatchError",
+    "SaveLayoutError",
+    "UnsupportedValueError",
+    "ZarrckptError",
+]
+
+
+class ZarrckptError(Exception):
+    """Base class of every error zarrckpt raises on purpose."""
+
+
+class CheckpointNotFoundError(ZarrckptError):
+    """Nothing (no checkpoint, not even a partial one) exists at the URL."""
+
+
+class IncompleteCheckpointError(ZarrckptError):
+    """The URL holds objects of a save that never committed (or is being overwritten)."""
+
+
+class CheckpointExistsError(ZarrckptError):
+    """A committed checkpoint already exists at the URL and ``overwrite=False``."""
+
+
+class InvalidCheckpointError(ZarrckptError):
+    """The checkpoint's metadata is malformed, of an unknown format version, or inconsistent."""
+
+
+class LayoutMismatchError(ZarrckptError):
+    """The state dict being loaded does not match the checkpoint (keys, shapes or dtypes)."""
+
+    def __init__(self, message: str, differences: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.differences = list(differences or [])
+
+
+class SaveLayoutError(ZarrckptError):
+    """The ranks' tensors do not describe each global tensor exactly once, or ranks disagree."""
+
+
+class CorruptChunkError(ZarrckptError):
+    """A stored chunk or shard failed its checksum, is truncated, or is missing."""
+
+    def __init__(self, message: str, key: str | None = None, chunk: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+        self.chunk = chunk
+
+
+class InvalidKeyError(ZarrckptError):
+    """A state-dict key cannot be stored (empty segment, '..', reserved name, prefix clash)."""
+
+
+class UnsupportedValueError(ZarrckptError):
+    """A state-dict value cannot be stored without pickle (or has an unsupported dtype)."""

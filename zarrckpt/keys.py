@@ -1,0 +1,117 @@
+"""State-dict keys: flattening nested state dicts, key validation, key -> array path, roles.
+
+Flattening follows ``torch.distributed.checkpoint`` exactly (mappings are always walked, lists
+only when they hold tensors or mappings, tuples are leaves, path parts joined with '.'), so the
+keys zarrckpt stores are the keys DCP plans with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from typing import Any
+
+import torch
+
+from .errors import InvalidKeyError
+
+Path = tuple[str | int, ...]
+
+ROLES = ("main_weight", "first_moment", "second_moment", "optimizer_step", "buffer", "other")
+_OPTIM_TOPS = {"optim", "optimizer", "optimizers", "optim_state", "optimizer_state"}
+_OTHER_TOPS = {"rng", "rng_state", "trainer", "dataloader", "data", "extra", "scheduler", "lr_scheduler", "meta"}
+_BUFFER_NAMES = {"running_mean", "running_var", "num_batches_tracked", "inv_freq", "position_ids", "mask"}
+_RESERVED = {"zarr.json"}
+
+
+def _is_terminal(value: Any) -> bool:
+    if isinstance(value, Mapping):
+        return False
+    if not isinstance(value, list):
+        return True
+    for entry in value:
+        if isinstance(entry, (Mapping, list)) and not _is_terminal(entry):
+            return False
+        if isinstance(entry, torch.Tensor):
+            return False
+    return True
+
+
+def iter_leaves(state_dict: Mapping[str, Any]) -> Iterator[tuple[Path, Any]]:
+    """Yield ``(path, leaf)`` for every leaf of a nested state dict, DCP-style."""
+
+    def walk(path: Path, value: Any) -> Iterator[tuple[Path, Any]]:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                yield from walk((*path, str(k)), v)
+        elif _is_terminal(value):
+            yield path, value
+        else:
+            for i, v in enumerate(value):
+                yield from walk((*path, i), v)
+
+    for key, value in state_dict.items():
+        yield from walk((str(key),), value)
+
+
+def flat_key(path: Path) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def set_leaf(state_dict: MutableMapping[str, Any], path: Path, value: Any) -> None:
+    """Replace the leaf at ``path`` (as produced by :func:`iter_leaves`)."""
+    container: Any = state_dict
+    for part in path[:-1]:
+        container = container[part if isinstance(part, int) else _orig_key(container, part)]
+    last = path[-1]
+    container[last if isinstance(last, int) else _orig_key(container, last)] = value
+
+
+def _orig_key(container: Mapping[Any, Any], key: str) -> Any:
+    if key in container:
+        return key
+    for k in container:  # non-str keys were stringified while walking
+        if str(k) == key:
+            return k
+    raise KeyError(key)
+
+
+def validate_keys(keys: Sequence[str]) -> None:
+    """Reject keys that cannot be stored as Zarr array paths, or that clash with each other."""
+    problems = []
+    for key in keys:
+        segs = key.split(".")
+        bad = [s for s in segs if not s or s in (".", "..") or s.startswith("__")]
+        bad += [s for s in segs if s in _RESERVED or any(ch in s for ch in "/\\\0")]
+        if bad or not key:
+            problems.append(f"{key!r}: invalid segment {bad[0]!r}" if bad else "empty key")
+    prefixes = {".".join(k.split(".")[:i]) for k in keys for i in range(1, k.count(".") + 1)}
+    problems += [f"{k!r} is both a leaf and the prefix of another key" for k in sorted(set(keys) & prefixes)]
+    if problems:
+        raise InvalidKeyError(
+            "state-dict keys that cannot be stored: "
+            + "; ".join(problems[:10])
+            + ". Segments must be non-empty, not '.'/'..', not start with '__', and contain no '/'."
+        )
+
+
+def key_to_path(key: str) -> str:
+    return key.replace(".", "/")
+
+
+def infer_role(key: str, is_floating: bool) -> str:
+    """Guess a tensor's role from the standard ``state_dict()`` / ``get_state_dict()`` structure."""
+    segs = key.split(".")
+    last = segs[-1]
+    if segs[0] in _OPTIM_TOPS or (len(segs) >= 3 and "state" in segs[:-1]):
+        return {
+            "exp_avg": "first_moment",
+            "momentum_buffer": "first_moment",
+            "exp_avg_sq": "second_moment",
+            "max_exp_avg_sq": "second_moment",
+            "step": "optimizer_step",
+        }.get(last, "other")
+    if segs[0] in _OTHER_TOPS:
+        return "other"
+    if last in _BUFFER_NAMES or not is_floating:
+        return "buffer"
+    return "main_weight"

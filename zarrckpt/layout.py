@@ -1,0 +1,187 @@
+"""Pure layout math: boxes, exactly-once coverage, shard grids, inner chunks.
+
+Nothing here does I/O or imports torch, zarr or fsspec.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Box:
+    """A hyper-rectangle ``[offsets, offsets + sizes)`` of a global tensor."""
+
+    offsets: Shape
+    sizes: Shape
+
+    @property
+    def ends(self) -> Shape:
+        return tuple(o + s for o, s in zip(self.offsets, self.sizes, strict=True))
+
+    @property
+    def volume(self) -> int:
+        return math.prod(self.sizes)
+
+    def intersect(self, other: Box) -> Box | None:
+        """The common part of two boxes, or None when they do not overlap (or one is empty)."""
+        lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets, strict=True))
+        hi = tuple(min(a, b) for a, b in zip(self.ends, other.ends, strict=True))
+        if any(h <= lo_ for lo_, h in zip(lo, hi, strict=True)):
+            return None
+        return Box(lo, tuple(h - lo_ for lo_, h in zip(lo, hi, strict=True)))
+
+    def relative_to(self, origin: Shape) -> Box:
+        return Box(tuple(o - r for o, r in zip(self.offsets, origin, strict=True)), self.sizes)
+
+    def slices(self) -> tuple[Any, ...]:
+        """Index for numpy/torch; the trailing Ellipsis keeps 0-d results arrays, not scalars."""
+        return (*(slice(o, o + s) for o, s in zip(self.offsets, self.sizes, strict=True)), Ellipsis)
+
+    def __str__(self) -> str:
+        return "[" + ", ".join(f"{o}:{e}" for o, e in zip(self.offsets, self.ends, strict=True)) + "]"
+
+    @staticmethod
+    def full(shape: Sequence[int]) -> Box:
+        return Box((0,) * len(shape), tuple(shape))
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One rank's claim to hold a box of a global tensor."""
+
+    rank: int
+    box: Box
+
+
+def coverage_problems(key: str, shape: Shape, claims: Sequence[Claim], limit: int = 5) -> list[str]:
+    """Check that the distinct claimed boxes tile ``shape`` exactly once.
+
+    Identical boxes claimed by several ranks are replicas (allowed). Returns human-readable
+    problems (uncovered or doubly covered regions, boxes outside the tensor); empty when fine.
+    """
+    problems: list[str] = []
+    if not shape:  # a 0-d tensor: treat as one element
+        shape, claims = (1,), [Claim(c.rank, Box((0,), (1,))) for c in claims if not c.box.offsets]
+    full = Box.full(shape)
+    distinct: dict[Box, list[int]] = {}
+    for c in claims:
+        if len(c.box.offsets) != len(shape):
+            problems.append(f"{key}: rank {c.rank} claims {c.box}, which has the wrong rank for shape {list(shape)}")
+            continue
+        if any(o < 0 or e > n for o, e, n in zip(c.box.offsets, c.box.ends, shape, strict=True)):
+            problems.append(f"{key}: rank {c.rank} claims {c.box}, outside the global shape {list(shape)}")
+            continue
+        if c.box.volume:
+            distinct.setdefault(c.box, []).append(c.rank)
+    if problems or full.volume == 0:
+        return problems
+    # Count coverage on the grid of elementary intervals spanned by all box boundaries.
+    cuts = [sorted({0, n} | {b.offsets[d] for b in distinct} | {b.ends[d] for b in distinct}) for d, n in enumerate(shape)]
+    counts = np.zeros([len(c) - 1 for c in cuts], dtype=np.int32)
+    owners = np.full(counts.shape, -1, dtype=np.int64)
+    for box, ranks in distinct.items():
+        idx = tuple(
+            slice(cuts[d].index(box.offsets[d]), cuts[d].index(box.ends[d])) for d in range(len(shape))
+        )
+        clash = counts[idx] > 0
+        if clash.any():
+            cell = tuple(int(i[0]) for i in np.nonzero(clash))
+            other = int(owners[tuple(s.start + c for s, c in zip(idx, cell, strict=True))])
+            region = _cell_box(cuts, tuple(s.start + c for s, c in zip(idx, cell, strict=True)))
+            problems.append(
+                f"{key}: region {region} is claimed twice (by rank {min(ranks)} with box {box} and by rank {other})"
+            )
+        counts[idx] += 1
+        owners[idx] = min(ranks)
+    for cell in zip(*np.nonzero(counts == 0), strict=True):
+        problems.append(f"{key}: region {_cell_box(cuts, tuple(int(c) for c in cell))} is held by no rank")
+        if len(problems) >= limit:
+            break
+    return problems[:limit]
+
+
+def _cell_box(cuts: list[list[int]], cell: tuple[int, ...]) -> Box:
+    return Box(
+        tuple(cuts[d][i] for d, i in enumerate(cell)),
+        tuple(cuts[d][i + 1] - cuts[d][i] for d, i in enumerate(cell)),
+    )
+
+
+def shard_shape_for(shape: Shape, boxes: Sequence[Box]) -> Shape:
+    """The coarsest regular grid whose every cell lies inside one of ``boxes``.
+
+    Per dimension, the cell size is the gcd of all interior box boundaries (the full extent
+    when there are none). Zero-length dimensions get cell size 1 (Zarr needs chunks >= 1).
+    """
+    cell = []
+    for d, n in enumerate(shape):
+        cuts = {b.offsets[d] for b in boxes if b.volume} | {b.ends[d] for b in boxes if b.volume}
+        interior = [c for c in cuts if 0 < c < n]
+        cell.append(max(1, math.gcd(*interior) if interior else n))
+    return tuple(cell)
+
+
+def inner_chunk_shape(shard: Shape, itemsize: int, target_bytes: int) -> Shape:
+    """Split ``shard`` into inner chunks of at most about ``target_bytes``.
+
+    Outer dimensions are split first (so one expert / one row block stays contiguous) and every
+    chunk extent divides the shard extent, as Zarr's sharding codec requires.
+    """
+    chunk = list(shard)
+    for d in range(len(chunk)):
+        nbytes = math.prod(chunk) * itemsize
+        if nbytes <= target_bytes:
+            break
+        per_unit = nbytes // chunk[d]
+        want = max(1, target_bytes // max(per_unit, 1))
+        chunk[d] = _largest_divisor_at_most(shard[d], want)
+    return tuple(chunk)
+
+
+def _largest_divisor_at_most(n: int, bound: int) -> int:
+    if bound >= n:
+        return n
+    best = 1
+    for i in range(1, math.isqrt(n) + 1):
+        if n % i == 0:
+            for div in (i, n // i):
+                if best < div <= bound:
+                    best = div
+    return best
+
+
+def grid_shape(shape: Shape, cell: Shape) -> Shape:
+    """Number of grid cells per dimension (edge cells may be partial)."""
+    return tuple(-(-n // c) for n, c in zip(shape, cell, strict=True))
+
+
+def cell_box(index: Shape, cell: Shape, shape: Shape) -> Box:
+    """The part of grid cell ``index`` that lies inside the array (clipped at the edge)."""
+    offsets = tuple(i * c for i, c in zip(index, cell, strict=True))
+    return Box(offsets, tuple(min(c, n - o) for o, c, n in zip(offsets, cell, shape, strict=True)))
+
+
+def cells_in(box: Box, cell: Shape) -> Iterator[Shape]:
+    """Indices of the grid cells that ``box`` touches, in C order."""
+    if box.volume == 0:
+        return
+    ranges = [range(o // c, (e - 1) // c + 1) for o, e, c in zip(box.offsets, box.ends, cell, strict=True)]
+    yield from itertools.product(*ranges)
+
+
+def owner_of_cells(shape: Shape, cell: Shape, claims: Sequence[Claim]) -> dict[Shape, int]:
+    """Assign each grid cell to the lowest rank whose claimed box contains it."""
+    owner: dict[Shape, int] = {}
+    for c in sorted(claims, key=lambda c: c.rank):
+        for idx in cells_in(c.box, cell):
+            owner.setdefault(idx, c.rank)
+    return owner

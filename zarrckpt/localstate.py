@@ -1,0 +1,119 @@
+"""What this rank holds: a state dict turned into tensor boxes and JSON values (no I/O, no collectives)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import crc32c
+import numpy as np
+import torch
+from torch.distributed.tensor import DTensor, Partial
+
+from . import dtypes
+from .errors import UnsupportedValueError
+from .keys import Path, flat_key, iter_leaves
+from .layout import Box, Shape
+
+DIGEST_MAX_BYTES = 64 * 1024  # replicas of small plain tensors (RNG states, counters) are compared
+
+
+@dataclass
+class LocalTensor:
+    """This rank's part of one global tensor."""
+
+    key: str
+    path: Path
+    data: torch.Tensor  # the local part (DTensor: its local shard), on any device
+    shape: Shape  # global shape
+    box: Box  # where ``data`` sits in the global tensor
+    dtype: str
+    kind: str = "tensor"  # tensor | bytes | ndarray
+    topology: dict[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> dict[str, Any]:
+        desc: dict[str, Any] = {
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "kind": self.kind,
+            "box": [list(self.box.offsets), list(self.box.sizes)],
+            "topology": self.topology,
+        }
+        if not self.topology.get("placements") and self.data.nbytes <= DIGEST_MAX_BYTES:
+            desc["digest"] = crc32c.crc32c(dtypes.as_numpy(self.data.detach().cpu().contiguous()))
+        return desc
+
+
+@dataclass
+class LocalState:
+    tensors: dict[str, LocalTensor]
+    values: dict[str, Any]  # key -> JSON-ready value
+    paths: dict[str, Path]  # every key -> its path in the nested state dict
+
+    def describe(self) -> dict[str, Any]:
+        return {"tensors": {k: t.describe() for k, t in self.tensors.items()}, "values": self.values}
+
+
+def tensor_box(value: torch.Tensor) -> tuple[torch.Tensor, Shape, Box, dict[str, Any]]:
+    """(local data, global shape, box of the local data, topology) of a tensor or DTensor."""
+    if not isinstance(value, DTensor):
+        return value, tuple(value.shape), Box.full(value.shape), {}
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if any(isinstance(p, Partial) for p in value.placements):
+        raise UnsupportedValueError("a DTensor with a Partial placement holds unreduced values; redistribute it first")
+    mesh = value.device_mesh
+    local_shape, offset = compute_local_shape_and_global_offset(value.shape, mesh, value.placements)
+    local = value.to_local()
+    if tuple(local.shape) != tuple(local_shape):
+        raise UnsupportedValueError(f"DTensor local shard has shape {list(local.shape)}, expected {list(local_shape)}")
+    topology = {
+        "mesh_shape": list(mesh.shape),
+        "mesh_dim_names": list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
+        "placements": [str(p) for p in value.placements],
+    }
+    return local, tuple(value.shape), Box(tuple(offset), tuple(local_shape)), topology
+
+
+def to_json_value(value: Any, key: str) -> Any:
+    """``value`` as plain JSON (tuples become lists), or UnsupportedValueError naming the key."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise UnsupportedValueError(f"{key!r}: non-finite float {value!r} cannot be stored as JSON; store it in a tensor")
+        return value
+    if isinstance(value, np.generic):
+        return to_json_value(value.item(), key)
+    if isinstance(value, (list, tuple)):
+        return [to_json_value(v, key) for v in value]
+    if isinstance(value, Mapping):
+        if not all(isinstance(k, str) for k in value):
+            raise UnsupportedValueError(f"{key!r}: dict keys inside a value must be strings")
+        return {k: to_json_value(v, key) for k, v in value.items()}
+    raise UnsupportedValueError(
+        f"{key!r}: a {type(value).__name__} cannot be stored without pickle; use tensors, bytes, numpy arrays, "
+        "or int/float/str/bool/None and lists/dicts of them"
+    )
+
+
+def collect(state_dict: Mapping[str, Any]) -> LocalState:
+    """Split a (nested) state dict into this rank's tensor parts and JSON values."""
+    state = LocalState({}, {}, {})
+    for path, value in iter_leaves(state_dict):
+        key = flat_key(path)
+        state.paths[key] = path
+        if isinstance(value, (bytes, bytearray)):
+            data = torch.frombuffer(bytearray(value), dtype=torch.uint8) if value else torch.zeros(0, dtype=torch.uint8)
+            state.tensors[key] = LocalTensor(key, path, data, (len(value),), Box.full((len(value),)), "uint8", "bytes")
+        elif isinstance(value, np.ndarray):
+            data = torch.from_numpy(np.ascontiguousarray(value))
+            state.tensors[key] = LocalTensor(key, path, data, value.shape, Box.full(value.shape), dtypes.zarr_name(data.dtype), "ndarray")
+        elif isinstance(value, torch.Tensor):
+            data, shape, box, topology = tensor_box(value)
+            state.tensors[key] = LocalTensor(key, path, data, shape, box, dtypes.zarr_name(value.dtype), "tensor", topology)
+        else:
+            state.values[key] = to_json_value(value, key)
+    return state

@@ -1,0 +1,95 @@
+"""Encode and decode one Zarr v3 ``sharding_indexed`` shard (index at the start, crc32c everywhere).
+
+A shard object is: the index (``n`` pairs of little-endian uint64 ``(offset, nbytes)``, in C
+order of the inner-chunk grid, then the crc32c of those bytes), followed by the inner chunks,
+each the raw little-endian C-order elements of a full inner chunk then their crc32c.
+Inner chunks that lie wholly outside the array are left out (offset = nbytes = 2**64-1).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import struct
+from collections.abc import Iterator
+
+import crc32c
+import numpy as np
+
+from .errors import CorruptChunkError
+from .layout import Shape
+
+EMPTY = 2**64 - 1
+_CRC = struct.Struct("<I")
+
+
+def index_nbytes(n_chunks: int) -> int:
+    return 16 * n_chunks + 4
+
+
+def chunks_per_shard(shard_shape: Shape, chunk_shape: Shape) -> Shape:
+    return tuple(s // c for s, c in zip(shard_shape, chunk_shape, strict=True))
+
+
+def chunk_indices(shard_shape: Shape, chunk_shape: Shape) -> Iterator[Shape]:
+    """Inner-chunk grid indices in C order (the order of the shard index)."""
+    return itertools.product(*(range(n) for n in chunks_per_shard(shard_shape, chunk_shape)))
+
+
+def _checksum(buf: np.ndarray | bytes | memoryview) -> bytes:
+    return _CRC.pack(crc32c.crc32c(buf))
+
+
+def encode_shard(data: np.ndarray, shard_shape: Shape, chunk_shape: Shape) -> list[bytes | np.ndarray]:
+    """The byte parts of one shard object, in order; ``data`` is the in-bounds part of the shard.
+
+    Inner chunks that are whole and contiguous in ``data`` are passed through without a copy.
+    """
+    grid = chunks_per_shard(shard_shape, chunk_shape)
+    index = np.full((math.prod(grid), 2), EMPTY, dtype="<u8")
+    chunk_nbytes = math.prod(chunk_shape) * data.dtype.itemsize
+    parts: list[bytes | np.ndarray] = [b""]
+    offset = index_nbytes(len(index))
+    for k, cidx in enumerate(itertools.product(*(range(n) for n in grid))):
+        lo = [i * c for i, c in zip(cidx, chunk_shape, strict=True)]
+        if any(lo_ >= n for lo_, n in zip(lo, data.shape, strict=True)):
+            continue  # wholly outside the array: stays empty
+        sl = tuple(slice(a, a + c) for a, c in zip(lo, chunk_shape, strict=True))
+        piece = data[sl] if sl else data
+        if piece.shape != chunk_shape or not piece.flags.c_contiguous:
+            full = np.zeros(chunk_shape, dtype=data.dtype)
+            full[tuple(slice(0, n) for n in piece.shape)] = piece
+            piece = full
+        parts += [piece, _checksum(piece)]
+        index[k] = (offset, chunk_nbytes + 4)
+        offset += chunk_nbytes + 4
+    raw_index = index.tobytes()
+    parts[0] = raw_index + _checksum(raw_index)
+    return parts
+
+
+def decode_index(raw: bytes, n_chunks: int, where: str, key: str) -> np.ndarray:
+    """Parse and verify a shard index; returns an ``(n_chunks, 2)`` uint64 array."""
+    if len(raw) != index_nbytes(n_chunks):
+        raise CorruptChunkError(
+            f"shard index of {key!r} at {where} is truncated ({len(raw)} of {index_nbytes(n_chunks)} bytes)",
+            key=key,
+            chunk=where,
+        )
+    if _checksum(raw[:-4]) != raw[-4:]:
+        raise CorruptChunkError(f"shard index of {key!r} at {where} fails its crc32c checksum", key=key, chunk=where)
+    return np.frombuffer(raw, dtype="<u8", count=2 * n_chunks).reshape(n_chunks, 2)
+
+
+def decode_chunk(raw: bytes | memoryview, chunk_nbytes: int, key: str, where: str) -> memoryview:
+    """Verify one stored inner chunk and return its element bytes (without the checksum)."""
+    if len(raw) != chunk_nbytes + 4:
+        raise CorruptChunkError(
+            f"chunk {where} of {key!r} is truncated ({len(raw)} of {chunk_nbytes + 4} bytes)", key=key, chunk=where
+        )
+    view = memoryview(raw)
+    if _checksum(view[:-4]) != bytes(view[-4:]):
+        raise CorruptChunkError(
+            f"chunk {where} of {key!r} fails its crc32c checksum: the stored bytes are corrupted", key=key, chunk=where
+        )
+    return view[:-4]

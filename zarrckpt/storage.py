@@ -1,0 +1,106 @@
+"""The only module that talks to storage (fsspec): local paths, file://, memory://, s3://, gs://."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import fsspec
+import numpy as np
+from fsspec.implementations.local import LocalFileSystem
+
+from .errors import CheckpointNotFoundError, ZarrckptError
+
+T = TypeVar("T")
+R = TypeVar("R")
+DEFAULT_CONCURRENCY = 16
+Buffer = bytes | np.ndarray
+
+
+class Storage:
+    """A checkpoint root on some fsspec filesystem; paths are relative to the root."""
+
+    def __init__(self, url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, *, concurrency: int = DEFAULT_CONCURRENCY) -> None:
+        self.url = os.fspath(url)
+        if not self.url:
+            raise ZarrckptError("empty checkpoint URL")
+        try:
+            self.fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        except (ValueError, ImportError, TypeError) as e:
+            raise ZarrckptError(f"cannot open storage for {self.url!r}: {e}") from e
+        self.root = root.rstrip("/")
+        self.local = isinstance(self.fs, LocalFileSystem)
+        self.concurrency = max(1, concurrency)
+
+    def _abs(self, path: str) -> str:
+        return f"{self.root}/{path}" if path else self.root
+
+    def where(self, path: str) -> str:
+        """A human-readable location for error messages."""
+        return f"{self.url.rstrip('/')}/{path}"
+
+    # -- single objects -------------------------------------------------------------------
+    def write(self, path: str, parts: Sequence[Buffer]) -> None:
+        """Write one object from its parts; remote stores get exactly one PUT."""
+        full = self._abs(path)
+        if self.local:
+            os.makedirs(os.path.dirname(full), exist_ok=True)
+            with open(full, "wb") as f:
+                for p in parts:
+                    f.write(p)
+        else:
+            self.fs.pipe_file(full, b"".join(parts))
+
+    def read(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+        """Read an object or the byte range ``[start, end)``; FileNotFoundError when absent."""
+        data = self.fs.cat_file(self._abs(path), start=start, end=end)
+        return bytes(data)
+
+    def exists(self, path: str) -> bool:
+        return bool(self.fs.exists(self._abs(path)))
+
+    def delete(self, path: str) -> None:
+        try:
+            self.fs.rm_file(self._abs(path))
+        except FileNotFoundError:
+            pass
+
+    def is_empty(self) -> bool:
+        """True when nothing is stored under the root."""
+        try:
+            return not self.fs.find(self.root, maxdepth=None, withdirs=False)
+        except FileNotFoundError:
+            return True
+
+    def delete_all(self) -> None:
+        """Delete everything under the root (the root itself may remain, empty)."""
+        try:
+            self.fs.rm(self.root, recursive=True)
+        except FileNotFoundError:
+            pass
+        self.fs.invalidate_cache()
+
+    # -- concurrency ----------------------------------------------------------------------
+    def run_all(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
+        """Run ``fn`` over ``items`` with bounded concurrency; results in order; re-raise the first failure."""
+        items = list(items)
+        if len(items) <= 1 or self.concurrency == 1:
+            return [fn(item) for item in items]
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(items)), thread_name_prefix="zarrckpt") as pool:
+            futures: list[Future[R]] = [pool.submit(fn, item) for item in items]
+            error: BaseException | None = None
+            for fut in futures:
+                exc = fut.exception()
+                if exc is not None and error is None:
+                    error = exc
+                    for other in futures:
+                        other.cancel()
+            if error is not None:
+                raise error
+            return [f.result() for f in futures]
+
+
+def missing_checkpoint(url: str) -> CheckpointNotFoundError:
+    return CheckpointNotFoundError(f"no checkpoint at {url!r}: nothing is stored there")
