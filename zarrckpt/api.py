@@ -77,8 +77,10 @@ def load(
     start = time.perf_counter()
     leaves = {flat_key(path): (path, value) for path, value in iter_leaves(state_dict)}
     saved = manifest.arrays.keys() | manifest.values.keys()
+    subtrees = _value_subtrees(leaves, manifest)
     mismatches = [d for key, (_, v) in leaves.items() if key in saved for d in _compare(key, v, manifest)]
-    views = group.all_gather_json({"keys": sorted(leaves), "mismatches": mismatches})
+    requested = sorted((leaves.keys() - subtrees.keys()) | {k for keys in subtrees.values() for k in keys})
+    views = group.all_gather_json({"keys": requested, "mismatches": mismatches})
     mismatches = sorted({m for v in views for m in v["mismatches"]})
     wanted = {k for v in views for k in v["keys"]}
     missing, unexpected = sorted(wanted - saved), sorted(saved - wanted)
@@ -109,7 +111,36 @@ def load(
         if key in leaves:
             path, old = leaves[key]
             set_leaf(state_dict, path, _like(value, old))
+    for key, keys in subtrees.items():
+        set_leaf(state_dict, leaves[key][0], _nested({k[len(key) + 1 :]: manifest.values[k] for k in keys}))
     log.info("loaded %s: this rank read %.1f MB in %.2fs", storage.url, nbytes / 1e6, time.perf_counter() - start)
+
+
+def _value_subtrees(leaves: dict[str, Any], manifest: Manifest) -> dict[str, list[str]]:
+    """Target leaves that stand for a saved dict of plain values (``"config": {}`` or ``None``).
+
+    Such a leaf is replaced by the whole saved dict, so trainer state can be loaded without
+    spelling out every key.
+    """
+    out: dict[str, list[str]] = {}
+    for key, (_, value) in leaves.items():
+        if key in manifest.values or key in manifest.arrays or not (value is None or isinstance(value, Mapping)):
+            continue
+        under = [k for k in manifest.values if k.startswith(key + ".")]
+        if under and not any(k.startswith(key + ".") for k in manifest.arrays):
+            out[key] = under
+    return out
+
+
+def _nested(flat: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        *parents, last = key.split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return out
 
 
 def _compare(key: str, value: Any, manifest: Manifest) -> list[str]:

@@ -2,7 +2,8 @@
 
 Flattening follows ``torch.distributed.checkpoint`` exactly (mappings are always walked, lists
 only when they hold tensors or mappings, tuples are leaves, path parts joined with '.'), so the
-keys zarrckpt stores are the keys DCP plans with.
+keys zarrckpt stores are the keys DCP plans with. One addition: an empty mapping is a leaf (a
+plain ``{}`` value) instead of vanishing, so ``{"config": {}}`` can receive a saved config.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ _RESERVED = {"zarr.json"}
 
 def _is_terminal(value: Any) -> bool:
     if isinstance(value, Mapping):
-        return False
+        return not value
     if not isinstance(value, list):
         return True
     for entry in value:
@@ -40,7 +41,7 @@ def iter_leaves(state_dict: Mapping[str, Any]) -> Iterator[tuple[Path, Any]]:
     """Yield ``(path, leaf)`` for every leaf of a nested state dict, DCP-style."""
 
     def walk(path: Path, value: Any) -> Iterator[tuple[Path, Any]]:
-        if isinstance(value, Mapping):
+        if isinstance(value, Mapping) and value:
             for k, v in value.items():
                 yield from walk((*path, str(k)), v)
         elif _is_terminal(value):

@@ -72,7 +72,7 @@ def tensor_box(value: torch.Tensor) -> tuple[torch.Tensor, Shape, Box, dict[str,
     topology = {
         "mesh_shape": list(mesh.shape),
         "mesh_dim_names": list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
-        "placements": [str(p) for p in value.placements],
+        "placements": [repr(p) for p in value.placements],
     }
     return local, tuple(value.shape), Box(tuple(offset), tuple(local_shape)), topology
 

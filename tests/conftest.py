@@ -1,0 +1,49 @@
+"""Storage fixtures: real S3 (moto) and GCS (emulator) servers, plus local/memory."""
+
+from __future__ import annotations
+
+import uuid
+
+import fsspec
+import pytest
+import servers  # sets GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false before gcsfs is imported
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    with servers.s3_server() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture(scope="session")
+def gcs_server():
+    with servers.gcs_server() as endpoint:
+        yield endpoint
+
+
+def _remote(url, options):
+    yield url, options
+    fs, path = fsspec.core.url_to_fs(url, **options)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
+@pytest.fixture
+def s3_url(s3_server):
+    yield from _remote(servers.unique_url("s3"), servers.s3_storage_options(s3_server))
+
+
+@pytest.fixture
+def gcs_url(gcs_server):
+    yield from _remote(servers.unique_url("gs"), servers.gcs_storage_options(gcs_server))
+
+
+@pytest.fixture(params=["local", "memory", "s3", "gcs"])
+def storage(request, tmp_path):
+    """``(url, storage_options)`` for a fresh, empty location on each backend."""
+    if request.param == "local":
+        yield str(tmp_path / "store"), {}
+    elif request.param == "memory":
+        yield from _remote(f"memory://{uuid.uuid4().hex}", {})
+    else:
+        yield request.getfixturevalue(f"{request.param}_url")
