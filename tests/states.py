@@ -118,4 +118,4 @@ def _assert_same(got: Any, want: Any, where: str) -> None:
     elif isinstance(want, torch.Tensor):
         assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), where
     else:
-        assert got == want and type(got) is type(want), f"{where}: {got!r} != {want!r}"
+        assert got == want and type(got) is type(want), f"{where}: {got!r:.200} != {want!r:.200}"

@@ -74,20 +74,21 @@ def test_2x2_mesh_to_world_3(tmp_path: Path) -> None:
 
 
 def _misdeclared(rank: int, world: int, url: str) -> None:
-    # every rank claims rows [0:2] of a [4, 3] tensor as its Shard(0) part: rows 2..4 are held by nobody
-    mesh = init_device_mesh("cpu", (world,))
-    from torch.distributed.tensor import DTensor
-
-    bad = DTensor.from_local(torch.ones(2, 3), mesh, [Shard(0)], run_check=False, shape=(4, 3), stride=(3, 1))
-    fake = {"w": bad} if rank else {"w": bad, "ok": torch.ones(2)}
+    # both ranks claim experts [0:2] of a [4, 3] expert tensor: experts 2..4 are held by nobody
+    both_low = {"experts": zarrckpt.LocalShard(torch.ones(2, 3), (4, 3), (0, 0))}
     with pytest.raises(zarrckpt.SaveLayoutError) as err:
-        zarrckpt.save(fake, url)
-    assert "w: region [2:4, 0:3] is held by no rank" in str(err.value)
+        zarrckpt.save(both_low, url)
+    assert "experts: region [2:4, 0:3] is held by no rank" in str(err.value)
+    # rank 0 claims [0:3], rank 1 claims [2:4]: row 2 is claimed twice
+    overlap = {"experts": zarrckpt.LocalShard(torch.ones(3 - rank, 3), (4, 3), (2 * rank, 0))}
+    with pytest.raises(zarrckpt.SaveLayoutError) as err:
+        zarrckpt.save(overlap, url)
+    assert "experts: region [2:3, 0:3] is claimed twice" in str(err.value)
     dist.barrier()
     assert not os.path.exists(url), "nothing may be written when the layout is invalid"
 
 
-def test_uncovered_region_fails_on_every_rank(tmp_path: Path) -> None:
+def test_uncovered_and_double_claims_fail_on_every_rank(tmp_path: Path) -> None:
     run_ranks(2, _misdeclared, str(tmp_path / "bad"))
 
 

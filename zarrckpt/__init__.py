@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from . import errors
 from .api import load, save
+from .dcp import ZarrReader, ZarrWriter
 from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -14,6 +15,7 @@ from .errors import (
     SaveLayoutError,
     ZarrckptError,
 )
+from .localstate import LocalShard
 from .zarr_dtypes import register_zarr_dtypes
 
 __version__ = "0.1.0"
@@ -27,7 +29,10 @@ __all__ = [
     "IncompleteCheckpointError",
     "InvalidCheckpointError",
     "LayoutMismatchError",
+    "LocalShard",
     "SaveLayoutError",
+    "ZarrReader",
+    "ZarrWriter",
     "ZarrckptError",
     "__version__",
     "errors",

@@ -18,7 +18,7 @@ from .errors import LayoutMismatchError, ZarrckptError
 from .format import ArrayMeta, Manifest
 from .keys import iter_leaves, flat_key, set_leaf
 from .layout import Box
-from .localstate import collect, tensor_box
+from .localstate import LocalShard, collect, from_json_value, tensor_box
 from .plan import DEFAULT_CHUNK_BYTES, build_save_plan
 from .reader import Request, read_regions
 from .storage import Storage
@@ -110,7 +110,7 @@ def load(
     for key, value in manifest.values.items():
         if key in leaves:
             path, old = leaves[key]
-            set_leaf(state_dict, path, _like(value, old))
+            set_leaf(state_dict, path, from_json_value(value, old))
     for key, keys in subtrees.items():
         set_leaf(state_dict, leaves[key][0], _nested({k[len(key) + 1 :]: manifest.values[k] for k in keys}))
     log.info("loaded %s: this rank read %.1f MB in %.2fs", storage.url, nbytes / 1e6, time.perf_counter() - start)
@@ -147,15 +147,16 @@ def _compare(key: str, value: Any, manifest: Manifest) -> list[str]:
     """How a target leaf differs from what was saved under ``key`` (empty when it can be loaded)."""
     meta = manifest.arrays.get(key)
     if meta is None:  # saved as a plain value
-        if isinstance(value, (torch.Tensor, np.ndarray, bytes, bytearray)):
+        if isinstance(value, (torch.Tensor, LocalShard, np.ndarray, bytes, bytearray)):
             return [f"{key}: saved a plain value, expected a {type(value).__name__}"]
         return []
     if meta.kind == "bytes":
         return [] if isinstance(value, (bytes, bytearray)) else [f"{key}: saved bytes, expected {type(value).__name__}"]
     if meta.kind == "ndarray" and isinstance(value, np.ndarray):
         shape, dtype = tuple(value.shape), dtypes.zarr_name(torch.from_numpy(np.empty(0, value.dtype)).dtype)
-    elif isinstance(value, torch.Tensor):
-        shape, dtype = tuple(value.shape), dtypes.zarr_name(value.dtype)
+    elif isinstance(value, (torch.Tensor, LocalShard)):
+        _, global_shape, _, _ = tensor_box(value)
+        shape, dtype = global_shape, dtypes.zarr_name(value.data.dtype if isinstance(value, LocalShard) else value.dtype)
     else:
         return [f"{key}: saved a {meta.kind} {list(meta.shape)} {meta.dtype}, expected a {type(value).__name__}"]
     out = []
@@ -195,15 +196,6 @@ def _tensor_request(meta: ArrayMeta, box: Box, target: torch.Tensor, finish: lis
     staging = torch.empty(target.shape, dtype=target.dtype, pin_memory=torch.cuda.is_available())
     finish.append(lambda: target.detach().copy_(staging, non_blocking=False))
     return Request(meta, box, dtypes.as_numpy(staging))
-
-
-def _like(value: Any, old: Any) -> Any:
-    """Give a loaded JSON value back the tuple-ness of the value it replaces."""
-    if isinstance(old, tuple) and isinstance(value, list):
-        return tuple(_like(v, old[i] if i < len(old) else None) for i, v in enumerate(value))
-    if isinstance(old, list) and isinstance(value, list):
-        return [_like(v, old[i] if i < len(old) else None) for i, v in enumerate(value)]
-    return value
 
 
 def _library() -> str:

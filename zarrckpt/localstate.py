@@ -56,8 +56,32 @@ class LocalState:
         return {"tensors": {k: t.describe() for k, t in self.tensors.items()}, "values": self.values}
 
 
-def tensor_box(value: torch.Tensor) -> tuple[torch.Tensor, Shape, Box, dict[str, Any]]:
-    """(local data, global shape, box of the local data, topology) of a tensor or DTensor."""
+@dataclass(frozen=True)
+class LocalShard:
+    """A plain tensor that is one rank's block of a larger global tensor (no DTensor needed).
+
+    ``data`` holds the elements ``[offsets, offsets + data.shape)`` of a tensor of shape
+    ``global_shape``. Ranks holding the same block are replicas (one of them writes it). On load,
+    ``data`` is filled in place.
+    """
+
+    data: torch.Tensor
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.global_shape) != self.data.dim() or len(self.offsets) != self.data.dim():
+            raise UnsupportedValueError(
+                f"LocalShard: data has {self.data.dim()} dims but global_shape {list(self.global_shape)} "
+                f"and offsets {list(self.offsets)} do not match"
+            )
+
+
+def tensor_box(value: torch.Tensor | LocalShard) -> tuple[torch.Tensor, Shape, Box, dict[str, Any]]:
+    """(local data, global shape, box of the local data, topology) of a tensor, DTensor or LocalShard."""
+    if isinstance(value, LocalShard):
+        shape, offsets = tuple(value.global_shape), tuple(value.offsets)
+        return value.data, shape, Box(offsets, tuple(value.data.shape)), {"placements": ["LocalShard"]}
     if not isinstance(value, DTensor):
         return value, tuple(value.shape), Box.full(value.shape), {}
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -99,6 +123,14 @@ def to_json_value(value: Any, key: str) -> Any:
     )
 
 
+def from_json_value(value: Any, like: Any) -> Any:
+    """A loaded JSON value, given back the tuple-ness of ``like`` (the value it replaces)."""
+    if isinstance(like, (tuple, list)) and isinstance(value, list):
+        items = [from_json_value(v, like[i] if i < len(like) else None) for i, v in enumerate(value)]
+        return tuple(items) if isinstance(like, tuple) else items
+    return value
+
+
 def collect(state_dict: Mapping[str, Any]) -> LocalState:
     """Split a (nested) state dict into this rank's tensor parts and JSON values."""
     state = LocalState({}, {}, {})
@@ -111,9 +143,9 @@ def collect(state_dict: Mapping[str, Any]) -> LocalState:
         elif isinstance(value, np.ndarray):
             data = torch.from_numpy(np.ascontiguousarray(value))
             state.tensors[key] = LocalTensor(key, path, data, value.shape, Box.full(value.shape), dtypes.zarr_name(data.dtype), "ndarray")
-        elif isinstance(value, torch.Tensor):
+        elif isinstance(value, (torch.Tensor, LocalShard)):
             data, shape, box, topology = tensor_box(value)
-            state.tensors[key] = LocalTensor(key, path, data, shape, box, dtypes.zarr_name(value.dtype), "tensor", topology)
+            state.tensors[key] = LocalTensor(key, path, data, shape, box, dtypes.zarr_name(data.dtype), "tensor", topology)
         else:
             state.values[key] = to_json_value(value, key)
     return state
