@@ -104,3 +104,10 @@ def _disagree(rank: int, world: int, url: str) -> None:
 
 def test_ranks_that_disagree_are_refused(tmp_path: Path) -> None:
     run_ranks(3, _disagree, str(tmp_path / "bad"))
+
+
+@pytest.mark.parametrize("backend", ["s3", "gcs"])
+def test_object_store_round_trip_4_to_3(backend: str, request: pytest.FixtureRequest) -> None:
+    url, opts = request.getfixturevalue(f"{backend}_url")
+    run_ranks(4, _save_mixed, url, opts)
+    run_ranks(3, _load_mixed, url, opts, 4)

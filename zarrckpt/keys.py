@@ -21,7 +21,6 @@ ROLES = ("main_weight", "first_moment", "second_moment", "optimizer_step", "buff
 _OPTIM_TOPS = {"optim", "optimizer", "optimizers", "optim_state", "optimizer_state"}
 _OTHER_TOPS = {"rng", "rng_state", "trainer", "dataloader", "data", "extra", "scheduler", "lr_scheduler", "meta"}
 _BUFFER_NAMES = {"running_mean", "running_var", "num_batches_tracked", "inv_freq", "position_ids", "mask"}
-_RESERVED = {"zarr.json"}
 
 
 def _is_terminal(value: Any) -> bool:
@@ -82,7 +81,7 @@ def validate_keys(keys: Sequence[str]) -> None:
     for key in keys:
         segs = key.split(".")
         bad = [s for s in segs if not s or s in (".", "..") or s.startswith("__")]
-        bad += [s for s in segs if s in _RESERVED or any(ch in s for ch in "/\\\0")]
+        bad += [s for s in segs if any(ch in s for ch in "/\\\0")]
         if bad or not key:
             problems.append(f"{key!r}: invalid segment {bad[0]!r}" if bad else "empty key")
     prefixes = {".".join(k.split(".")[:i]) for k in keys for i in range(1, k.count(".") + 1)}

@@ -131,32 +131,35 @@ def shard_shape_for(shape: Shape, boxes: Sequence[Box]) -> Shape:
 
 
 def inner_chunk_shape(shard: Shape, itemsize: int, target_bytes: int) -> Shape:
-    """Split ``shard`` into inner chunks of at most about ``target_bytes``.
+    """Split ``shard`` into inner chunks of about ``target_bytes``.
 
     Outer dimensions are split first (so one expert / one row block stays contiguous) and every
-    chunk extent divides the shard extent, as Zarr's sharding codec requires.
+    chunk extent divides the shard extent, as Zarr's sharding codec requires. When a dimension
+    has no divisor near the wanted extent (a large prime, say), it is kept whole and the next
+    dimension is split instead; a 1-D shard of prime length stays one chunk.
     """
     chunk = list(shard)
     for d in range(len(chunk)):
         nbytes = math.prod(chunk) * itemsize
         if nbytes <= target_bytes:
             break
-        per_unit = nbytes // chunk[d]
-        want = max(1, target_bytes // max(per_unit, 1))
-        chunk[d] = _largest_divisor_at_most(shard[d], want)
+        want = max(1, target_bytes // max(nbytes // chunk[d], 1))
+        lower, upper = _divisors_around(shard[d], want)
+        chunk[d] = lower if lower * 8 >= want else upper
     return tuple(chunk)
 
 
-def _largest_divisor_at_most(n: int, bound: int) -> int:
-    if bound >= n:
-        return n
-    best = 1
+def _divisors_around(n: int, want: int) -> tuple[int, int]:
+    """The largest divisor of ``n`` that is <= ``want`` and the smallest that is >= ``want``."""
+    lower, upper = 1, n
     for i in range(1, math.isqrt(n) + 1):
         if n % i == 0:
             for div in (i, n // i):
-                if best < div <= bound:
-                    best = div
-    return best
+                if lower < div <= want:
+                    lower = div
+                if want <= div < upper:
+                    upper = div
+    return lower, upper
 
 
 def grid_shape(shape: Shape, cell: Shape) -> Shape:

@@ -45,16 +45,13 @@ def build_save_plan(descriptions: Sequence[dict[str, Any]], chunk_bytes: int = D
         for key, v in desc["values"].items():
             values.setdefault(key, []).append((rank, v))
 
+    validate_keys(sorted(tensors.keys() | values.keys()))
     for key in sorted(tensors.keys() & values.keys()):
         problems.append(f"{key}: a tensor on ranks {_ranks(tensors[key])} but a plain value on ranks {_ranks(values[key])}")
     for key, held in values.items():
         distinct = {json.dumps(v, sort_keys=True) for _, v in held}
         if len(distinct) > 1:
             problems.append(f"{key}: ranks {_ranks(held)} hold different values; give per-rank state per-rank keys")
-    try:
-        validate_keys(sorted(tensors.keys() | values.keys()))
-    except Exception as e:  # InvalidKeyError: report with the rest
-        problems.append(str(e))
 
     arrays: dict[str, ArrayMeta] = {}
     owners: dict[str, dict[Shape, int]] = {}

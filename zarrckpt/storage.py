@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import uuid
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 import fsspec
@@ -45,11 +47,18 @@ class Storage:
     def write(self, path: str, parts: Sequence[Buffer]) -> None:
         """Write one object from its parts; remote stores get exactly one PUT."""
         full = self._abs(path)
-        if self.local:
+        if self.local:  # write aside, then rename: readers never see a half-written file
             os.makedirs(os.path.dirname(full), exist_ok=True)
-            with open(full, "wb") as f:
-                for p in parts:
-                    f.write(p)
+            tmp = f"{full}.{uuid.uuid4().hex[:12]}.tmp"
+            try:
+                with open(tmp, "wb") as f:
+                    for p in parts:
+                        f.write(p)
+                os.replace(tmp, full)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
+                raise
         else:
             self.fs.pipe_file(full, b"".join(parts))
 
@@ -90,16 +99,14 @@ class Storage:
             return [fn(item) for item in items]
         with ThreadPoolExecutor(max_workers=min(self.concurrency, len(items)), thread_name_prefix="zarrckpt") as pool:
             futures: list[Future[R]] = [pool.submit(fn, item) for item in items]
-            error: BaseException | None = None
-            for fut in futures:
-                exc = fut.exception()
-                if exc is not None and error is None:
-                    error = exc
-                    for other in futures:
-                        other.cancel()
+            wait(futures, return_when=FIRST_EXCEPTION)
+            for fut in futures:  # after a failure, start nothing more
+                fut.cancel()
+        for fut in futures:
+            error = None if fut.cancelled() else fut.exception()
             if error is not None:
                 raise error
-            return [f.result() for f in futures]
+        return [f.result() for f in futures]
 
 
 def missing_checkpoint(url: str) -> CheckpointNotFoundError:

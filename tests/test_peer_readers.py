@@ -1,0 +1,332 @@
+"""Other Zarr v3 readers (zarr-python, TensorStore) read what zarrckpt writes, bit for bit.
+
+Single process, local files, no torch.distributed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import zarrckpt  # registers bfloat16 / float8 with zarr-python
+from zarrckpt import commit as protocol
+from zarrckpt.format import Manifest
+from zarrckpt.localstate import collect
+from zarrckpt.plan import build_save_plan
+from zarrckpt.storage import Storage
+from zarrckpt.writer import write_rank
+
+zarr = pytest.importorskip("zarr")
+ts = pytest.importorskip("tensorstore")
+
+CHUNK_BYTES = 4096
+
+
+def _random(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random bit patterns (NaN payloads, subnormals, ...) of ``dtype``; 0/1 for bool."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g, dtype=torch.uint8).bool()
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (*shape, itemsize), generator=g, dtype=torch.uint8)
+    return raw.view(dtype).reshape(shape)
+
+
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+]
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    """Flat key -> tensor (what was saved)."""
+    flat: dict[str, torch.Tensor] = {}
+    for i, dtype in enumerate(DTYPES):
+        flat[f"model.by_dtype.{str(dtype).removeprefix('torch.')}"] = _random((5, 7), dtype, seed=i)
+        flat[f"model.big.{str(dtype).removeprefix('torch.')}"] = _random((48, 3, 37), dtype, seed=100 + i)
+    flat["model.layers.0.scale"] = torch.tensor(2.5, dtype=torch.float64)  # 0-d
+    flat["optim.state.model.layers.0.w.step"] = torch.tensor(1234, dtype=torch.int64)  # 0-d
+    flat["model.layers.0.empty"] = torch.zeros(0, 4)  # zero-size
+    flat["model.layers.0.w"] = _random((64, 100), torch.float32, seed=7)  # 8 inner chunks of 8 rows
+    flat["model.layers.0.t"] = _random((37, 20), torch.bfloat16, seed=8).t()  # non-contiguous source
+    flat["optim.state.model.layers.0.w.exp_avg"] = torch.zeros(64, 100)  # zero-initialised moment
+    flat["optim.state.model.layers.0.w.exp_avg_sq"] = torch.zeros(64, 100, dtype=torch.bfloat16)
+    return flat
+
+
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        *parents, last = key.split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return out
+
+
+def _bits(a: np.ndarray | torch.Tensor) -> np.ndarray:
+    """The raw element bits as unsigned integers (bool: uint8), so NaN payloads compare too."""
+    if isinstance(a, torch.Tensor):
+        flat = a.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        return flat.view(f"u{a.element_size()}").reshape(tuple(a.shape))
+    a = np.ascontiguousarray(a)
+    return a.reshape(-1).view(f"u{a.dtype.itemsize}").reshape(a.shape)
+
+
+def _assert_same_bits(got: np.ndarray | torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert tuple(got.shape) == tuple(want.shape), what
+    size = got.element_size() if isinstance(got, torch.Tensor) else got.dtype.itemsize
+    assert size == want.element_size(), what
+    np.testing.assert_array_equal(_bits(got), _bits(want), err_msg=what)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    flat = _tensors()
+    root = tmp_path_factory.mktemp("peer") / "ckpt"
+    state = _nest(flat)
+    state["trainer"] = {"step": 10, "name": "run"}
+    zarrckpt.save(state, root, chunk_bytes=CHUNK_BYTES)
+    return root, flat
+
+
+def _path(key: str) -> str:
+    return key.replace(".", "/")
+
+
+def test_layout_as_expected(saved) -> None:
+    """Sanity: the test state really has multi-chunk shards, 0-d and zero-size arrays."""
+    root, _ = saved
+    meta = json.loads((root / "model/layers/0/w/zarr.json").read_text())
+    shard = meta["chunk_grid"]["configuration"]["chunk_shape"]
+    inner = meta["codecs"][0]["configuration"]["chunk_shape"]
+    assert shard == [64, 100] and inner == [8, 100]
+    for dtype in DTYPES:
+        meta = json.loads((root / f"model/big/{_dtype_name(dtype)}/zarr.json").read_text())
+        inner = meta["codecs"][0]["configuration"]["chunk_shape"]
+        shard = meta["chunk_grid"]["configuration"]["chunk_shape"]
+        n_inner = math.prod(s // c for s, c in zip(shard, inner, strict=True))
+        assert meta["data_type"] == _dtype_name(dtype)
+        assert n_inner >= 2 or dtype.itemsize * 48 * 3 * 37 <= CHUNK_BYTES, (dtype, inner)
+    assert json.loads((root / "model/layers/0/scale/zarr.json").read_text())["shape"] == []
+    assert json.loads((root / "model/layers/0/empty/zarr.json").read_text())["shape"] == [0, 4]
+
+
+@pytest.mark.parametrize("key", sorted(_tensors()))
+def test_zarr_open_array(saved, key: str) -> None:
+    root, flat = saved
+    arr = zarr.open_array(str(root / _path(key)), mode="r", zarr_format=3)
+    assert arr.shape == tuple(flat[key].shape)
+    _assert_same_bits(arr[...], flat[key], f"zarr.open_array {key}")
+
+
+def test_zarr_open_group_with_consolidated_metadata(saved) -> None:
+    root, flat = saved
+    group = zarr.open_group(str(root), mode="r", zarr_format=3)
+    consolidated = group.metadata.consolidated_metadata
+    assert consolidated is not None
+    listed = consolidated.flattened_metadata
+    arrays = {p for p, m in listed.items() if m.node_type == "array"}
+    assert arrays == {_path(k) for k in flat}
+    # the consolidated copy of each array's metadata is its own zarr.json
+    for key in flat:
+        own = json.loads((root / _path(key) / "zarr.json").read_text())
+        assert listed[_path(key)].shape == tuple(own["shape"])
+        assert listed[_path(key)].attributes == own["attributes"]
+        _assert_same_bits(group[_path(key)][...], flat[key], f"zarr group {key}")
+    assert group.attrs["zarrckpt"]["values"] == {"trainer.step": 10, "trainer.name": "run"}
+
+
+def test_zarr_group_needs_only_the_consolidated_metadata(saved, tmp_path: Path) -> None:
+    """Every array opens from the root zarr.json alone (one GET to open a checkpoint)."""
+    root, flat = saved
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)
+    for meta in copy.rglob("zarr.json"):
+        if meta.parent != copy:
+            meta.unlink()
+    group = zarr.open_group(str(copy), mode="r", zarr_format=3, use_consolidated=True)
+    for key in flat:
+        _assert_same_bits(group[_path(key)][...], flat[key], f"consolidated-only {key}")
+
+
+def _ts_open(path: Path):
+    return ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}}, open=True).result()
+
+
+@pytest.mark.parametrize("key", sorted(_tensors()))
+def test_tensorstore(saved, key: str) -> None:
+    root, flat = saved
+    arr = _ts_open(root / _path(key))
+    assert tuple(arr.shape) == tuple(flat[key].shape)
+    _assert_same_bits(arr.read().result(), flat[key], f"tensorstore {key}")
+
+
+def test_tensorstore_opens_arrays_from_the_root(saved) -> None:
+    root, flat = saved
+    key = "model.big.bfloat16"
+    arr = ts.open(
+        {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(root) + "/"}, "path": _path(key)}
+    ).result()
+    _assert_same_bits(arr.read().result(), flat[key], key)
+
+
+SLICES = {
+    "model.layers.0.w": (slice(5, 27), slice(13, 77)),  # crosses inner-chunk boundaries
+    "model.layers.0.t": (slice(3, 17), slice(1, 30)),
+    "model.big.bfloat16": (slice(7, 41), slice(1, 3), slice(0, 37)),
+    "model.big.float8_e5m2": (slice(47, 48), slice(0, 3), slice(36, 37)),
+    "model.big.bool": (slice(0, 48, 5), slice(None), slice(2, 30)),
+    "model.by_dtype.int16": (slice(1, 4), slice(2, 6)),
+}
+
+
+@pytest.mark.parametrize("key", sorted(SLICES))
+def test_partial_reads(saved, key: str) -> None:
+    root, flat = saved
+    sl = SLICES[key]
+    want = flat[key][sl]
+    got_ts = _ts_open(root / _path(key))[sl].read().result()
+    _assert_same_bits(got_ts, want, f"tensorstore {key}{sl}")
+    got_zarr = zarr.open_array(str(root / _path(key)), mode="r", zarr_format=3)[sl]
+    _assert_same_bits(got_zarr, want, f"zarr {key}{sl}")
+
+
+def _shard_files(root: Path, key: str) -> list[Path]:
+    return sorted(p for p in (root / _path(key) / "c").rglob("*") if p.is_file())
+
+
+def _expected_shard_bytes(meta: dict[str, Any], n_stored: int) -> int:
+    itemsize = {"float32": 4, "bfloat16": 2}[meta["data_type"]]
+    inner = meta["codecs"][0]["configuration"]["chunk_shape"]
+    shard = meta["chunk_grid"]["configuration"]["chunk_shape"]
+    n = math.prod(s // c for s, c in zip(shard, inner, strict=True))
+    return 16 * n + 4 + n_stored * (math.prod(inner) * itemsize + 4)
+
+
+@pytest.mark.parametrize("key", ["optim.state.model.layers.0.w.exp_avg", "optim.state.model.layers.0.w.exp_avg_sq"])
+def test_all_zero_tensor_is_written(saved, key: str) -> None:
+    """zarr-python's write_empty_chunks=False pitfall: an all-zero moment must still be stored."""
+    root, flat = saved
+    meta = json.loads((root / _path(key) / "zarr.json").read_text())
+    files = _shard_files(root, key)
+    assert [p.relative_to(root / _path(key)).as_posix() for p in files] == ["c/0/0"]
+    inner = meta["codecs"][0]["configuration"]["chunk_shape"]
+    shard = meta["chunk_grid"]["configuration"]["chunk_shape"]
+    n = math.prod(s // c for s, c in zip(shard, inner, strict=True))
+    assert shard == meta["shape"] and n >= 2
+    assert files[0].stat().st_size == _expected_shard_bytes(meta, n)  # every inner chunk is stored
+    _assert_same_bits(_ts_open(root / _path(key)).read().result(), flat[key], key)
+
+
+# -- edge shards: several "ranks" saved from one process ------------------------------------------
+
+
+def _save_as_ranks(states: list[dict[str, Any]], url: Path, chunk_bytes: int) -> None:
+    """What ``zarrckpt.save`` does on each of ``len(states)`` ranks, run in one process."""
+    local = [collect(s) for s in states]
+    plan = build_save_plan([loc.describe() for loc in local], chunk_bytes)
+    storage = Storage(url)
+    save_id = protocol.prepare(storage, overwrite=False)
+    for rank, loc in enumerate(local):
+        write_rank(storage, plan, loc, rank)
+    protocol.commit(storage, Manifest(save_id, plan.arrays, plan.values, plan.world_size, protocol.now(), "test"))
+
+
+def _split(n: int, parts: int) -> list[tuple[int, int]]:
+    sizes = [len(c) for c in torch.arange(n).chunk(parts)]
+    offsets = [0, *np.cumsum(sizes)[:-1].tolist()]
+    return list(zip(offsets, sizes, strict=True))
+
+
+EDGE = {  # key -> (global tensor, row parts, column parts)
+    "model.rows": (_random((10, 6), torch.float32, 1), 4, 1),  # rows 3,3,3,1
+    "model.cols": (_random((5, 10), torch.bfloat16, 2), 1, 3),  # columns 4,4,2
+    "model.grid": (_random((22, 13), torch.float8_e4m3fn, 3), 3, 2),  # rows 8,8,6 x columns 7,6
+    "optim.state.model.rows.exp_avg": (torch.zeros(10, 6), 4, 1),
+}
+
+
+@pytest.fixture(scope="module")
+def saved_by_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cells = {
+        k: [(r, c) for r in _split(t.shape[0], rp) for c in _split(t.shape[1], cp)] for k, (t, rp, cp) in EDGE.items()
+    }
+    world = max(len(v) for v in cells.values())
+    states: list[dict[str, Any]] = [{} for _ in range(world)]
+    for key, (full, _, _) in EDGE.items():
+        for rank in range(world):
+            (r0, nr), (c0, nc) = cells[key][rank % len(cells[key])]
+            part = full[r0 : r0 + nr, c0 : c0 + nc].clone()
+            states[rank][key] = zarrckpt.LocalShard(part, tuple(full.shape), (r0, c0))
+    root = tmp_path_factory.mktemp("peer") / "ranks"
+    _save_as_ranks(states, root, chunk_bytes=24)
+    return root
+
+
+def test_edge_shards_layout(saved_by_ranks: Path) -> None:
+    root = saved_by_ranks
+    meta = json.loads((root / "model/rows/zarr.json").read_text())
+    assert meta["chunk_grid"]["configuration"]["chunk_shape"] == [3, 6]
+    assert meta["codecs"][0]["configuration"]["chunk_shape"] == [1, 6]
+    assert [p.name for p in _shard_files(root, "model.rows")] == ["0", "0", "0", "0"]
+    # the last shard holds one row: two of its three inner chunks are out of bounds, not stored
+    last = root / "model/rows/c/3/0"
+    assert last.stat().st_size == 16 * 3 + 4 + 1 * (6 * 4 + 4)
+    index = np.frombuffer(last.read_bytes()[: 16 * 3], dtype="<u8").reshape(3, 2)
+    assert (index[1:] == 2**64 - 1).all()
+    grid = json.loads((root / "model/grid/zarr.json").read_text())
+    assert grid["chunk_grid"]["configuration"]["chunk_shape"] == [8, 7]
+    assert grid["codecs"][0]["configuration"]["chunk_shape"] == [2, 7]
+    assert len(_shard_files(root, "model.grid")) == 6
+
+
+@pytest.mark.parametrize("key", sorted(EDGE))
+def test_edge_shards_read_by_peers(saved_by_ranks: Path, key: str) -> None:
+    root = saved_by_ranks
+    full = EDGE[key][0]
+    _assert_same_bits(zarr.open_array(str(root / _path(key)), mode="r", zarr_format=3)[...], full, f"zarr {key}")
+    group = zarr.open_group(str(root), mode="r", zarr_format=3)
+    _assert_same_bits(group[_path(key)][...], full, f"zarr group {key}")
+    arr = _ts_open(root / _path(key))
+    _assert_same_bits(arr.read().result(), full, f"tensorstore {key}")
+    sl = (slice(2, full.shape[0]), slice(1, full.shape[1] - 1))  # crosses shard and chunk edges
+    _assert_same_bits(arr[sl].read().result(), full[sl], f"tensorstore {key}{sl}")
+    target = torch.empty_like(full)
+    zarrckpt.load({key: target}, root, strict=False)
+    _assert_same_bits(target, full, f"load {key}")
+
+
+def test_edge_all_zero_tensor_has_every_shard(saved_by_ranks: Path) -> None:
+    root = saved_by_ranks
+    key = "optim.state.model.rows.exp_avg"
+    meta = json.loads((root / _path(key) / "zarr.json").read_text())
+    files = {p.relative_to(root / _path(key) / "c").as_posix(): p.stat().st_size for p in _shard_files(root, key)}
+    assert files == {
+        "0/0": _expected_shard_bytes(meta, 3),
+        "1/0": _expected_shard_bytes(meta, 3),
+        "2/0": _expected_shard_bytes(meta, 3),
+        "3/0": _expected_shard_bytes(meta, 1),
+    }
