@@ -1,7 +1,7 @@
 """The commit protocol: a checkpoint exists only once its manifest (the root zarr.json) exists.
 
 save:  prepare (refuse or un-commit an old checkpoint, mark the prefix pending) -> every rank
-       writes its shards -> commit (group nodes, then the manifest last, then drop the marker).
+       writes its shards and its share of zarr.json documents -> commit (the manifest, last).
 load:  read the manifest (one GET) -> read data -> read the manifest again: a different save_id
        means the checkpoint was overwritten meanwhile, and the load fails instead of mixing.
 """
@@ -19,7 +19,7 @@ from .errors import (
     InvalidCheckpointError,
     ZarrckptError,
 )
-from .format import MANIFEST, PENDING, Manifest, group_json, group_paths
+from .format import MANIFEST, PENDING, Manifest
 from .storage import Storage
 
 
@@ -62,10 +62,10 @@ def prepare(storage: Storage, overwrite: bool) -> str:
 
 
 def commit(storage: Storage, manifest: Manifest) -> None:
-    """Write the group nodes, then the manifest (the commit point), then drop the pending marker."""
-    arrays = list(manifest.arrays.values())
-    group = json.dumps(group_json()).encode()
-    storage.run_all(lambda p: storage.write(f"{p}/zarr.json", [group]), group_paths(arrays))
+    """Write the manifest (the commit point), then drop the pending marker.
+
+    Called once every rank has written its shards and ``zarr.json`` documents.
+    """
     storage.write(MANIFEST, [manifest.dumps()])
     storage.delete(PENDING)
 

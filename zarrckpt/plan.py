@@ -9,7 +9,7 @@ from typing import Any
 
 from .dtypes import storage_dtype
 from .errors import SaveLayoutError
-from .format import ArrayMeta
+from .format import ArrayMeta, group_json, group_paths
 from .keys import infer_role, validate_keys
 from .layout import Box, Claim, Shape, coverage_problems, inner_chunk_shape, owner_of_cells, shard_shape_for
 
@@ -26,8 +26,15 @@ class SavePlan:
     def shards_of(self, rank: int) -> list[tuple[ArrayMeta, Shape]]:
         return [(self.arrays[k], idx) for k, owner in self.owners.items() for idx, r in owner.items() if r == rank]
 
-    def metadata_writer(self, key: str) -> int:
-        return min(self.owners[key].values(), default=0)
+    def metadata_of(self, rank: int) -> list[tuple[str, bytes]]:
+        """The ``zarr.json`` documents (groups, then arrays) ``rank`` writes: spread round-robin."""
+        arrays = list(self.arrays.values())
+        nodes = [(p, group_json()) for p in group_paths(arrays)] + [(a.path, a.to_json()) for a in arrays]
+        return [
+            (f"{path}/zarr.json", json.dumps(doc, allow_nan=False).encode())
+            for i, (path, doc) in enumerate(nodes)
+            if i % self.world_size == rank
+        ]
 
 
 def build_save_plan(descriptions: Sequence[dict[str, Any]], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> SavePlan:

@@ -82,8 +82,8 @@ def _read_shard(storage: Storage, task: _ShardTask) -> int:
     size = meta.chunk_nbytes + 4
     try:
         if sorted(task.needs) == _stored_chunks(meta, task.index):
-            blob = storage.read(path)
-            index = decode_index(blob[:head], n_chunks, storage.where(path), meta.key)
+            blob = memoryview(storage.read(path))
+            index = decode_index(bytes(blob[:head]), n_chunks, storage.where(path), meta.key)
             fetched = len(blob)
             raw = {k: _slice(blob, index[k], size, meta, path, k) for k in task.needs}
         else:
@@ -92,7 +92,7 @@ def _read_shard(storage: Storage, task: _ShardTask) -> int:
             raw = {}
             for first, last in _runs(sorted(task.needs), index, size, meta, path):
                 start = int(index[first][0])
-                blob = storage.read(path, start, int(index[last][0]) + size)
+                blob = memoryview(storage.read(path, start, int(index[last][0]) + size))
                 fetched += len(blob)
                 for k in range(first, last + 1):
                     if k in task.needs:
@@ -122,7 +122,7 @@ def _check_entry(entry: np.ndarray, size: int, meta: ArrayMeta, path: str, k: in
     return offset
 
 
-def _slice(blob: bytes, entry: np.ndarray, size: int, meta: ArrayMeta, path: str, k: int) -> bytes:
+def _slice(blob: memoryview, entry: np.ndarray, size: int, meta: ArrayMeta, path: str, k: int) -> memoryview:
     offset = _check_entry(entry, size, meta, path, k)
     return blob[offset : offset + size]
 

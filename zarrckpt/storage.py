@@ -35,6 +35,7 @@ class Storage:
         self.root = root.rstrip("/")
         self.local = isinstance(self.fs, LocalFileSystem)
         self.concurrency = max(1, concurrency)
+        self._made: set[str] = set()  # local directories known to exist
 
     def _abs(self, path: str) -> str:
         return f"{self.root}/{path}" if path else self.root
@@ -47,13 +48,18 @@ class Storage:
     def write(self, path: str, parts: Sequence[Buffer]) -> None:
         """Write one object from its parts; remote stores get exactly one PUT."""
         full = self._abs(path)
-        if self.local:  # write aside, then rename: readers never see a half-written file
-            os.makedirs(os.path.dirname(full), exist_ok=True)
+        if self.local:  # write aside, flush to disk, then rename: never a half-written file
+            parent = os.path.dirname(full)
+            if parent not in self._made:
+                os.makedirs(parent, exist_ok=True)
+                self._made.add(parent)
             tmp = f"{full}.{uuid.uuid4().hex[:12]}.tmp"
             try:
                 with open(tmp, "wb") as f:
                     for p in parts:
                         f.write(p)
+                    f.flush()
+                    os.fsync(f.fileno())
                 os.replace(tmp, full)
             except BaseException:
                 with contextlib.suppress(OSError):
@@ -90,6 +96,7 @@ class Storage:
         except FileNotFoundError:
             pass
         self.fs.invalidate_cache()
+        self._made.clear()
 
     # -- concurrency ----------------------------------------------------------------------
     def run_all(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from . import dtypes
@@ -19,38 +20,31 @@ log = logging.getLogger("zarrckpt")
 
 
 def write_rank(storage: Storage, plan: SavePlan, local: LocalState, rank: int) -> int:
-    """Write every shard ``rank`` owns and the ``zarr.json`` of arrays it is first writer of.
+    """Write every shard ``rank`` owns and its share of the ``zarr.json`` documents.
 
-    Returns the number of bytes written. The shard objects are written concurrently.
+    Returns the number of bytes written. Objects are written concurrently.
     """
     start = time.perf_counter()
     host: dict[str, Any] = {}  # key -> numpy view of the local part, on the host
+    shards = plan.shards_of(rank)
+    for meta, _ in shards:  # stage on the host first (GPU -> CPU copies stay on this thread)
+        if meta.key not in host:
+            host[meta.key] = dtypes.as_numpy(local.tensors[meta.key].data.detach().cpu())
 
-    def host_view(key: str) -> Any:
-        if key not in host:
-            host[key] = dtypes.as_numpy(local.tensors[key].data.detach().cpu())
-        return host[key]
-
-    jobs: list[tuple[ArrayMeta, Shape | None]] = [(m, idx) for m, idx in plan.shards_of(rank)]
-    jobs += [(m, None) for k, m in plan.arrays.items() if plan.metadata_writer(k) == rank]
-    for meta, idx in jobs:  # stage on the host first (GPU -> CPU copies stay on this thread)
-        if idx is not None:
-            host_view(meta.key)
-
-    def write_one(job: tuple[ArrayMeta, Shape | None]) -> int:
+    def write_shard(job: tuple[ArrayMeta, Shape]) -> int:
         meta, idx = job
-        if idx is None:
-            doc = json.dumps(meta.to_json(), allow_nan=False).encode()
-            storage.write(f"{meta.path}/zarr.json", [doc])
-            return len(doc)
         cell = cell_box(idx, meta.shard_shape, meta.shape)
-        origin = local.tensors[meta.key].box.offsets
-        data = host_view(meta.key)[cell.relative_to(origin).slices()]
+        data = host[meta.key][cell.relative_to(local.tensors[meta.key].box.offsets).slices()]
         parts = encode_shard(data, meta.shard_shape, meta.chunk_shape)
         storage.write(meta.shard_path(idx), parts)
         return sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
 
-    written = sum(storage.run_all(write_one, jobs))
-    elapsed = time.perf_counter() - start
-    log.info("rank %d wrote %d shard objects, %.1f MB in %.2fs", rank, len(jobs), written / 1e6, elapsed)
+    def write_doc(job: tuple[str, bytes]) -> int:
+        storage.write(job[0], [job[1]])
+        return len(job[1])
+
+    docs = plan.metadata_of(rank)
+    jobs: list[Callable[[], int]] = [partial(write_shard, j) for j in shards] + [partial(write_doc, d) for d in docs]
+    written = sum(storage.run_all(lambda job: job(), jobs))
+    log.info("rank %d wrote %d objects, %.1f MB in %.2fs", rank, len(jobs), written / 1e6, time.perf_counter() - start)
     return written

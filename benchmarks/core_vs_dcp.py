@@ -1,0 +1,448 @@
+"""zarrckpt vs torch.distributed.checkpoint (DCP) on local disk: save, load, and 4 -> 3 resharding load.
+
+Usage::
+
+    python benchmarks/core_vs_dcp.py [--gib 1.0] [--reps 3] [--out benchmarks/results/core.md]
+
+Every repetition spawns 4 gloo ranks (``init_device_mesh("cpu", (4,))``) holding a ~``--gib``
+GiB FP32 state of ``Shard(0)`` DTensors (model weights plus Adam-style ``exp_avg`` /
+``exp_avg_sq`` of the same shapes). They save it with both libraries, back to back, then load
+it back into the same layout with both; a second spawn of 3 ranks (``Shard(0)`` over 3) loads
+both checkpoints again (resharding). Every load is verified against the expected data, and
+the checkpoint directories are deleted after each repetition.
+
+Time of one operation = the max over ranks of the wall time between a barrier before and a
+barrier after it. Throughput = total bytes of the state / time (GB = 1e9 bytes). Medians
+over the repetitions are reported. The order of the two libraries alternates per repetition.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import io
+import json
+import math
+import os
+import platform
+import pstats
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import crc32c
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+import zarrckpt
+
+SAVE_WORLD = 4
+RESHARD_WORLD = 3
+LAYERS = 2
+BLOCK_ELEMS = 1 << 20  # deterministic generation unit: rows are generated in blocks of ~1M elements
+FORMATS = ("zarrckpt", "dcp")
+OPS = ("save", "load", "reshard")
+OP_TITLES = {
+    "save": f"save ({SAVE_WORLD} ranks)",
+    "load": f"load {SAVE_WORLD} -> {SAVE_WORLD} ranks",
+    "reshard": f"load {SAVE_WORLD} -> {RESHARD_WORLD} ranks (resharding)",
+}
+
+
+# -- the state: shapes and deterministic contents ----------------------------------------------
+
+
+def hidden_size(gib: float) -> int:
+    """Hidden size h (a multiple of 64, not of 3) so the state totals about ``gib`` GiB.
+
+    The model has ``LAYERS`` blocks of 12 h^2 parameters plus an (8h, h) embedding, i.e.
+    about 32 h^2 parameters, each with an FP32 weight, exp_avg and exp_avg_sq (12 bytes).
+    """
+    params = gib * 2**30 / 12
+    h = max(64, round(math.sqrt(params / (12 * LAYERS + 8)) / 64) * 64)
+    return h + 64 if h % 3 == 0 else h  # uneven 3-way splits make resharding non-trivial
+
+
+def model_shapes(h: int) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> global shape: a few big 2-D weights and some small 1-D tensors."""
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (8 * h, h)}
+    for i in range(LAYERS):
+        p = f"layers.{i}."
+        shapes[p + "attn_norm.weight"] = (h,)
+        shapes[p + "attn.qkv.weight"] = (3 * h, h)
+        shapes[p + "attn.qkv.bias"] = (3 * h,)
+        shapes[p + "attn.out.weight"] = (h, h)
+        shapes[p + "mlp_norm.weight"] = (h,)
+        shapes[p + "mlp.up.weight"] = (4 * h, h)
+        shapes[p + "mlp.up.bias"] = (4 * h,)
+        shapes[p + "mlp.down.weight"] = (h, 4 * h)
+    shapes["final_norm.weight"] = (h,)
+    return shapes
+
+
+def tensor_specs(gib: float) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
+    """(path in the nested state dict, global shape) for every tensor, in a fixed order."""
+    specs: list[tuple[tuple[str, ...], tuple[int, ...]]] = []
+    shapes = model_shapes(hidden_size(gib))
+    for name, shape in shapes.items():
+        specs.append((("model", name), shape))
+    for name, shape in shapes.items():
+        specs.append((("optim", "state", name, "exp_avg"), shape))
+        specs.append((("optim", "state", name, "exp_avg_sq"), shape))
+    return specs
+
+
+def generate_rows(index: int, shape: tuple[int, ...], start: int, stop: int) -> torch.Tensor:
+    """Rows ``[start, stop)`` of global tensor number ``index`` (deterministic, any rank).
+
+    Rows are generated in fixed blocks, each from a ``torch.Generator`` seeded by (tensor
+    index, block), so a rank only generates the blocks its slice touches.
+    """
+    row = math.prod(shape[1:])
+    per_block = max(1, BLOCK_ELEMS // max(row, 1))
+    out = torch.empty((stop - start, *shape[1:]), dtype=torch.float32)
+    gen = torch.Generator()
+    for block in range(start // per_block, -(-stop // per_block) if stop > start else 0):
+        lo, hi = block * per_block, min((block + 1) * per_block, shape[0])
+        gen.manual_seed(index * 1_000_003 + block)
+        data = torch.randn((hi - lo, *shape[1:]), generator=gen)
+        a, b = max(lo, start), min(hi, stop)
+        out[a - start : b - start] = data[a - lo : b - lo]
+    return out
+
+
+def build_state(gib: float, mesh: Any, fill: bool) -> tuple[dict[str, Any], list[int]]:
+    """This rank's nested state dict of Shard(0) DTensors and the crc32c of each local shard.
+
+    ``fill=True``: the generated data (what is saved). ``fill=False``: zeros (a load target);
+    the checksums are always those of the expected data.
+    """
+    state: dict[str, Any] = {}
+    checksums: list[int] = []
+    for index, (path, shape) in enumerate(tensor_specs(gib)):
+        local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, [Shard(0)])
+        expected = generate_rows(index, shape, offset[0], offset[0] + local_shape[0])
+        checksums.append(crc32c.crc32c(expected.numpy()))
+        local = expected if fill else torch.zeros_like(expected)
+        del expected
+        stride = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
+        value = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride)
+        node = state
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return state, checksums
+
+
+def leaves(state: dict[str, Any]) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for value in state.values():
+        out += leaves(value) if isinstance(value, dict) else [value.to_local()]
+    return out
+
+
+def verify(state: dict[str, Any], checksums: list[int], what: str) -> None:
+    """Raise unless every local shard matches the expected data; then zero it for the next load."""
+    got = [crc32c.crc32c(t.numpy()) for t in leaves(state)]
+    bad = [i for i, (a, b) in enumerate(zip(got, checksums, strict=True)) if a != b]
+    if bad:
+        raise AssertionError(f"rank {dist.get_rank()}: {what} loaded wrong data into tensors {bad}")
+    for t in leaves(state):
+        t.zero_()
+
+
+def state_nbytes(gib: float) -> int:
+    return sum(math.prod(shape) * 4 for _, shape in tensor_specs(gib))
+
+
+# -- worker processes --------------------------------------------------------------------------
+
+
+class ThreadsProfile:
+    """cProfile of the calling thread and of every thread started while it is enabled, merged.
+
+    cProfile alone sees only the calling thread, and zarrckpt does its I/O in a thread pool.
+    Times are CPU seconds per thread (``time.thread_time``), summed: waits (barriers, I/O
+    queues, the GIL) do not show, so the numbers say where the CPU goes.
+    """
+
+    def __init__(self) -> None:
+        self.profiles = [cProfile.Profile(time.thread_time)]
+
+    def _start_in_thread(self, *_: Any) -> None:
+        prof = cProfile.Profile(time.thread_time)
+        self.profiles.append(prof)  # list.append is atomic under the GIL
+        prof.enable()  # replaces this hook in the new thread
+
+    def __enter__(self) -> ThreadsProfile:
+        threading.setprofile(self._start_in_thread)
+        self.profiles[0].enable()
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.profiles[0].disable()
+        threading.setprofile(None)  # type: ignore[arg-type]
+
+    def dump(self, path: Path) -> None:
+        stats = pstats.Stats(self.profiles[0])
+        for prof in self.profiles[1:]:
+            stats.add(prof)
+        stats.dump_stats(path)
+
+
+def timed(fn: Callable[[], Any], profile_to: Path | None = None) -> float:
+    """Max over ranks of the wall time of ``fn`` between a barrier before and one after."""
+    prof = ThreadsProfile() if profile_to is not None and dist.get_rank() == 0 else None
+    dist.barrier()
+    start = time.perf_counter()
+    with prof or contextlib.nullcontext():
+        fn()
+    dist.barrier()
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    if prof is not None and profile_to is not None:
+        prof.dump(profile_to)
+    return float(elapsed.item())
+
+
+def save_fn(fmt: str, state: dict[str, Any], path: Path, dcp_sync: bool) -> Callable[[], None]:
+    if fmt == "zarrckpt":
+        return lambda: zarrckpt.save(state, str(path))
+    if dcp_sync:  # the default, as users get it
+        return lambda: dcp.save(state, storage_writer=FileSystemWriter(str(path)))
+    return lambda: dcp.save(state, storage_writer=FileSystemWriter(str(path), sync_files=False))
+
+
+def load_fn(fmt: str, state: dict[str, Any], path: Path) -> Callable[[], None]:
+    if fmt == "zarrckpt":
+        return lambda: zarrckpt.load(state, str(path))
+    return lambda: dcp.load(state, storage_reader=FileSystemReader(str(path)))
+
+
+def evict_page_cache(root: Path) -> None:
+    """Best effort: fsync each file and ask the kernel to drop its cached pages."""
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def warm_up(mesh: Any, root: Path, dcp_sync: bool) -> None:
+    """Save and load a tiny state with both libraries once, so first-call costs are not timed."""
+    shape = (64, 8)
+    local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, [Shard(0)])
+    local = generate_rows(0, shape, offset[0], offset[0] + local_shape[0])
+    state = {"w": DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=(8, 1))}
+    for fmt in FORMATS:
+        save_fn(fmt, state, root / fmt, dcp_sync)()
+        load_fn(fmt, state, root / fmt)()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(root)
+
+
+def worker(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=1800)
+    )
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        dirs = {fmt: Path(cfg["root"]) / fmt for fmt in FORMATS}
+        order = FORMATS if cfg["rep"] % 2 == 0 else FORMATS[::-1]
+        profile = Path(cfg["profile"]) if cfg["profile"] and cfg["rep"] == 0 else None
+        times: dict[str, float] = {}
+        warm_up(mesh, Path(cfg["root"]) / f"warmup-{cfg['phase']}", cfg["dcp_sync"])
+
+        def run(op: str, fmt: str, fn: Callable[[], None]) -> None:
+            times[f"{op}/{fmt}"] = timed(fn, profile / f"{op}_{fmt}.pstats" if profile else None)
+
+        if cfg["phase"] == "save":
+            source, _ = build_state(cfg["gib"], mesh, fill=True)
+            for fmt in order:
+                run("save", fmt, save_fn(fmt, source, dirs[fmt], cfg["dcp_sync"]))
+            del source
+            target, checksums = build_state(cfg["gib"], mesh, fill=False)
+            if cfg["evict"] and rank == 0:
+                for fmt in FORMATS:
+                    evict_page_cache(dirs[fmt])
+            for fmt in order:
+                run("load", fmt, load_fn(fmt, target, dirs[fmt]))
+                verify(target, checksums, f"{fmt} load")
+        else:
+            target, checksums = build_state(cfg["gib"], mesh, fill=False)
+            if cfg["evict"] and rank == 0:
+                for fmt in FORMATS:
+                    evict_page_cache(dirs[fmt])
+            for fmt in order:
+                run("reshard", fmt, load_fn(fmt, target, dirs[fmt]))
+                verify(target, checksums, f"{fmt} resharding load")
+        dist.barrier()
+        if rank == 0:
+            Path(cfg["result"]).write_text(json.dumps(times))
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def spawn(world: int, cfg: dict[str, Any]) -> dict[str, float]:
+    mp.spawn(worker, args=(world, free_port(), cfg), nprocs=world, join=True)
+    return json.loads(Path(cfg["result"]).read_text())
+
+
+# -- driver and report -------------------------------------------------------------------------
+
+
+def disk_usage(root: Path) -> tuple[int, int, int]:
+    """(files, apparent bytes, allocated bytes) under ``root``."""
+    files = apparent = allocated = 0
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            st = os.stat(os.path.join(dirpath, name))
+            files += 1
+            apparent += st.st_size
+            allocated += st.st_blocks * 512
+    return files, apparent, allocated
+
+
+def report(args: argparse.Namespace, runs: list[dict[str, float]], usage: dict[str, tuple[int, int, int]]) -> str:
+    nbytes = state_nbytes(args.gib)
+    specs = tensor_specs(args.gib)
+    h = hidden_size(args.gib)
+    lines = [
+        f"# zarrckpt vs DCP on local disk ({nbytes / 2**30:.3f} GiB FP32 state)",
+        "",
+        f"- {datetime.now(UTC):%Y-%m-%d %H:%M} UTC; `python benchmarks/core_vs_dcp.py --gib {args.gib} "
+        f"--reps {args.reps}{' --evict-cache' if args.evict_cache else ''}"
+        f"{' --dcp-no-sync' if args.dcp_no_sync else ''}`",
+        f"- state: {len(specs)} Shard(0) DTensors ({nbytes:,} bytes): hidden size {h}, {LAYERS} layers + embedding; "
+        "weights, exp_avg, exp_avg_sq",
+        f"- torch {torch.__version__}, zarrckpt {zarrckpt.__version__}, Python {platform.python_version()}, "
+        f"{os.cpu_count()} CPUs, gloo, 1 torch thread per rank; storage: {args.tmp or tempfile.gettempdir()}",
+        "- DCP: `FileSystemWriter(path)` defaults (one file per rank, 1 thread, "
+        + ("but `sync_files=False`); " if args.dcp_no_sync else "`sync_files=True`: fsyncs its files); ")
+        + "zarrckpt: defaults (no fsync, 16 I/O threads per rank)",
+        f"- medians of {len(runs)} repetition(s); time = max over ranks between barriers; GB/s = state bytes / time "
+        "(1 GB = 1e9 B)",
+        "- each spawn first saves and loads a tiny state with both libraries (warm-up, not timed)",
+        "- page cache: "
+        + (
+            "files fsync'd and `POSIX_FADV_DONTNEED`-evicted before loads (best effort)"
+            if args.evict_cache
+            else "NOT dropped: loads likely read from the page cache"
+        ),
+        "",
+        "| operation | zarrckpt GB/s | DCP GB/s | zarrckpt / DCP | zarrckpt s | DCP s |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for op in OPS:
+        z = statistics.median(r[f"{op}/zarrckpt"] for r in runs)
+        d = statistics.median(r[f"{op}/dcp"] for r in runs)
+        lines.append(
+            f"| {OP_TITLES[op]} | {nbytes / z / 1e9:.2f} | {nbytes / d / 1e9:.2f} | {d / z:.2f} | {z:.2f} | {d:.2f} |"
+        )
+    lines += [
+        "",
+        "| format | files | bytes (apparent) | bytes (allocated) | overhead vs state |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for fmt in FORMATS:
+        files, apparent, allocated = usage[fmt]
+        lines.append(f"| {fmt} | {files} | {apparent:,} | {allocated:,} | {apparent / nbytes - 1:+.2%} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gib", type=float, default=1.0, help="size of the FP32 state in GiB (default 1.0)")
+    parser.add_argument("--reps", type=int, default=3, help="repetitions; medians are reported (default 3)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/core.md"), help="markdown output")
+    parser.add_argument("--tmp", default=None, help="parent directory of the checkpoints (default: system temp)")
+    parser.add_argument(
+        "--evict-cache",
+        action="store_true",
+        help="fsync + POSIX_FADV_DONTNEED the checkpoint files before each load phase",
+    )
+    parser.add_argument(
+        "--dcp-no-sync",
+        action="store_true",
+        help="FileSystemWriter(path, sync_files=False): no fsync, like zarrckpt (default: DCP's default, fsync)",
+    )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="cProfile rank 0 (CPU time of all its threads, merged) in the first repetition; .pstats "
+        "and .txt files go to this directory (inflates that repetition's times)",
+    )
+    args = parser.parse_args()
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
+
+    runs: list[dict[str, float]] = []
+    usage: dict[str, tuple[int, int, int]] = {}
+    for rep in range(args.reps):
+        root = Path(tempfile.mkdtemp(prefix="zarrckpt-bench-", dir=args.tmp))
+        try:
+            cfg = {
+                "gib": args.gib,
+                "root": str(root),
+                "rep": rep,
+                "evict": args.evict_cache,
+                "dcp_sync": not args.dcp_no_sync,
+                "profile": str(args.profile) if args.profile else None,
+                "result": str(root / "result.json"),
+            }
+            times = spawn(SAVE_WORLD, {**cfg, "phase": "save"})
+            usage = {fmt: disk_usage(root / fmt) for fmt in FORMATS}
+            times |= spawn(RESHARD_WORLD, {**cfg, "phase": "reshard"})
+            runs.append(times)
+            print(
+                f"rep {rep + 1}/{args.reps}: " + ", ".join(f"{k} {v:.2f}s" for k, v in sorted(times.items())),
+                file=sys.stderr,
+                flush=True,
+            )
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+
+    table = report(args, runs, usage)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(table)
+    print(table)
+    if args.profile:
+        for name in sorted(args.profile.glob("*.pstats")):
+            buf = io.StringIO()
+            stats = pstats.Stats(str(name), stream=buf)
+            stats.sort_stats("tottime").print_stats(15)
+            stats.sort_stats("cumulative").print_stats(25)
+            (args.profile / f"{name.stem}.txt").write_text(buf.getvalue())
+
+
+if __name__ == "__main__":
+    main()
