@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch.distributed.checkpoint as dcp
-
-import zarrckpt
 from multiproc import run_ranks
 from states import check_loaded, mixed_state
+
+import zarrckpt
 
 
 def _save(rank: int, world: int, url: str, via: str) -> None:

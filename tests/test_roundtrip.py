@@ -24,7 +24,9 @@ def _state(fill: bool = True) -> dict[str, Any]:
             "scalar": torch.tensor(2.5) if fill else torch.tensor(0.0),
         },
         "optim": {
-            "state": {"model.w": {"exp_avg": torch.zeros(33, 17), "step": torch.tensor(3.0) if fill else torch.tensor(0.0)}},
+            "state": {
+                "model.w": {"exp_avg": torch.zeros(33, 17), "step": torch.tensor(3.0) if fill else torch.tensor(0.0)}
+            },
             "param_groups": [{"lr": 0.01 if fill else 0.0, "betas": [0.9, 0.99]}],
         },
         "step": 42 if fill else 0,
@@ -41,7 +43,12 @@ def _assert_equal(got: dict[str, Any], want: dict[str, Any]) -> None:
         assert torch.equal(got["model"][key], want["model"][key]), key
     assert torch.equal(got["optim"]["state"]["model.w"]["exp_avg"], want["optim"]["state"]["model.w"]["exp_avg"])
     assert got["optim"]["param_groups"] == want["optim"]["param_groups"]
-    assert (got["step"], got["note"], got["blob"], got["pyrng"]) == (want["step"], want["note"], want["blob"], want["pyrng"])
+    assert (got["step"], got["note"], got["blob"], got["pyrng"]) == (
+        want["step"],
+        want["note"],
+        want["blob"],
+        want["pyrng"],
+    )
     assert isinstance(got["pyrng"], tuple) and isinstance(got["blob"], bytes)
     assert np.array_equal(got["np"], want["np"])
     assert torch.equal(got["shard"].data, want["shard"].data)

@@ -7,13 +7,12 @@ import logging
 import struct
 from pathlib import Path
 
+import crc32c
+import ml_dtypes
 import numpy as np
 import pytest
-
-ml_dtypes = pytest.importorskip("ml_dtypes")
-ts = pytest.importorskip("tensorstore")
-zarr = pytest.importorskip("zarr")
-crc32c = pytest.importorskip("crc32c")
+import tensorstore as ts
+import zarr
 
 from zarrckpt import zarr_dtypes
 from zarrckpt.zarr_dtypes import register_zarr_dtypes
@@ -86,9 +85,7 @@ def test_tensorstore_sharded_array_reads_bit_exact(tmp_path: Path, name: str) ->
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_edge_shard_out_of_bounds_chunk_is_empty_marker(
-    tmp_path: Path, name: str
-) -> None:
+def test_edge_shard_out_of_bounds_chunk_is_empty_marker(tmp_path: Path, name: str) -> None:
     np_dtype, uint, _ = DTYPES[name]
     bits = _bits(name)
     _ts_create(tmp_path, name).write(bits.view(np_dtype)).result()
@@ -106,13 +103,9 @@ def test_edge_shard_out_of_bounds_chunk_is_empty_marker(
     np.testing.assert_array_equal(got.view(uint), bits[4:])
 
 
-@pytest.mark.parametrize(
-    "fill_value", [0, 0.0, -0.0, 1.5, "NaN", "Infinity", "-Infinity"]
-)
+@pytest.mark.parametrize("fill_value", [0, 0.0, -0.0, 1.5, "NaN", "Infinity", "-Infinity"])
 @pytest.mark.parametrize("name", NAMES)
-def test_fill_value_json_matches_tensorstore(
-    tmp_path: Path, name: str, fill_value: object
-) -> None:
+def test_fill_value_json_matches_tensorstore(tmp_path: Path, name: str, fill_value: object) -> None:
     _, uint, _ = DTYPES[name]
     expected = _ts_create(tmp_path, name, fill_value).read().result()  # nothing written
     got = zarr.open_array(tmp_path, mode="r", zarr_format=3)[...]
@@ -123,9 +116,7 @@ def test_fill_value_json_matches_tensorstore(
 @pytest.mark.filterwarnings("ignore:invalid value encountered in equal:RuntimeWarning")
 @pytest.mark.parametrize("endian", ["little", "big"])
 @pytest.mark.parametrize("name", ["bfloat16", "float8_e4m3fn", "float8_e5m2"])
-def test_zarr_python_writes_what_tensorstore_reads(
-    tmp_path: Path, name: str, endian: str
-) -> None:
+def test_zarr_python_writes_what_tensorstore_reads(tmp_path: Path, name: str, endian: str) -> None:
     np_dtype, uint, _ = DTYPES[name]
     bits = _bits(name)
     arr = zarr.create_array(
@@ -160,9 +151,7 @@ def test_fill_value_json_round_trip(name: str) -> None:
     zdtype = data_type_registry.get(name)()
     for value in (0, 0.0, -0.0, 2.0, "NaN", "Infinity", "-Infinity"):
         scalar = zdtype.from_json_scalar(value, zarr_format=3)
-        again = zdtype.from_json_scalar(
-            zdtype.to_json_scalar(scalar, zarr_format=3), zarr_format=3
-        )
+        again = zdtype.from_json_scalar(zdtype.to_json_scalar(scalar, zarr_format=3), zarr_format=3)
         assert np.asarray(again).tobytes() == np.asarray(scalar).tobytes()
     # Non-canonical NaN bit patterns survive as hex strings.
     width = 2 * zdtype.item_size
@@ -197,9 +186,7 @@ def test_register_is_idempotent_and_respects_existing() -> None:
     assert registry.get("bfloat16") is zarr_dtypes.BFloat16
 
 
-def test_register_never_raises(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_register_never_raises(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(zarr_dtypes, "_SETUP_ERROR", ImportError("zarr too old"))
     with caplog.at_level(logging.DEBUG, logger=zarr_dtypes.__name__):
         register_zarr_dtypes()

@@ -6,6 +6,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping, MutableMapping
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -16,7 +17,7 @@ from . import dtypes
 from .dist import Group
 from .errors import LayoutMismatchError, ZarrckptError
 from .format import ArrayMeta, Manifest
-from .keys import iter_leaves, flat_key, set_leaf
+from .keys import Path, flat_key, iter_leaves, set_leaf
 from .layout import Box
 from .localstate import LocalShard, collect, from_json_value, tensor_box
 from .plan import DEFAULT_CHUNK_BYTES, build_save_plan
@@ -52,8 +53,13 @@ def save(
     nbytes = group.run_together(lambda: write_rank(storage, plan, local, group.rank), "writing shards")
     manifest = Manifest(save_id, plan.arrays, plan.values, plan.world_size, protocol.now(), _library())
     group.run_together(lambda: protocol.commit(storage, manifest) if group.rank == 0 else None, "committing")
-    log.info("saved %s: %d tensors, this rank wrote %.1f MB in %.2fs", storage.url, len(plan.arrays), nbytes / 1e6,
-             time.perf_counter() - start)
+    log.info(
+        "saved %s: %d tensors, this rank wrote %.1f MB in %.2fs",
+        storage.url,
+        len(plan.arrays),
+        nbytes / 1e6,
+        time.perf_counter() - start,
+    )
 
 
 def load(
@@ -156,7 +162,10 @@ def _compare(key: str, value: Any, manifest: Manifest) -> list[str]:
         shape, dtype = tuple(value.shape), dtypes.zarr_name(torch.from_numpy(np.empty(0, value.dtype)).dtype)
     elif isinstance(value, (torch.Tensor, LocalShard)):
         _, global_shape, _, _ = tensor_box(value)
-        shape, dtype = global_shape, dtypes.zarr_name(value.data.dtype if isinstance(value, LocalShard) else value.dtype)
+        shape, dtype = (
+            global_shape,
+            dtypes.zarr_name(value.data.dtype if isinstance(value, LocalShard) else value.dtype),
+        )
     else:
         return [f"{key}: saved a {meta.kind} {list(meta.shape)} {meta.dtype}, expected a {type(value).__name__}"]
     out = []
@@ -180,14 +189,17 @@ def _plan_targets(
         if meta.kind == "bytes":
             buf = np.empty(meta.shape, dtype=np.uint8)
             requests.append(Request(meta, Box.full(meta.shape), buf))
-            make = type(value)
-            finish.append(lambda path=path, buf=buf, make=make: set_leaf(state_dict, path, make(buf.tobytes())))
+            finish.append(partial(_set_bytes, state_dict, path, buf, type(value)))
         elif isinstance(value, np.ndarray):
             requests.append(Request(meta, Box.full(meta.shape), value.view(dtypes.storage_dtype(meta.dtype))))
         else:
             local, _, box, _ = tensor_box(value)
             requests.append(_tensor_request(meta, box, local, finish))
     return requests, finish
+
+
+def _set_bytes(state_dict: MutableMapping[str, Any], path: Path, buf: np.ndarray, make: type) -> None:
+    set_leaf(state_dict, path, make(buf.tobytes()))
 
 
 def _tensor_request(meta: ArrayMeta, box: Box, target: torch.Tensor, finish: list[Callable[[], Any]]) -> Request:

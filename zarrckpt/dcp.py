@@ -164,7 +164,9 @@ class ZarrWriter(StorageWriter):
             elif "array" in extra:
                 arrays[result.index.fqn] = extra["array"]
         validate_keys(sorted(arrays.keys() | values.keys()))
-        manifest = Manifest(self._save_id, arrays, dict(sorted(values.items())), len(results), protocol.now(), _library())
+        manifest = Manifest(
+            self._save_id, arrays, dict(sorted(values.items())), len(results), protocol.now(), _library()
+        )
         protocol.commit(self.storage, manifest)
 
 
@@ -244,8 +246,8 @@ class ZarrReader(StorageReader):
                 target.copy_(staging)
             planner.commit_tensor(item, target)
         for item, value in values:
-            meta = manifest.arrays.get(item.storage_index.fqn)
-            if meta is not None and meta.kind == "bytes":
+            stored = manifest.arrays.get(item.storage_index.fqn)
+            if stored is not None and stored.kind == "bytes":
                 value = value.tobytes()
             _set_value(planner, item.dest_index.fqn, value)
         return _done(None)

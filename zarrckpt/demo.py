@@ -49,7 +49,9 @@ def _state(world: int, fill: bool) -> dict[str, Any]:
         model[key] = DTensor.from_local(full, mesh, [Replicate()], run_check=False).redistribute(mesh, [placement])
         exp_avg = torch.zeros(shape) if fill else torch.full(shape, 9.0)
         moments[key] = {
-            "exp_avg": DTensor.from_local(exp_avg, mesh, [Replicate()], run_check=False).redistribute(mesh, [placement]),
+            "exp_avg": DTensor.from_local(exp_avg, mesh, [Replicate()], run_check=False).redistribute(
+                mesh, [placement]
+            ),
             "step": torch.tensor(100.0 if fill else 0.0),
         }
     return {
@@ -62,8 +64,9 @@ def _state(world: int, fill: bool) -> dict[str, Any]:
 
 def _run(rank: int, world: int, port: int, job: str, url: str, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
     try:
         state = _state(world, fill=job == "save")
         dist.barrier()
@@ -112,16 +115,20 @@ def main(argv: list[str] | None = None) -> int:
     manifest = read_manifest(Storage(url))
     print(f"\n{'tensor':<44} {'role':<15} {'shape':<15} {'dtype':<8} {'shard':<14} {'chunk':<14}")
     for key, meta in sorted(manifest.arrays.items()):
-        print(f"{key:<44} {meta.role:<15} {list(meta.shape)!s:<15} {meta.dtype:<8} "
-              f"{list(meta.shard_shape)!s:<14} {list(meta.chunk_shape)!s:<14}")
+        print(
+            f"{key:<44} {meta.role:<15} {list(meta.shape)!s:<15} {meta.dtype:<8} "
+            f"{list(meta.shard_shape)!s:<14} {list(meta.chunk_shape)!s:<14}"
+        )
     total = sum(m.nbytes for m in manifest.arrays.values())
     print(f"\nplain values: {json.dumps(manifest.values)[:120]}")
     print(f"\nloading into {args.load_world} ranks (a different sharding of every tensor) ...")
     loaded = _spawn(args.load_world, "load", url)
     print(f"\n{'step':<34} {'ranks':>5} {'tensors':>8} {'MB':>8} {'seconds':>8}")
     print(f"{'save':<34} {args.save_world:>5} {len(manifest.arrays):>8} {total / 1e6:>8.2f} {saved['seconds']:>8.3f}")
-    print(f"{'load (resharded)':<34} {args.load_world:>5} {len(manifest.arrays):>8} {total / 1e6:>8.2f} "
-          f"{loaded['seconds']:>8.3f}")
+    print(
+        f"{'load (resharded)':<34} {args.load_world:>5} {len(manifest.arrays):>8} {total / 1e6:>8.2f} "
+        f"{loaded['seconds']:>8.3f}"
+    )
     print(f"\nmax |restored - saved| over model tensors: {loaded['max_abs_diff']}")
     return 0 if loaded["max_abs_diff"] == 0.0 else 1
 

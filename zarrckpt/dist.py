@@ -58,7 +58,7 @@ class Group:
         error: BaseException | None = None
         try:
             result = fn()
-        except Exception as e:  # noqa: BLE001 - reported to every rank, then re-raised
+        except Exception as e:
             error = e
         status = self.all_gather_json(None if error is None else f"{type(error).__name__}: {error}")
         if error is not None:

@@ -85,13 +85,13 @@ def coverage_problems(key: str, shape: Shape, claims: Sequence[Claim], limit: in
     if problems or full.volume == 0:
         return problems
     # Count coverage on the grid of elementary intervals spanned by all box boundaries.
-    cuts = [sorted({0, n} | {b.offsets[d] for b in distinct} | {b.ends[d] for b in distinct}) for d, n in enumerate(shape)]
+    cuts = [
+        sorted({0, n} | {b.offsets[d] for b in distinct} | {b.ends[d] for b in distinct}) for d, n in enumerate(shape)
+    ]
     counts = np.zeros([len(c) - 1 for c in cuts], dtype=np.int32)
     owners = np.full(counts.shape, -1, dtype=np.int64)
     for box, ranks in distinct.items():
-        idx = tuple(
-            slice(cuts[d].index(box.offsets[d]), cuts[d].index(box.ends[d])) for d in range(len(shape))
-        )
+        idx = tuple(slice(cuts[d].index(box.offsets[d]), cuts[d].index(box.ends[d])) for d in range(len(shape)))
         clash = counts[idx] > 0
         if clash.any():
             cell = tuple(int(i[0]) for i in np.nonzero(clash))

@@ -42,7 +42,7 @@ class LocalTensor:
             "topology": self.topology,
         }
         if not self.topology.get("placements") and self.data.nbytes <= DIGEST_MAX_BYTES:
-            desc["digest"] = crc32c.crc32c(dtypes.as_numpy(self.data.detach().cpu().contiguous()))
+            desc["digest"] = crc32c.crc32c(dtypes.as_numpy(self.data.detach().cpu().contiguous()).data.cast("B"))
         return desc
 
 
@@ -107,7 +107,9 @@ def to_json_value(value: Any, key: str) -> Any:
         return value
     if isinstance(value, float):
         if not math.isfinite(value):
-            raise UnsupportedValueError(f"{key!r}: non-finite float {value!r} cannot be stored as JSON; store it in a tensor")
+            raise UnsupportedValueError(
+                f"{key!r}: non-finite float {value!r} cannot be stored as JSON; store it in a tensor"
+            )
         return value
     if isinstance(value, np.generic):
         return to_json_value(value.item(), key)
@@ -142,10 +144,14 @@ def collect(state_dict: Mapping[str, Any]) -> LocalState:
             state.tensors[key] = LocalTensor(key, path, data, (len(value),), Box.full((len(value),)), "uint8", "bytes")
         elif isinstance(value, np.ndarray):
             data = torch.from_numpy(np.ascontiguousarray(value))
-            state.tensors[key] = LocalTensor(key, path, data, value.shape, Box.full(value.shape), dtypes.zarr_name(data.dtype), "ndarray")
+            state.tensors[key] = LocalTensor(
+                key, path, data, value.shape, Box.full(value.shape), dtypes.zarr_name(data.dtype), "ndarray"
+            )
         elif isinstance(value, (torch.Tensor, LocalShard)):
             data, shape, box, topology = tensor_box(value)
-            state.tensors[key] = LocalTensor(key, path, data, shape, box, dtypes.zarr_name(data.dtype), "tensor", topology)
+            state.tensors[key] = LocalTensor(
+                key, path, data, shape, box, dtypes.zarr_name(data.dtype), "tensor", topology
+            )
         else:
             state.values[key] = to_json_value(value, key)
     return state

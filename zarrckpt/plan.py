@@ -54,7 +54,9 @@ def build_save_plan(descriptions: Sequence[dict[str, Any]], chunk_bytes: int = D
 
     validate_keys(sorted(tensors.keys() | values.keys()))
     for key in sorted(tensors.keys() & values.keys()):
-        problems.append(f"{key}: a tensor on ranks {_ranks(tensors[key])} but a plain value on ranks {_ranks(values[key])}")
+        problems.append(
+            f"{key}: a tensor on ranks {_ranks(tensors[key])} but a plain value on ranks {_ranks(values[key])}"
+        )
     for key, held in values.items():
         distinct = {json.dumps(v, sort_keys=True) for _, v in held}
         if len(distinct) > 1:
@@ -72,8 +74,10 @@ def build_save_plan(descriptions: Sequence[dict[str, Any]], chunk_bytes: int = D
                 problems.append(f"{key}: ranks disagree on {field_} ({detail})")
         digests = {t["digest"] for _, t in held if "digest" in t}
         if len(digests) > 1:
-            problems.append(f"{key}: held by ranks {_ranks(held)} as a plain tensor but with different contents; "
-                            "per-rank state needs per-rank keys (or a DTensor)")
+            problems.append(
+                f"{key}: held by ranks {_ranks(held)} as a plain tensor but with different contents; "
+                "per-rank state needs per-rank keys (or a DTensor)"
+            )
         shape = tuple(first["shape"])
         claims = [Claim(r, Box(tuple(t["box"][0]), tuple(t["box"][1]))) for r, t in held]
         found = coverage_problems(key, shape, claims)
@@ -90,7 +94,9 @@ def build_save_plan(descriptions: Sequence[dict[str, Any]], chunk_bytes: int = D
             dtype=first["dtype"],
             shard_shape=shard,
             chunk_shape=inner_chunk_shape(shard, itemsize, chunk_bytes),
-            role=infer_role(key, first["dtype"].startswith(("float", "bfloat"))) if first["kind"] == "tensor" else "other",
+            role=infer_role(key, first["dtype"].startswith(("float", "bfloat")))
+            if first["kind"] == "tensor"
+            else "other",
             kind=first["kind"],
             topology=topology,
         )

@@ -118,7 +118,9 @@ def _check_entry(entry: np.ndarray, size: int, meta: ArrayMeta, path: str, k: in
     offset, nbytes = int(entry[0]), int(entry[1])
     if offset == EMPTY or nbytes != size:
         state = "is missing from" if offset == EMPTY else f"has a wrong size ({nbytes} bytes) in"
-        raise CorruptChunkError(f"inner chunk {k} of {meta.key!r} {state} shard {path}", key=meta.key, chunk=f"{path}#{k}")
+        raise CorruptChunkError(
+            f"inner chunk {k} of {meta.key!r} {state} shard {path}", key=meta.key, chunk=f"{path}#{k}"
+        )
     return offset
 
 

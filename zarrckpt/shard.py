@@ -36,11 +36,11 @@ def chunk_indices(shard_shape: Shape, chunk_shape: Shape) -> Iterator[Shape]:
     return itertools.product(*(range(n) for n in chunks_per_shard(shard_shape, chunk_shape)))
 
 
-def _checksum(buf: np.ndarray | bytes | memoryview) -> bytes:
+def _checksum(buf: bytes | memoryview) -> bytes:
     return _CRC.pack(crc32c.crc32c(buf))
 
 
-def encode_shard(data: np.ndarray, shard_shape: Shape, chunk_shape: Shape) -> list[bytes | np.ndarray]:
+def encode_shard(data: np.ndarray, shard_shape: Shape, chunk_shape: Shape) -> list[bytes | memoryview]:
     """The byte parts of one shard object, in order; ``data`` is the in-bounds part of the shard.
 
     Inner chunks that are whole and contiguous in ``data`` are passed through without a copy.
@@ -48,7 +48,7 @@ def encode_shard(data: np.ndarray, shard_shape: Shape, chunk_shape: Shape) -> li
     grid = chunks_per_shard(shard_shape, chunk_shape)
     index = np.full((math.prod(grid), 2), EMPTY, dtype="<u8")
     chunk_nbytes = math.prod(chunk_shape) * data.dtype.itemsize
-    parts: list[bytes | np.ndarray] = [b""]
+    parts: list[bytes | memoryview] = [b""]
     offset = index_nbytes(len(index))
     for k, cidx in enumerate(itertools.product(*(range(n) for n in grid))):
         lo = [i * c for i, c in zip(cidx, chunk_shape, strict=True)]
@@ -60,7 +60,8 @@ def encode_shard(data: np.ndarray, shard_shape: Shape, chunk_shape: Shape) -> li
             full = np.zeros(chunk_shape, dtype=data.dtype)
             full[tuple(slice(0, n) for n in piece.shape)] = piece
             piece = full
-        parts += [piece, _checksum(piece)]
+        view = piece.data.cast("B")
+        parts += [view, _checksum(view)]
         index[k] = (offset, chunk_nbytes + 4)
         offset += chunk_nbytes + 4
     raw_index = index.tobytes()

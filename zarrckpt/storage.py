@@ -10,7 +10,6 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 import fsspec
-import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
 from .errors import CheckpointNotFoundError, ZarrckptError
@@ -18,13 +17,19 @@ from .errors import CheckpointNotFoundError, ZarrckptError
 T = TypeVar("T")
 R = TypeVar("R")
 DEFAULT_CONCURRENCY = 16
-Buffer = bytes | np.ndarray
+Buffer = bytes | memoryview
 
 
 class Storage:
     """A checkpoint root on some fsspec filesystem; paths are relative to the root."""
 
-    def __init__(self, url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, *, concurrency: int = DEFAULT_CONCURRENCY) -> None:
+    def __init__(
+        self,
+        url: str | os.PathLike[str],
+        storage_options: dict[str, Any] | None = None,
+        *,
+        concurrency: int = DEFAULT_CONCURRENCY,
+    ) -> None:
         self.url = os.fspath(url)
         if not self.url:
             raise ZarrckptError("empty checkpoint URL")
@@ -77,10 +82,8 @@ class Storage:
         return bool(self.fs.exists(self._abs(path)))
 
     def delete(self, path: str) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self._abs(path))
-        except FileNotFoundError:
-            pass
 
     def is_empty(self) -> bool:
         """True when nothing is stored under the root."""
@@ -91,10 +94,8 @@ class Storage:
 
     def delete_all(self) -> None:
         """Delete everything under the root (the root itself may remain, empty)."""
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self.root, recursive=True)
-        except FileNotFoundError:
-            pass
         self.fs.invalidate_cache()
         self._made.clear()
 

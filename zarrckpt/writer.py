@@ -37,14 +37,15 @@ def write_rank(storage: Storage, plan: SavePlan, local: LocalState, rank: int) -
         data = host[meta.key][cell.relative_to(local.tensors[meta.key].box.offsets).slices()]
         parts = encode_shard(data, meta.shard_shape, meta.chunk_shape)
         storage.write(meta.shard_path(idx), parts)
-        return sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
+        return sum(len(p) for p in parts)
 
     def write_doc(job: tuple[str, bytes]) -> int:
         storage.write(job[0], [job[1]])
         return len(job[1])
 
     docs = plan.metadata_of(rank)
-    jobs: list[Callable[[], int]] = [partial(write_shard, j) for j in shards] + [partial(write_doc, d) for d in docs]
+    jobs: list[Callable[[], int]] = [partial(write_shard, j) for j in shards]
+    jobs += [partial(write_doc, d) for d in docs]
     written = sum(storage.run_all(lambda job: job(), jobs))
     log.info("rank %d wrote %d objects, %.1f MB in %.2fs", rank, len(jobs), written / 1e6, time.perf_counter() - start)
     return written

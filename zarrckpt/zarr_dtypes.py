@@ -40,14 +40,10 @@ try:
         def from_native_dtype(cls, dtype: Any) -> Any:
             if cls._check_native_dtype(dtype):
                 if issubclass(cls, HasEndianness):
-                    big = dtype.byteorder == ">" or (
-                        dtype.byteorder in "=|" and sys.byteorder == "big"
-                    )
-                    return cls(endianness="big" if big else "little")  # type: ignore[call-arg]
+                    big = dtype.byteorder == ">" or (dtype.byteorder in "=|" and sys.byteorder == "big")
+                    return cls(endianness="big" if big else "little")
                 return cls()
-            raise DataTypeValidationError(
-                f"{dtype!r} is not a {cls._zarr_v3_name} dtype"
-            )
+            raise DataTypeValidationError(f"{dtype!r} is not a {cls._zarr_v3_name} dtype")
 
         def to_native_dtype(self) -> Any:
             dtype = np.dtype(self._scalar)
@@ -63,15 +59,11 @@ try:
         def _from_json_v3(cls, data: Any) -> Any:
             if cls._check_json_v3(data):
                 return cls()
-            raise DataTypeValidationError(
-                f"expected {cls._zarr_v3_name!r}, got {data!r}"
-            )
+            raise DataTypeValidationError(f"expected {cls._zarr_v3_name!r}, got {data!r}")
 
         @classmethod
         def _from_json_v2(cls, data: Any) -> Any:
-            raise DataTypeValidationError(
-                f"{cls._zarr_v3_name} is only supported in Zarr v3"
-            )
+            raise DataTypeValidationError(f"{cls._zarr_v3_name} is only supported in Zarr v3")
 
         def to_json(self, zarr_format: Literal[2, 3]) -> Any:
             if zarr_format == 3:
@@ -94,9 +86,7 @@ try:
                 if data.startswith("0x"):  # raw bit pattern as hex, like TensorStore
                     bits = int(data, 16)
                     if not 0 <= bits < 256**self.item_size:
-                        msg = (
-                            f"hex fill value {data!r} too wide for {self._zarr_v3_name}"
-                        )
+                        msg = f"hex fill value {data!r} too wide for {self._zarr_v3_name}"
                         raise ValueError(msg)
                     uint = np.dtype(f"u{self.item_size}")
                     return np.asarray(bits, dtype=uint).view(self._scalar)[()]
@@ -145,7 +135,7 @@ try:
         dtype_cls: ClassVar[Any] = type(np.dtype(ml_dtypes.float8_e5m2))
 
     _DTYPES = (BFloat16, Float8E4M3FN, Float8E5M2)
-except Exception as exc:  # noqa: BLE001  # zarr/ml_dtypes too old or too new
+except Exception as exc:  # zarr/ml_dtypes too old or too new
     _SETUP_ERROR = exc
     logger.debug("zarr custom dtypes unavailable: %r", exc)
 
@@ -167,5 +157,5 @@ def register_zarr_dtypes() -> None:
                 data_type_registry.get(cls._zarr_v3_name)
             except KeyError:
                 data_type_registry.register(cls._zarr_v3_name, cls)
-    except Exception as exc:  # noqa: BLE001  # registry API changed
+    except Exception as exc:  # registry API changed
         logger.debug("zarr custom dtypes not registered: %r", exc)
