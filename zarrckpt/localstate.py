@@ -42,7 +42,7 @@ class LocalTensor:
             "topology": self.topology,
         }
         if not self.topology.get("placements") and self.data.nbytes <= DIGEST_MAX_BYTES:
-            desc["digest"] = crc32c.crc32c(dtypes.as_numpy(self.data.detach().cpu().contiguous()).data.cast("B"))
+            desc["digest"] = crc32c.crc32c(dtypes.as_numpy(self.data.detach().cpu()).tobytes())
         return desc
 
 

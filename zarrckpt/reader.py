@@ -1,8 +1,9 @@
 """Read regions of stored global tensors into host arrays, fetching only the inner chunks needed.
 
 Plan per request box: the shards it touches, then the inner chunks inside them. Per shard, one
-task: the whole object in one GET when every stored chunk is needed, else the index plus one
-ranged GET per run of adjacent needed chunks. Every chunk's crc32c is checked before use.
+task: the whole object in one GET when every stored chunk is needed and it is small enough,
+else the index plus one ranged GET per run of adjacent needed chunks (at most
+MAX_REQUEST_BYTES each). Every chunk's crc32c is checked before use.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import crc32c
 import numpy as np
 
 from . import dtypes
@@ -19,6 +21,8 @@ from .format import ArrayMeta
 from .layout import Box, Shape, cell_box, cells_in
 from .shard import EMPTY, chunk_indices, chunks_per_shard, decode_chunk, decode_index, index_nbytes
 from .storage import Storage
+
+MAX_REQUEST_BYTES = 32 * 1024 * 1024  # one GET fetches at most this much (bounds read buffers)
 
 
 @dataclass(frozen=True)
@@ -80,38 +84,80 @@ def _read_shard(storage: Storage, task: _ShardTask) -> int:
     n_chunks = math.prod(chunks_per_shard(meta.shard_shape, meta.chunk_shape))
     head = index_nbytes(n_chunks)
     size = meta.chunk_nbytes + 4
+    needed = sorted(task.needs)
     try:
-        if sorted(task.needs) == _stored_chunks(meta, task.index):
-            blob = memoryview(storage.read(path))
-            index = decode_index(bytes(blob[:head]), n_chunks, storage.where(path), meta.key)
-            fetched = len(blob)
-            raw = {k: _slice(blob, index[k], size, meta, path, k) for k in task.needs}
-        else:
-            index = decode_index(storage.read(path, 0, head), n_chunks, storage.where(path), meta.key)
-            fetched = head
-            raw = {}
-            for first, last in _runs(sorted(task.needs), index, size, meta, path):
-                start = int(index[first][0])
-                blob = memoryview(storage.read(path, start, int(index[last][0]) + size))
+        whole = head + size * len(needed)
+        if not storage.local and whole <= MAX_REQUEST_BYTES and needed == _stored_chunks(meta, task.index):
+            with storage.reading(path) as blob:  # the whole object in one request
+                index = decode_index(bytes(blob[:head]), n_chunks, storage.where(path), meta.key)
+                for k in needed:
+                    offset = _check_entry(index[k], size, meta, path, k)
+                    _copy_chunk(task, k, blob[offset : offset + size], path)
+                return len(blob)
+        with storage.reading(path, 0, head) as raw_index:
+            index = decode_index(bytes(raw_index), n_chunks, storage.where(path), meta.key)
+        fetched = head
+        for run in _runs(needed, index, size, meta, path):
+            start = int(index[run[0]][0])
+            direct = [_direct_view(task, k) for k in run] if storage.local else []
+            if direct and all(v is not None for v in direct):
+                fetched += _read_direct(storage, task, path, start, run, direct)
+                continue
+            with storage.reading(path, start, int(index[run[-1]][0]) + size) as blob:
                 fetched += len(blob)
-                for k in range(first, last + 1):
-                    if k in task.needs:
-                        raw[k] = blob[int(index[k][0]) - start : int(index[k][0]) - start + size]
+                for k in run:
+                    offset = int(index[k][0]) - start
+                    _copy_chunk(task, k, blob[offset : offset + size], path)
     except FileNotFoundError:
         raise CorruptChunkError(
             f"shard object {storage.where(path)} of {meta.key!r} is missing", key=meta.key, chunk=path
         ) from None
-    grid = chunks_per_shard(meta.shard_shape, meta.chunk_shape)
-    origin = cell_box(task.index, meta.shard_shape, meta.shape).offsets
-    for k, parts in task.needs.items():
-        cidx = tuple(int(i) for i in np.unravel_index(k, grid)) if grid else ()
-        where = f"{path} (inner chunk {list(cidx)})"
-        data = decode_chunk(raw[k], meta.chunk_nbytes, meta.key, where)
-        chunk = np.frombuffer(data, dtype=dtypes.storage_dtype(meta.dtype)).reshape(meta.chunk_shape)
-        chunk_origin = tuple(o + i * c for o, i, c in zip(origin, cidx, meta.chunk_shape, strict=True))
-        for part, req in parts:
-            req.dest[part.relative_to(req.box.offsets).slices()] = chunk[part.relative_to(chunk_origin).slices()]
     return fetched
+
+
+def _direct_view(task: _ShardTask, k: int) -> memoryview | None:
+    """The destination bytes of inner chunk ``k`` when one request takes all of it contiguously."""
+    parts = task.needs[k]
+    if len(parts) != 1 or parts[0][0].sizes != task.meta.chunk_shape:
+        return None
+    part, req = parts[0]
+    region = req.dest[part.relative_to(req.box.offsets).slices()]
+    return region.data.cast("B") if region.flags.c_contiguous and region.size else None
+
+
+def _read_direct(
+    storage: Storage, task: _ShardTask, path: str, start: int, run: list[int], views: list[memoryview | None]
+) -> int:
+    """Read a run of whole chunks straight into their destinations (one vectored read), then verify."""
+    crcs = [bytearray(4) for _ in run]
+    buffers = [b for view, crc in zip(views, crcs, strict=True) for b in (view, memoryview(crc))]
+    got = storage.read_into(path, start, buffers)  # type: ignore[arg-type]
+    for k, view, crc in zip(run, views, crcs, strict=True):
+        assert view is not None
+        where = f"{path} (inner chunk {k})"
+        if got < len(view) + 4:
+            raise CorruptChunkError(f"chunk {where} of {task.meta.key!r} is truncated", key=task.meta.key, chunk=where)
+        got -= len(view) + 4
+        if crc32c.crc32c(view) != int.from_bytes(crc, "little"):
+            raise CorruptChunkError(
+                f"chunk {where} of {task.meta.key!r} fails its crc32c checksum: the stored bytes are corrupted",
+                key=task.meta.key,
+                chunk=where,
+            )
+    return sum(len(v) + 4 for v in views if v is not None)
+
+
+def _copy_chunk(task: _ShardTask, k: int, raw: memoryview, path: str) -> None:
+    """Verify inner chunk ``k`` and copy the parts the requests need into their destinations."""
+    meta = task.meta
+    grid = chunks_per_shard(meta.shard_shape, meta.chunk_shape)
+    cidx = tuple(int(i) for i in np.unravel_index(k, grid)) if grid else ()
+    data = decode_chunk(raw, meta.chunk_nbytes, meta.key, f"{path} (inner chunk {list(cidx)})")
+    chunk = np.frombuffer(data, dtype=dtypes.storage_dtype(meta.dtype)).reshape(meta.chunk_shape)
+    shard_origin = cell_box(task.index, meta.shard_shape, meta.shape).offsets
+    origin = tuple(o + i * c for o, i, c in zip(shard_origin, cidx, meta.chunk_shape, strict=True))
+    for part, req in task.needs[k]:
+        req.dest[part.relative_to(req.box.offsets).slices()] = chunk[part.relative_to(origin).slices()]
 
 
 def _check_entry(entry: np.ndarray, size: int, meta: ArrayMeta, path: str, k: int) -> int:
@@ -124,18 +170,19 @@ def _check_entry(entry: np.ndarray, size: int, meta: ArrayMeta, path: str, k: in
     return offset
 
 
-def _slice(blob: memoryview, entry: np.ndarray, size: int, meta: ArrayMeta, path: str, k: int) -> memoryview:
-    offset = _check_entry(entry, size, meta, path, k)
-    return blob[offset : offset + size]
-
-
-def _runs(needed: list[int], index: np.ndarray, size: int, meta: ArrayMeta, path: str) -> list[tuple[int, int]]:
-    """Split needed chunk numbers into runs stored back to back (one ranged GET each)."""
-    runs: list[tuple[int, int]] = []
+def _runs(needed: list[int], index: np.ndarray, size: int, meta: ArrayMeta, path: str) -> list[list[int]]:
+    """Split needed chunk numbers into runs stored back to back, each one ranged GET of bounded size."""
+    runs: list[list[int]] = []
     for k in needed:
         offset = _check_entry(index[k], size, meta, path, k)
-        if runs and k == runs[-1][1] + 1 and offset == int(index[runs[-1][1]][0]) + size:
-            runs[-1] = (runs[-1][0], k)
+        last = runs[-1][-1] if runs else None
+        if (
+            last is not None
+            and k == last + 1
+            and offset == int(index[last][0]) + size
+            and (len(runs[-1]) + 1) * size <= MAX_REQUEST_BYTES
+        ):
+            runs[-1].append(k)
         else:
-            runs.append((k, k))
+            runs.append([k])
     return runs

@@ -1,0 +1,32 @@
+# The two commands: `make demo` and `make test`. Each sets up .venv on first use.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch 2.13.0 is a CPU build on these machines; a looser pin downloads a multi-GB CUDA build
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test,dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m zarrckpt.demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check zarrckpt tests benchmarks
+	$(BIN)/ruff format --check zarrckpt tests benchmarks
+	$(BIN)/mypy zarrckpt
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/core_vs_dcp.py --gib 1.0 --reps 3 --out benchmarks/results/core.md
+
+clean:
+	rm -rf $(VENV) demo-checkpoints .pytest_cache .mypy_cache .ruff_cache
