@@ -18,6 +18,7 @@ import torch
 import zarrckpt  # registers bfloat16 / float8 with zarr-python
 from zarrckpt import commit as protocol
 from zarrckpt.format import Manifest
+from zarrckpt.keys import nest
 from zarrckpt.localstate import collect
 from zarrckpt.plan import build_save_plan
 from zarrckpt.storage import Storage
@@ -71,17 +72,6 @@ def _tensors() -> dict[str, torch.Tensor]:
     return flat
 
 
-def _nest(flat: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in flat.items():
-        *parents, last = key.split(".")
-        node = out
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = value
-    return out
-
-
 def _bits(a: np.ndarray | torch.Tensor) -> np.ndarray:
     """The raw element bits as unsigned integers (bool: uint8), so NaN payloads compare too."""
     if isinstance(a, torch.Tensor):
@@ -106,7 +96,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
     flat = _tensors()
     root = tmp_path_factory.mktemp("peer") / "ckpt"
-    state = _nest(flat)
+    state = nest(flat)
     state["trainer"] = {"step": 10, "name": "run"}
     zarrckpt.save(state, root, chunk_bytes=CHUNK_BYTES)
     return root, flat

@@ -204,3 +204,15 @@ def test_partial_read_fetches_only_needed_chunks(tmp_path: Any) -> None:
     fetched = read_regions(storage, [Request(meta, Box((32, 0), (16, 256)), dest)])
     assert np.array_equal(dest, full[32:48].numpy())
     assert fetched == 16 * 256 * 4 + 4 + (16 * 16 + 4), "one inner chunk plus the shard index"
+
+
+def test_bad_urls(s3_url: tuple[str, dict[str, Any]]) -> None:
+    with pytest.raises(zarrckpt.ZarrckptError, match="cannot open storage"):
+        zarrckpt.save({"w": torch.zeros(1)}, "nosuchproto://bucket/ckpt")
+    with pytest.raises(zarrckpt.ZarrckptError, match="empty checkpoint URL"):
+        zarrckpt.load({"w": torch.zeros(1)}, "")
+    _, opts = s3_url
+    with pytest.raises(zarrckpt.ZarrckptError, match="no-such-bucket"):
+        zarrckpt.save({"w": torch.zeros(1)}, "s3://no-such-bucket/ckpt", storage_options=opts)
+    with pytest.raises(zarrckpt.CheckpointNotFoundError):
+        zarrckpt.load({"w": torch.zeros(1)}, "s3://no-such-bucket/ckpt", storage_options=opts)

@@ -13,6 +13,7 @@ from .errors import (
     InvalidCheckpointError,
     LayoutMismatchError,
     SaveLayoutError,
+    StorageError,
     ZarrckptError,
 )
 from .localstate import LocalShard
@@ -31,6 +32,7 @@ __all__ = [
     "LayoutMismatchError",
     "LocalShard",
     "SaveLayoutError",
+    "StorageError",
     "ZarrReader",
     "ZarrWriter",
     "ZarrckptError",

@@ -16,8 +16,8 @@ from . import commit as protocol
 from . import dtypes
 from .dist import Group
 from .errors import LayoutMismatchError, ZarrckptError
-from .format import ArrayMeta, Manifest
-from .keys import Path, flat_key, iter_leaves, set_leaf
+from .format import ArrayMeta, Manifest, library_name
+from .keys import Path, flat_key, iter_leaves, nest, set_leaf
 from .layout import Box
 from .localstate import LocalShard, collect, from_json_value, tensor_box
 from .plan import DEFAULT_CHUNK_BYTES, build_save_plan
@@ -51,7 +51,7 @@ def save(
     storage = Storage(url, storage_options)
     save_id = group.run_together(lambda: protocol.prepare(storage, overwrite) if group.rank == 0 else "", "preparing")
     nbytes = group.run_together(lambda: write_rank(storage, plan, local, group.rank), "writing shards")
-    manifest = Manifest(save_id, plan.arrays, plan.values, plan.world_size, protocol.now(), _library())
+    manifest = Manifest(save_id, plan.arrays, plan.values, plan.world_size, protocol.now(), library_name())
     group.run_together(lambda: protocol.commit(storage, manifest) if group.rank == 0 else None, "committing")
     log.info(
         "saved %s: %d tensors, this rank wrote %.1f MB in %.2fs",
@@ -118,7 +118,7 @@ def load(
             path, old = leaves[key]
             set_leaf(state_dict, path, from_json_value(value, old))
     for key, keys in subtrees.items():
-        set_leaf(state_dict, leaves[key][0], _nested({k[len(key) + 1 :]: manifest.values[k] for k in keys}))
+        set_leaf(state_dict, leaves[key][0], nest({k[len(key) + 1 :]: manifest.values[k] for k in keys}))
     log.info("loaded %s: this rank read %.1f MB in %.2fs", storage.url, nbytes / 1e6, time.perf_counter() - start)
 
 
@@ -135,17 +135,6 @@ def _value_subtrees(leaves: dict[str, Any], manifest: Manifest) -> dict[str, lis
         under = [k for k in manifest.values if k.startswith(key + ".")]
         if under and not any(k.startswith(key + ".") for k in manifest.arrays):
             out[key] = under
-    return out
-
-
-def _nested(flat: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in flat.items():
-        *parents, last = key.split(".")
-        node = out
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = value
     return out
 
 
@@ -208,9 +197,3 @@ def _tensor_request(meta: ArrayMeta, box: Box, target: torch.Tensor, finish: lis
     staging = torch.empty(target.shape, dtype=target.dtype, pin_memory=torch.cuda.is_available())
     finish.append(lambda: target.detach().copy_(staging, non_blocking=False))
     return Request(meta, box, dtypes.as_numpy(staging))
-
-
-def _library() -> str:
-    from . import __version__
-
-    return f"zarrckpt {__version__}"

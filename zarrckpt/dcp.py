@@ -40,7 +40,7 @@ from torch.futures import Future
 from . import commit as protocol
 from . import dtypes
 from .errors import ZarrckptError
-from .format import Manifest
+from .format import Manifest, library_name
 from .keys import validate_keys
 from .layout import Box, Shape, cell_box, grid_shape
 from .localstate import LocalState, LocalTensor, collect, from_json_value
@@ -75,7 +75,6 @@ class ZarrWriter(StorageWriter):
         self.storage_options = storage_options
         self.overwrite = overwrite
         self.chunk_bytes = chunk_bytes
-        self.is_coordinator = False
         self._plan: ZSavePlan | None = None
         self._save_id = ""
 
@@ -88,7 +87,7 @@ class ZarrWriter(StorageWriter):
         return bool(os.fspath(checkpoint_id))
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.is_coordinator = is_coordinator
+        pass
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.storage.url)
@@ -165,7 +164,7 @@ class ZarrWriter(StorageWriter):
                 arrays[result.index.fqn] = extra["array"]
         validate_keys(sorted(arrays.keys() | values.keys()))
         manifest = Manifest(
-            self._save_id, arrays, dict(sorted(values.items())), len(results), protocol.now(), _library()
+            self._save_id, arrays, dict(sorted(values.items())), len(results), protocol.now(), library_name() + " (dcp)"
         )
         protocol.commit(self.storage, manifest)
 
@@ -267,9 +266,3 @@ def _set_value(planner: LoadPlanner, fqn: str, value: Any) -> None:
 
 def _cells(shape: Shape, shard: Shape) -> Iterator[Shape]:
     return itertools.product(*(range(n) for n in grid_shape(shape, shard)))
-
-
-def _library() -> str:
-    from . import __version__
-
-    return f"zarrckpt {__version__} (dcp)"

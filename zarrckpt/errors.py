@@ -11,6 +11,7 @@ __all__ = [
     "InvalidKeyError",
     "LayoutMismatchError",
     "SaveLayoutError",
+    "StorageError",
     "UnsupportedValueError",
     "ZarrckptError",
 ]
@@ -55,6 +56,10 @@ class CorruptChunkError(ZarrckptError):
         super().__init__(message)
         self.key = key
         self.chunk = chunk
+
+
+class StorageError(ZarrckptError):
+    """The storage refused or failed a request (missing bucket, permissions, network)."""
 
 
 class InvalidKeyError(ZarrckptError):

@@ -22,10 +22,6 @@ KINDS = ("tensor", "bytes", "ndarray")
 MAX_ELEMENTS = 2**62
 
 
-def _bytes_codec(dtype: str) -> dict[str, Any]:
-    return {"name": "bytes", "configuration": {"endian": "little"}}
-
-
 @dataclass(frozen=True)
 class ArrayMeta:
     """One stored global tensor: its identity, layout and how its shards are cut."""
@@ -144,6 +140,12 @@ def _int_tuple(value: Any, what: str) -> Shape:
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
         raise ValueError(f"{what} must be a list of non-negative integers")
     return tuple(value)
+
+
+def library_name() -> str:
+    from . import __version__
+
+    return f"zarrckpt {__version__}"
 
 
 def group_json() -> dict[str, Any]:

@@ -75,6 +75,18 @@ def _orig_key(container: Mapping[Any, Any], key: str) -> Any:
     raise KeyError(key)
 
 
+def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"a.b": 1, "a.c": 2}`` -> ``{"a": {"b": 1, "c": 2}}``."""
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        *parents, last = key.split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return out
+
+
 def validate_keys(keys: Sequence[str]) -> None:
     """Reject keys that cannot be stored as Zarr array paths, or that clash with each other."""
     problems = []

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from .errors import CheckpointNotFoundError, ZarrckptError
+from .errors import StorageError, ZarrckptError
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -63,10 +63,25 @@ class Storage:
         """A human-readable location for error messages."""
         return f"{self.url.rstrip('/')}/{path}"
 
+    @contextlib.contextmanager
+    def _failing(self, what: str, path: str, *, missing_ok: bool = True) -> Iterator[None]:
+        """Turn storage failures into StorageError; FileNotFoundError passes when ``missing_ok``."""
+        try:
+            yield
+        except FileNotFoundError as e:
+            if missing_ok:
+                raise
+            raise StorageError(f"{what} {self.where(path)} failed: {e} (does the bucket/directory exist?)") from e
+        except (OSError, RuntimeError, ValueError) as e:
+            raise StorageError(f"{what} {self.where(path)} failed: {type(e).__name__}: {e}") from e
+
     # -- single objects -------------------------------------------------------------------
     def write(self, path: str, parts: Sequence[Buffer]) -> None:
         """Write one object from its parts; remote stores get exactly one PUT."""
-        full = self._abs(path)
+        with self._failing("writing", path, missing_ok=False):
+            self._write(self._abs(path), parts)
+
+    def _write(self, full: str, parts: Sequence[Buffer]) -> None:
         if self.local:  # write aside, flush to disk, then rename: never a half-written file
             parent = os.path.dirname(full)
             if parent not in self._made:
@@ -96,7 +111,9 @@ class Storage:
         if not self.local:
             yield memoryview(self.read(path, start, end))
             return
-        with open(self._abs(path), "rb") as f:
+        with self._failing("reading", path):
+            f = open(self._abs(path), "rb")  # noqa: SIM115 - closed below
+        with f:
             lo = start or 0
             hi = os.fstat(f.fileno()).st_size if end is None else end
             buf = self._take_buffer(max(0, hi - lo))
@@ -112,7 +129,8 @@ class Storage:
 
     def read_into(self, path: str, offset: int, buffers: Sequence[memoryview]) -> int:
         """Local files only: fill ``buffers`` in order from ``offset`` (one vectored read); bytes read."""
-        fd = os.open(self._abs(path), os.O_RDONLY)
+        with self._failing("reading", path):
+            fd = os.open(self._abs(path), os.O_RDONLY)
         try:
             total = 0
             for i in range(0, len(buffers), 512):  # stay under IOV_MAX
@@ -136,26 +154,29 @@ class Storage:
 
     def read(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
         """Read an object or the byte range ``[start, end)``; FileNotFoundError when absent."""
-        data = self.fs.cat_file(self._abs(path), start=start, end=end)
+        with self._failing("reading", path):
+            data = self.fs.cat_file(self._abs(path), start=start, end=end)
         return bytes(data)
 
     def exists(self, path: str) -> bool:
-        return bool(self.fs.exists(self._abs(path)))
+        with self._failing("checking", path):
+            return bool(self.fs.exists(self._abs(path)))
 
     def delete(self, path: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError), self._failing("deleting", path):
             self.fs.rm_file(self._abs(path))
 
     def is_empty(self) -> bool:
         """True when nothing is stored under the root."""
         try:
-            return not self.fs.find(self.root, maxdepth=None, withdirs=False)
+            with self._failing("listing", ""):
+                return not self.fs.find(self.root, maxdepth=None, withdirs=False)
         except FileNotFoundError:
             return True
 
     def delete_all(self) -> None:
         """Delete everything under the root (the root itself may remain, empty)."""
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError), self._failing("deleting", ""):
             self.fs.rm(self.root, recursive=True)
         self.fs.invalidate_cache()
         self._made.clear()
@@ -176,7 +197,3 @@ class Storage:
             if error is not None:
                 raise error
         return [f.result() for f in futures]
-
-
-def missing_checkpoint(url: str) -> CheckpointNotFoundError:
-    return CheckpointNotFoundError(f"no checkpoint at {url!r}: nothing is stored there")
