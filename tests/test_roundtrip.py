@@ -145,15 +145,31 @@ def test_refuses_to_write_into_foreign_data(tmp_path: Any) -> None:
     assert (tmp_path / "ck" / "precious.txt").read_text() == "keep me"
 
 
-def test_leftovers_of_a_failed_save_are_replaced(tmp_path: Any) -> None:
+def test_leftovers_of_a_failed_save(tmp_path: Any) -> None:
+    """A save that died before committing blocks a plain save (it may still be running); overwrite replaces it."""
     url = str(tmp_path / "ck")
     zarrckpt.save({"w": torch.ones(3)}, url)
     (tmp_path / "ck" / "zarr.json").unlink()
-    (tmp_path / "ck" / ".zarrckpt-pending.json").write_text("{}")  # as a crashed save leaves it
-    zarrckpt.save({"w": torch.full((3,), 2.0)}, url)
+    (tmp_path / "ck" / ".zarrckpt-pending.json").write_text('{"save_id": "dead", "started": "then"}')
+    with pytest.raises(zarrckpt.IncompleteCheckpointError, match="in progress or died"):
+        zarrckpt.save({"w": torch.full((3,), 2.0)}, url)
+    zarrckpt.save({"w": torch.full((3,), 2.0)}, url, overwrite=True)
     got = {"w": torch.zeros(3)}
     zarrckpt.load(got, url)
     assert torch.equal(got["w"], torch.full((3,), 2.0))
+
+
+def test_a_save_that_lost_its_location_does_not_commit(tmp_path: Any) -> None:
+    from zarrckpt import commit as protocol
+    from zarrckpt.format import Manifest
+    from zarrckpt.storage import Storage
+
+    storage = Storage(str(tmp_path / "ck"))
+    first = protocol.prepare(storage, overwrite=False)
+    protocol.prepare(storage, overwrite=True)  # a second save takes over
+    with pytest.raises(zarrckpt.ZarrckptError, match="took this location over"):
+        protocol.commit(storage, Manifest(first, {}, {}, 1))
+    assert not (tmp_path / "ck" / "zarr.json").exists()
 
 
 def test_corrupt_and_truncated_chunks(tmp_path: Any) -> None:

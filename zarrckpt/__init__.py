@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from . import errors
-from .api import load, save
+from .api import delete, list_checkpoints, load, save
+from .asyncsave import async_save
 from .dcp import ZarrReader, ZarrWriter
 from .errors import (
     CheckpointExistsError,
@@ -17,6 +18,7 @@ from .errors import (
     ZarrckptError,
 )
 from .localstate import LocalShard
+from .manager import CheckpointManager
 from .zarr_dtypes import register_zarr_dtypes
 
 __version__ = "0.1.0"
@@ -24,6 +26,7 @@ __version__ = "0.1.0"
 register_zarr_dtypes()  # so plain zarr-python reads our bfloat16 / float8 arrays
 
 __all__ = [
+    "CheckpointManager",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CorruptChunkError",
@@ -37,6 +40,9 @@ __all__ = [
     "ZarrWriter",
     "ZarrckptError",
     "__version__",
+    "async_save",
+    "delete",
+    "list_checkpoints",
     "errors",
     "load",
     "save",

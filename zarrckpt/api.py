@@ -16,7 +16,7 @@ from . import commit as protocol
 from . import dtypes
 from .dist import Group
 from .errors import LayoutMismatchError, ZarrckptError
-from .format import ArrayMeta, Manifest, library_name
+from .format import MANIFEST, PENDING, ArrayMeta, Manifest, library_name
 from .keys import Path, flat_key, iter_leaves, nest, set_leaf
 from .layout import Box
 from .localstate import LocalShard, collect, from_json_value, tensor_box
@@ -197,3 +197,22 @@ def _tensor_request(meta: ArrayMeta, box: Box, target: torch.Tensor, finish: lis
     staging = torch.empty(target.shape, dtype=target.dtype, pin_memory=torch.cuda.is_available())
     finish.append(lambda: target.detach().copy_(staging, non_blocking=False))
     return Request(meta, box, dtypes.as_numpy(staging))
+
+
+def delete(url: URL, *, storage_options: dict[str, Any] | None = None) -> None:
+    """Delete the checkpoint at ``url``: its manifest first (so no reader sees half of it), then the rest."""
+    storage = Storage(url, storage_options)
+    storage.delete(MANIFEST)
+    storage.delete_all()
+
+
+def list_checkpoints(root_url: URL, *, storage_options: dict[str, Any] | None = None) -> dict[str, str]:
+    """The checkpoints directly under ``root_url``: name -> ``"committed"`` or ``"incomplete"``."""
+    root = Storage(root_url, storage_options)
+    found = {}
+    for name in root.children():
+        if root.exists(f"{name}/{MANIFEST}"):
+            found[name] = "committed"
+        elif root.exists(f"{name}/{PENDING}"):
+            found[name] = "incomplete"
+    return found

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import uuid
 from datetime import UTC, datetime
+from typing import Any
 
 from .errors import (
     CheckpointExistsError,
@@ -55,6 +56,11 @@ def prepare(storage: Storage, overwrite: bool) -> str:
             raise ZarrckptError(
                 f"refusing to write to {storage.url!r}: it is not empty and holds no zarrckpt checkpoint"
             )
+        if not overwrite:
+            raise IncompleteCheckpointError(
+                f"another save to {storage.url!r} is in progress or died before committing ({_pending(storage)}); "
+                "pass overwrite=True to replace it once no other save is running"
+            )
         storage.delete_all()  # leftovers of a save that never committed
     save_id = uuid.uuid4().hex
     storage.write(PENDING, [json.dumps({"save_id": save_id, "started": now()}).encode()])
@@ -64,10 +70,26 @@ def prepare(storage: Storage, overwrite: bool) -> str:
 def commit(storage: Storage, manifest: Manifest) -> None:
     """Write the manifest (the commit point), then drop the pending marker.
 
-    Called once every rank has written its shards and ``zarr.json`` documents.
+    Called once every rank has written its shards and ``zarr.json`` documents. Refuses when the
+    pending marker is no longer this save's: another save took the location over meanwhile.
     """
+    marker = _pending(storage)
+    if marker.get("save_id") != manifest.save_id:
+        raise ZarrckptError(
+            f"not committing {storage.url!r}: another save took this location over while it was written "
+            f"(pending marker: {marker or 'missing'}); this save is abandoned"
+        )
     storage.write(MANIFEST, [manifest.dumps()])
     storage.delete(PENDING)
+
+
+def _pending(storage: Storage) -> dict[str, Any]:
+    """The pending marker's content ({} when absent or unreadable)."""
+    try:
+        doc = json.loads(storage.read(PENDING))
+    except (FileNotFoundError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
 
 
 def check_unchanged(storage: Storage, save_id: str) -> None:

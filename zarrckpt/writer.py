@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from functools import partial
 from typing import Any
 
@@ -19,14 +19,22 @@ from .storage import Storage
 log = logging.getLogger("zarrckpt")
 
 
-def write_rank(storage: Storage, plan: SavePlan, local: LocalState, rank: int) -> int:
-    """Write every shard ``rank`` owns and its share of the ``zarr.json`` documents.
+def write_rank(
+    storage: Storage,
+    plan: SavePlan,
+    local: LocalState,
+    rank: int,
+    keys: Collection[str] | None = None,
+    metadata: bool = True,
+) -> int:
+    """Write the shards ``rank`` owns (of ``keys`` only, when given) and, with ``metadata``, its
+    share of the ``zarr.json`` documents.
 
     Returns the number of bytes written. Objects are written concurrently.
     """
     start = time.perf_counter()
     host: dict[str, Any] = {}  # key -> numpy view of the local part, on the host
-    shards = plan.shards_of(rank)
+    shards = [(m, idx) for m, idx in plan.shards_of(rank) if keys is None or m.key in keys]
     for meta, _ in shards:  # stage on the host first (GPU -> CPU copies stay on this thread)
         if meta.key not in host:
             host[meta.key] = dtypes.as_numpy(local.tensors[meta.key].data.detach().cpu())
@@ -43,7 +51,7 @@ def write_rank(storage: Storage, plan: SavePlan, local: LocalState, rank: int) -
         storage.write(job[0], [job[1]])
         return len(job[1])
 
-    docs = plan.metadata_of(rank)
+    docs = plan.metadata_of(rank) if metadata else []
     jobs: list[Callable[[], int]] = [partial(write_shard, j) for j in shards]
     jobs += [partial(write_doc, d) for d in docs]
     written = sum(storage.run_all(lambda job: job(), jobs))

@@ -1,0 +1,141 @@
+"""async_save and CheckpointManager."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import zarrckpt
+from multiproc import run_ranks
+from states import check_loaded, mixed_state
+
+
+def _state(value: float, n: int = 6) -> dict[str, Any]:
+    return {"model": {f"w{i}": torch.full((128, 64), value + i) for i in range(n)}, "step": int(value)}
+
+
+def _assert_loads(url: str, value: float, **kw: Any) -> None:
+    got = _state(-1.0)
+    zarrckpt.load(got, url, **kw)
+    want = _state(value)
+    assert all(torch.equal(got["model"][k], want["model"][k]) for k in want["model"]) and got["step"] == want["step"]
+
+
+def test_async_save_stages_then_training_may_continue(tmp_path: Path) -> None:
+    state = _state(1.0)
+    future = zarrckpt.async_save(state, str(tmp_path / "ck"))
+    for t in state["model"].values():  # the training loop changes the weights right away
+        t.add_(100.0)
+    assert future.result(timeout=60) is None
+    _assert_loads(str(tmp_path / "ck"), 1.0)
+
+
+def test_staging_budget_bounds_host_copies(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    budget = 2 * 128 * 64 * 4  # two of the six tensors
+    with caplog.at_level(logging.INFO, logger="zarrckpt"):
+        zarrckpt.async_save(_state(3.0), str(tmp_path / "ck"), staging_budget_bytes=budget).result(timeout=60)
+    peaks = [int(m.group(1)) for m in re.finditer(r"peak (\d+) bytes staged", caplog.text)]
+    assert peaks and 0 < peaks[-1] <= budget, caplog.text
+    _assert_loads(str(tmp_path / "ck"), 3.0)
+
+
+def test_failure_surfaces_through_the_future(tmp_path: Path) -> None:
+    url = str(tmp_path / "ck")
+    zarrckpt.save(_state(1.0), url)
+    future = zarrckpt.async_save(_state(2.0), url)
+    with pytest.raises(zarrckpt.CheckpointExistsError):
+        future.result(timeout=60)
+    _assert_loads(url, 1.0)
+
+
+def test_layout_errors_raise_at_the_call(tmp_path: Path) -> None:
+    with pytest.raises(zarrckpt.errors.InvalidKeyError):
+        zarrckpt.async_save({"a..b": torch.zeros(1)}, str(tmp_path / "ck"))
+
+
+def test_one_save_in_flight(tmp_path: Path) -> None:
+    first = zarrckpt.async_save(_state(1.0, n=20), str(tmp_path / "a"))
+    second = zarrckpt.async_save(_state(2.0), str(tmp_path / "b"))
+    assert first.done(), "the second call waits for the first save to finish"
+    second.result(timeout=60)
+    _assert_loads(str(tmp_path / "b"), 2.0)
+
+
+def _async_ranks(rank: int, world: int, url: str) -> None:
+    future = zarrckpt.async_save(mixed_state(rank, world, fill=True, save_world=world), url, staging_budget_bytes=512)
+    future.result(timeout=120)
+
+
+def _load_ranks(rank: int, world: int, url: str) -> None:
+    state = mixed_state(rank, world, fill=False, save_world=4)
+    zarrckpt.load(state, url)
+    check_loaded(state, rank, world, 4)
+
+
+def test_async_save_multi_rank(tmp_path: Path) -> None:
+    url = str(tmp_path / "ck")
+    run_ranks(4, _async_ranks, url)
+    run_ranks(3, _load_ranks, url)
+
+
+def test_manager_retention_and_resume(tmp_path: Path) -> None:
+    root = str(tmp_path / "run")
+    manager = zarrckpt.CheckpointManager(root, interval=2, keep_last=2, keep_every=4)
+    for step in range(11):
+        manager.save(step, _state(float(step)))
+    manager.wait()
+    assert manager.steps() == [0, 4, 8, 10]
+    assert manager.latest() == 10
+    target = _state(-1.0)
+    assert manager.load_latest(target) == 10
+    assert torch.equal(target["model"]["w0"], torch.full((128, 64), 10.0))
+    manager.close()
+
+
+def test_manager_removes_uncommitted_leftovers(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    manager = zarrckpt.CheckpointManager(str(root), interval=1, keep_last=5, async_save=False)
+    manager.save(1, _state(1.0))
+    for step in (3, 9):  # saves that died before committing
+        (root / f"step_{step:010d}").mkdir(parents=True)
+        (root / f"step_{step:010d}" / ".zarrckpt-pending.json").write_text("{}")
+    manager.save(5, _state(5.0))
+    manager.wait()
+    assert not (root / "step_0000000003").exists(), "an old leftover is removed"
+    assert (root / "step_0000000009").exists(), "a newer one may still be in progress: kept"
+    assert manager.steps() == [1, 5] and manager.latest() == 5
+    assert zarrckpt.list_checkpoints(str(root))["step_0000000009"] == "incomplete"
+    manager.close()
+
+
+def test_two_managers_same_step(tmp_path: Path) -> None:
+    root = str(tmp_path / "run")
+    first = zarrckpt.CheckpointManager(root, interval=10, keep_last=3)
+    second = zarrckpt.CheckpointManager(root, interval=10, keep_last=3)
+    first.save(10, _state(1.0)).result(timeout=60)
+    with pytest.raises(zarrckpt.CheckpointExistsError, match="already exists"):
+        second.save(10, _state(2.0)).result(timeout=60)
+    # a save of that step still in progress (its pending marker is there): refused as well
+    (tmp_path / "run" / "step_0000000020").mkdir()
+    (tmp_path / "run" / "step_0000000020" / ".zarrckpt-pending.json").write_text('{"save_id": "x"}')
+    with pytest.raises(zarrckpt.IncompleteCheckpointError, match="in progress"):
+        second.save(20, _state(2.0)).result(timeout=60)
+    _assert_loads(first.url(10), 1.0)
+    first.close()
+    second.close()
+
+
+def test_manager_on_s3(s3_url: tuple[str, dict[str, Any]]) -> None:
+    url, opts = s3_url
+    manager = zarrckpt.CheckpointManager(url, interval=1, keep_last=1, storage_options=opts)
+    for step in range(3):
+        manager.save(step, _state(float(step)))
+    manager.wait()
+    assert manager.steps() == [2]
+    _assert_loads(manager.url(2), 2.0, storage_options=opts)
+    manager.close()

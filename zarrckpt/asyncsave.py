@@ -1,0 +1,171 @@
+"""``async_save``: stage to host memory, return, and write in the background.
+
+The caller's thread collects the state, agrees on the plan with the other ranks (so layout
+errors raise right away) and copies every local tensor to host memory (pinned when it lives on
+a GPU). A background thread prepares the location, writes each tensor's shards as soon as it
+is staged, and commits. With a staging budget, staged-but-unwritten bytes never exceed it: the
+caller waits for the writer to free room, so a state larger than the budget is partly written
+before ``async_save`` returns.
+
+Background collectives use a process group of their own (gloo), created on the first call, so
+they never interleave with the training loop's collectives.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+
+from . import commit as protocol
+from .dist import Group
+from .format import Manifest, library_name
+from .localstate import LocalState, LocalTensor, collect
+from .plan import DEFAULT_CHUNK_BYTES, SavePlan, build_save_plan
+from .storage import Storage
+from .writer import write_rank
+
+log = logging.getLogger("zarrckpt")
+_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zarrckpt-async")
+_background_groups: dict[Any, Any] = {}
+_last: Future[None] | None = None
+_lock = threading.Lock()
+atexit.register(_executor.shutdown, wait=True)  # a save in flight finishes before the process exits
+
+
+def async_save(
+    state_dict: Any,
+    url: Any,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    process_group: Any = None,
+    overwrite: bool = False,
+    staging_budget_bytes: int | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> Future[None]:
+    """Start saving ``state_dict`` to ``url`` and return once it is staged; every rank calls it.
+
+    The returned future completes when the checkpoint is committed, or carries the error. One
+    save is in flight at a time: a call first waits for the previous one to finish.
+    ``staging_budget_bytes`` bounds the host memory holding staged copies (default: no bound).
+    """
+    global _last
+    with _lock:
+        if _last is not None:
+            wait_for([_last])
+        group = Group(process_group)
+        local = group.run_together(lambda: collect(state_dict), "collecting the state dict")
+        plan = build_save_plan(group.all_gather_json(local.describe()), chunk_bytes)
+        background = Group(_background_group(process_group)) if group.active else group
+        job = _Job(Storage(url, storage_options), plan, background, overwrite, staging_budget_bytes)
+        future = _executor.submit(job.run)
+        job.stage(local)
+        _last = future
+        return future
+
+
+def _background_group(process_group: Any) -> Any:
+    """A gloo group over the same ranks, for the background thread's collectives (created once)."""
+    key = id(process_group)
+    if key not in _background_groups:
+        ranks = torch_dist.get_process_group_ranks(process_group) if process_group is not None else None
+        _background_groups[key] = torch_dist.new_group(ranks=ranks, backend="gloo")
+    return _background_groups[key]
+
+
+@dataclass
+class _Job:
+    storage: Storage
+    plan: SavePlan
+    group: Group
+    overwrite: bool
+    budget: int | None
+    staged: list[LocalTensor | None] = field(default_factory=list)  # None marks the end
+    in_flight: int = 0  # staged bytes not yet written
+    peak: int = 0
+    failed: bool = False
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+    def stage(self, local: LocalState) -> None:
+        """Caller's thread: copy each local tensor to host memory, within the budget."""
+        start = time.perf_counter()
+        for tensor in local.tensors.values():
+            nbytes = tensor.data.nbytes
+            with self.cond:
+                self.cond.wait_for(partial(self._ready_for, nbytes))
+                if self.failed:
+                    return
+            host = _to_host(tensor.data)
+            with self.cond:
+                self.in_flight += nbytes
+                self.peak = max(self.peak, self.in_flight)
+                self.staged.append(LocalTensor(**{**tensor.__dict__, "data": host}))
+                self.cond.notify_all()
+        with self.cond:
+            self.staged.append(None)
+            self.cond.notify_all()
+        log.info(
+            "async save staged %d tensors in %.3fs, peak %d bytes staged",
+            len(local.tensors),
+            time.perf_counter() - start,
+            self.peak,
+        )
+
+    def _ready_for(self, nbytes: int) -> bool:
+        """True once ``nbytes`` more fit in the budget (a tensor larger than it goes alone), or on failure."""
+        fits = self.budget is None or self.in_flight == 0 or self.in_flight + nbytes <= self.budget
+        return self.failed or fits
+
+    def run(self) -> None:
+        """Background thread: prepare, write tensors as they are staged, commit."""
+        try:
+            save_id = self.group.run_together(self._prepare, "preparing")
+            self.group.run_together(self._write_all, "writing shards")
+            manifest = Manifest(
+                save_id, self.plan.arrays, self.plan.values, self.plan.world_size, protocol.now(), library_name()
+            )
+            self.group.run_together(
+                lambda: protocol.commit(self.storage, manifest) if self.group.rank == 0 else None, "committing"
+            )
+        except BaseException:
+            with self.cond:
+                self.failed = True
+                self.cond.notify_all()
+            raise
+
+    def _prepare(self) -> str:
+        return protocol.prepare(self.storage, self.overwrite) if self.group.rank == 0 else ""
+
+    def _write_all(self) -> None:
+        rank = self.group.rank
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: bool(self.staged))
+                tensor = self.staged.pop(0)
+            if tensor is None:
+                break
+            write_rank(self.storage, self.plan, LocalState({tensor.key: tensor}, {}, {}), rank, {tensor.key}, False)
+            with self.cond:
+                self.in_flight -= tensor.data.nbytes
+                self.cond.notify_all()
+        write_rank(self.storage, self.plan, LocalState({}, {}, {}), rank, set(), True)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy the training loop can no longer change (pinned for GPU tensors)."""
+    t = t.detach()
+    if t.device.type == "cpu":
+        return t.clone()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(t.device).synchronize()
+    return host
