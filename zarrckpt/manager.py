@@ -102,15 +102,20 @@ class CheckpointManager:
         )
         return step
 
-    def cleanup(self) -> list[int]:
-        """Delete uncommitted leftovers older than the latest committed step (rank 0). Returns their steps."""
+    def cleanup(self, *, all_incomplete: bool = False) -> list[int]:
+        """Delete uncommitted leftovers (rank 0); returns their steps.
+
+        By default only those older than the latest committed step (a newer one may still be
+        being written). ``all_incomplete=True`` deletes every one: call it when no save can be
+        running, e.g. when a job restarts after a crash, before ``load_latest``.
+        """
         if self.rank != 0:
             return []
         found = list_checkpoints(self.root, storage_options=self.storage_options)
         committed = [int(m.group(1)) for n, s in found.items() if s == "committed" and (m := _STEP.match(n))]
         newest = max(committed, default=-1)
         stale = [int(m.group(1)) for n, s in found.items() if s == "incomplete" and (m := _STEP.match(n))]
-        stale = [s for s in stale if s < newest]
+        stale = [s for s in stale if all_incomplete or s < newest]
         self._delete(stale)
         return stale
 

@@ -22,7 +22,7 @@ from .layout import Box, Shape, cell_box, cells_in
 from .shard import EMPTY, chunk_indices, chunks_per_shard, decode_chunk, decode_index, index_nbytes
 from .storage import Storage
 
-MAX_REQUEST_BYTES = 32 * 1024 * 1024  # one GET fetches at most this much (bounds read buffers)
+MAX_REQUEST_BYTES = 8 * 1024 * 1024  # one GET fetches at most this much (bounds read buffers)
 
 
 @dataclass(frozen=True)
