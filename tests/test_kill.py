@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import zarrckpt
 from kill_worker import COLS, ROWS, TENSORS, global_tensor
 from multiproc import free_port
+
+import zarrckpt
 
 WORLD = 2
 TRIALS = 20
@@ -26,8 +26,13 @@ def _start(root: str, step: int) -> list[subprocess.Popen[str]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
     worker = str(Path(__file__).parent / "kill_worker.py")
     return [
-        subprocess.Popen([sys.executable, worker, str(r), str(WORLD), str(port), root, str(step)],
-                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        subprocess.Popen(
+            [sys.executable, worker, str(r), str(WORLD), str(port), root, str(step)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
         for r in range(WORLD)
     ]
 
@@ -85,8 +90,11 @@ def test_kill_9_during_save(tmp_path: Path) -> None:
             _assert_bit_exact(url, 2)
         else:
             outcomes["invisible"] += 1
-            with pytest.raises((zarrckpt.IncompleteCheckpointError, zarrckpt.CheckpointNotFoundError)):
+            invisible = (zarrckpt.IncompleteCheckpointError, zarrckpt.CheckpointNotFoundError)
+            with pytest.raises(invisible):
                 zarrckpt.load(_target(), url)
+            with pytest.raises(invisible):
+                zarrckpt.open(url)
             assert manager.latest() == 1
         _assert_bit_exact(manager.url(1), 1)
         manager.cleanup(all_incomplete=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from . import errors
 from .api import delete, list_checkpoints, load, save
 from .asyncsave import async_save
+from .checkpoint import Checkpoint, TensorView, open
 from .dcp import ZarrReader, ZarrWriter
 from .errors import (
     CheckpointExistsError,
@@ -12,6 +13,7 @@ from .errors import (
     CorruptChunkError,
     IncompleteCheckpointError,
     InvalidCheckpointError,
+    KeyNotFoundError,
     LayoutMismatchError,
     SaveLayoutError,
     StorageError,
@@ -26,16 +28,19 @@ __version__ = "0.1.0"
 register_zarr_dtypes()  # so plain zarr-python reads our bfloat16 / float8 arrays
 
 __all__ = [
+    "Checkpoint",
     "CheckpointManager",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CorruptChunkError",
     "IncompleteCheckpointError",
     "InvalidCheckpointError",
+    "KeyNotFoundError",
     "LayoutMismatchError",
     "LocalShard",
     "SaveLayoutError",
     "StorageError",
+    "TensorView",
     "ZarrReader",
     "ZarrWriter",
     "ZarrckptError",
@@ -45,5 +50,6 @@ __all__ = [
     "list_checkpoints",
     "errors",
     "load",
+    "open",
     "save",
 ]

@@ -96,7 +96,7 @@ def check_unchanged(storage: Storage, save_id: str) -> None:
     """Fail if the checkpoint was overwritten or deleted since its manifest was read."""
     try:
         current = read_manifest(storage).save_id
-    except ZarrckptError:
+    except (CheckpointNotFoundError, IncompleteCheckpointError, InvalidCheckpointError):
         current = None
     if current != save_id:
         raise IncompleteCheckpointError(

@@ -9,6 +9,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "InvalidCheckpointError",
     "InvalidKeyError",
+    "KeyNotFoundError",
     "LayoutMismatchError",
     "SaveLayoutError",
     "StorageError",
@@ -35,6 +36,13 @@ class CheckpointExistsError(ZarrckptError):
 
 class InvalidCheckpointError(ZarrckptError):
     """The checkpoint's metadata is malformed, of an unknown format version, or inconsistent."""
+
+
+class KeyNotFoundError(ZarrckptError, KeyError):
+    """No tensor with this key in the checkpoint; the message suggests the closest keys."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0])
 
 
 class LayoutMismatchError(ZarrckptError):

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import random
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -14,6 +17,9 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from .errors import StorageError, ZarrckptError
+from .retry import RetryPolicy, current_policy, is_transient
+
+log = logging.getLogger("zarrckpt")
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -33,7 +39,11 @@ Buffer = bytes | memoryview
 
 
 class Storage:
-    """A checkpoint root on some fsspec filesystem; paths are relative to the root."""
+    """A checkpoint root on some fsspec filesystem; paths are relative to the root.
+
+    Every request is retried on transient failures (see :mod:`zarrckpt.retry`); ``retry``
+    defaults to :func:`zarrckpt.retry.current_policy`.
+    """
 
     def __init__(
         self,
@@ -41,6 +51,7 @@ class Storage:
         storage_options: dict[str, Any] | None = None,
         *,
         concurrency: int = 0,
+        retry: RetryPolicy | None = None,
     ) -> None:
         self.url = os.fspath(url)
         if not self.url:
@@ -55,6 +66,8 @@ class Storage:
         self._made: set[str] = set()  # local directories known to exist
         self._buffers: list[bytearray] = []  # reusable read buffers (local files)
         self._lock = threading.Lock()
+        self.retry = retry or current_policy()
+        self._jitter = random.Random()  # private: never perturb the global RNG a trainer checkpoints
 
     def _abs(self, path: str) -> str:
         return f"{self.root}/{path}" if path else self.root
@@ -63,44 +76,73 @@ class Storage:
         """A human-readable location for error messages."""
         return f"{self.url.rstrip('/')}/{path}"
 
-    @contextlib.contextmanager
-    def _failing(self, what: str, path: str, *, missing_ok: bool = True) -> Iterator[None]:
-        """Turn storage failures into StorageError; FileNotFoundError passes when ``missing_ok``."""
-        try:
-            yield
-        except FileNotFoundError as e:
-            if missing_ok:
-                raise
-            raise StorageError(f"{what} {self.where(path)} failed: {e} (does the bucket/directory exist?)") from e
-        except (OSError, RuntimeError, ValueError) as e:
-            raise StorageError(f"{what} {self.where(path)} failed: {type(e).__name__}: {e}") from e
+    def _request(self, what: str, path: str, fn: Callable[[], T], *, missing_ok: bool = True) -> T:
+        """Run one storage request, retrying transient failures with backoff; failures become
+        StorageError, except FileNotFoundError, which passes (unretried) when ``missing_ok``."""
+        policy = self.retry
+        for attempt in range(1, policy.attempts + 1):
+            try:
+                return fn()
+            except FileNotFoundError as e:
+                if missing_ok:
+                    raise
+                raise StorageError(f"{what} {self.where(path)} failed: {e} (does the bucket/directory exist?)") from e
+            except Exception as e:
+                if not is_transient(e):
+                    if isinstance(e, (OSError, RuntimeError, ValueError)):
+                        raise StorageError(f"{what} {self.where(path)} failed: {type(e).__name__}: {e}") from e
+                    raise
+                if attempt == policy.attempts:
+                    tries = f"{attempt} attempts" if attempt > 1 else "1 attempt (retries are off)"
+                    raise StorageError(
+                        f"{what} {self.where(path)} failed after {tries}: {type(e).__name__}: {e}"
+                    ) from e
+                pause = policy.delay(attempt, self._jitter.random())
+                log.log(
+                    logging.DEBUG if attempt < 3 else logging.INFO,
+                    "retrying %s %s in %.2fs (attempt %d of %d failed: %s: %s)",
+                    what,
+                    self.where(path),
+                    pause,
+                    attempt,
+                    policy.attempts,
+                    type(e).__name__,
+                    e,
+                )
+                time.sleep(pause)
+        raise AssertionError("unreachable")
 
     # -- single objects -------------------------------------------------------------------
     def write(self, path: str, parts: Sequence[Buffer]) -> None:
-        """Write one object from its parts; remote stores get exactly one PUT."""
-        with self._failing("writing", path, missing_ok=False):
-            self._write(self._abs(path), parts)
+        """Write one object from its parts; remote stores get exactly one PUT (per attempt).
 
-    def _write(self, full: str, parts: Sequence[Buffer]) -> None:
-        if self.local:  # write aside, flush to disk, then rename: never a half-written file
-            parent = os.path.dirname(full)
-            if parent not in self._made:
-                os.makedirs(parent, exist_ok=True)
-                self._made.add(parent)
-            tmp = f"{full}.{uuid.uuid4().hex[:12]}.tmp"
-            try:
-                with open(tmp, "wb") as f:
-                    for p in parts:
-                        f.write(p)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, full)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.remove(tmp)
-                raise
+        A retried write rewrites the whole object, so a write that failed after it landed is harmless.
+        """
+        full = self._abs(path)
+        if self.local:
+            self._request("writing", path, lambda: self._write_local(full, parts), missing_ok=False)
         else:
-            self.fs.pipe_file(full, b"".join(parts))
+            data = b"".join(parts)
+            self._request("writing", path, lambda: self.fs.pipe_file(full, data), missing_ok=False)
+
+    def _write_local(self, full: str, parts: Sequence[Buffer]) -> None:
+        """Write aside, flush to disk, then rename: never a half-written file."""
+        parent = os.path.dirname(full)
+        if parent not in self._made:
+            os.makedirs(parent, exist_ok=True)
+            self._made.add(parent)
+        tmp = f"{full}.{uuid.uuid4().hex[:12]}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                for p in parts:
+                    f.write(p)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, full)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
 
     @contextlib.contextmanager
     def reading(self, path: str, start: int | None = None, end: int | None = None) -> Iterator[memoryview]:
@@ -111,37 +153,46 @@ class Storage:
         if not self.local:
             yield memoryview(self.read(path, start, end))
             return
-        with self._failing("reading", path):
-            f = open(self._abs(path), "rb")  # noqa: SIM115 - closed below
-        with f:
-            lo = start or 0
-            hi = os.fstat(f.fileno()).st_size if end is None else end
-            buf = self._take_buffer(max(0, hi - lo))
-            try:
-                f.seek(lo)
-                view = memoryview(buf)
-                n = f.readinto(view[: max(0, hi - lo)])
-                yield view[:n]
-                view.release()
-            finally:
-                with self._lock:
-                    self._buffers.append(buf)
+
+        def fill() -> tuple[bytearray, int]:
+            with open(self._abs(path), "rb") as f:
+                lo = start or 0
+                nbytes = max(0, (os.fstat(f.fileno()).st_size if end is None else end) - lo)
+                buf = self._take_buffer(nbytes)
+                try:
+                    f.seek(lo)
+                    with memoryview(buf) as view:
+                        return buf, f.readinto(view[:nbytes])
+                except BaseException:
+                    self._give_buffer(buf)
+                    raise
+
+        buf, n = self._request("reading", path, fill)
+        try:
+            view = memoryview(buf)
+            yield view[:n]
+            view.release()
+        finally:
+            self._give_buffer(buf)
 
     def read_into(self, path: str, offset: int, buffers: Sequence[memoryview]) -> int:
         """Local files only: fill ``buffers`` in order from ``offset`` (one vectored read); bytes read."""
-        with self._failing("reading", path):
+
+        def fill() -> int:
             fd = os.open(self._abs(path), os.O_RDONLY)
-        try:
-            total = 0
-            for i in range(0, len(buffers), 512):  # stay under IOV_MAX
-                batch = buffers[i : i + 512]
-                n = os.preadv(fd, batch, offset + total)
-                total += n
-                if n < sum(len(b) for b in batch):
-                    break
-            return total
-        finally:
-            os.close(fd)
+            try:
+                total = 0
+                for i in range(0, len(buffers), 512):  # stay under IOV_MAX
+                    batch = buffers[i : i + 512]
+                    n = os.preadv(fd, batch, offset + total)
+                    total += n
+                    if n < sum(len(b) for b in batch):
+                        break
+                return total
+            finally:
+                os.close(fd)
+
+        return self._request("reading", path, fill)
 
     def _take_buffer(self, nbytes: int) -> bytearray:
         with self._lock:
@@ -152,32 +203,44 @@ class Storage:
                 self._buffers.pop(0)  # too small: let it go
         return bytearray(nbytes)
 
+    def _give_buffer(self, buf: bytearray) -> None:
+        with self._lock:
+            self._buffers.append(buf)
+
     def read(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
         """Read an object or the byte range ``[start, end)``; FileNotFoundError when absent."""
-        with self._failing("reading", path):
-            data = self.fs.cat_file(self._abs(path), start=start, end=end)
-        return bytes(data)
+        full = self._abs(path)
+        return bytes(self._request("reading", path, lambda: self.fs.cat_file(full, start=start, end=end)))
 
     def exists(self, path: str) -> bool:
-        with self._failing("checking", path):
-            return bool(self.fs.exists(self._abs(path)))
+        full = self._abs(path)
+        return bool(self._request("checking", path, lambda: self.fs.exists(full)))
 
     def delete(self, path: str) -> None:
-        with contextlib.suppress(FileNotFoundError), self._failing("deleting", path):
-            self.fs.rm_file(self._abs(path))
+        """Delete one object; a missing object is fine (so is a retry of a delete that landed)."""
+        full = self._abs(path)
+        with contextlib.suppress(FileNotFoundError):
+            self._request("deleting", path, lambda: self.fs.rm_file(full))
 
     def is_empty(self) -> bool:
         """True when nothing is stored under the root."""
         try:
-            with self._failing("listing", ""):
-                return not self.fs.find(self.root, maxdepth=None, withdirs=False)
+            return not self._request("listing", "", lambda: self.fs.find(self.root, maxdepth=None, withdirs=False))
         except FileNotFoundError:
             return True
 
+    def children(self) -> list[str]:
+        """Names of the entries directly under the root (sorted; empty when the root is absent)."""
+        try:
+            entries = self._request("listing", "", lambda: self.fs.ls(self.root, detail=False, refresh=True))
+        except FileNotFoundError:
+            return []
+        return sorted({str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries} - {""})
+
     def delete_all(self) -> None:
         """Delete everything under the root (the root itself may remain, empty)."""
-        with contextlib.suppress(FileNotFoundError), self._failing("deleting", ""):
-            self.fs.rm(self.root, recursive=True)
+        with contextlib.suppress(FileNotFoundError):
+            self._request("deleting", "", lambda: self.fs.rm(self.root, recursive=True))
         self.fs.invalidate_cache()
         self._made.clear()
 

@@ -1,0 +1,187 @@
+"""Read-only, lazy access to a committed checkpoint: ``zarrckpt.open(url)``.
+
+Opening reads the manifest only (one GET); indexing a tensor reads just the inner chunks the
+index touches. No process group is needed.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from . import commit as protocol
+from . import dtypes
+from .errors import KeyNotFoundError, ZarrckptError
+from .format import ArrayMeta, Manifest
+from .keys import nest
+from .layout import Box
+from .reader import Request, read_regions
+from .storage import Storage
+
+
+def open(url: Any, *, storage_options: dict[str, Any] | None = None) -> Checkpoint:
+    """Open the committed checkpoint at ``url`` for reading (no process group needed)."""
+    storage = Storage(url, storage_options)
+    return Checkpoint(storage, protocol.read_manifest(storage))
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    storage: Storage
+    manifest: Manifest
+
+    def keys(self) -> list[str]:
+        """Tensor keys, sorted."""
+        return sorted(self.manifest.arrays)
+
+    def __len__(self) -> int:
+        return len(self.manifest.arrays)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.manifest.arrays
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def __getitem__(self, key: str) -> TensorView:
+        meta = self.manifest.arrays.get(key)
+        if meta is None:
+            close = difflib.get_close_matches(key, list(self.manifest.arrays), n=3, cutoff=0.6)
+            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise KeyNotFoundError(f"no tensor {key!r} in {self.storage.url!r}{hint}")
+        return TensorView(self, meta)
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """The non-tensor state (step, config, ...), nested as it was saved."""
+        return nest(self.manifest.values)
+
+    @property
+    def topology(self) -> dict[str, Any]:
+        return {"world_size": self.manifest.world_size}
+
+    def tensors(self) -> list[dict[str, Any]]:
+        """One row per tensor: key, role, shape, dtype, bytes, shard and inner-chunk shape."""
+        return [
+            {
+                "key": m.key,
+                "role": m.role,
+                "shape": list(m.shape),
+                "dtype": m.dtype,
+                "bytes": m.nbytes,
+                "shard": list(m.shard_shape),
+                "chunk": list(m.chunk_shape),
+            }
+            for m in sorted(self.manifest.arrays.values(), key=lambda m: m.key)
+        ]
+
+    def __repr__(self) -> str:
+        total = sum(m.nbytes for m in self.manifest.arrays.values())
+        return f"<zarrckpt.Checkpoint {self.storage.url!r}: {len(self)} tensors, {total / 1e6:.1f} MB>"
+
+
+@dataclass(frozen=True)
+class TensorView:
+    """A stored tensor, read lazily: ``view[5, :4]`` reads only the chunks that index touches."""
+
+    checkpoint: Checkpoint
+    meta: ArrayMeta
+
+    @property
+    def key(self) -> str:
+        return self.meta.key
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.meta.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return dtypes.torch_dtype(self.meta.dtype)
+
+    @property
+    def role(self) -> str:
+        return self.meta.role
+
+    @property
+    def nbytes(self) -> int:
+        return self.meta.nbytes
+
+    @property
+    def path(self) -> str:
+        return self.checkpoint.storage.where(self.meta.path)
+
+    def __repr__(self) -> str:
+        return f"<TensorView {self.key!r} {list(self.shape)} {self.meta.dtype} role={self.role}>"
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        """The indexed part as a tensor: ints (negative too), slices (with steps), ``...``."""
+        out = torch.from_numpy(self._raw(index))
+        return out.view(self.dtype) if out.dtype != self.dtype else out
+
+    def read(self) -> torch.Tensor:
+        """The whole tensor."""
+        return self[...]
+
+    def numpy(self, index: Any = Ellipsis) -> np.ndarray:
+        """As numpy (bfloat16 / float8 as ``ml_dtypes`` types, bit-exact)."""
+        raw = self._raw(index)
+        exotic = {
+            "bfloat16": ml_dtypes.bfloat16,
+            "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
+            "float8_e5m2": ml_dtypes.float8_e5m2,
+        }.get(self.meta.dtype)
+        return raw.view(exotic) if exotic is not None else raw
+
+    def _raw(self, index: Any) -> np.ndarray:
+        box, local = _plan_index(index, self.shape)
+        buf = np.empty(box.sizes, dtype=dtypes.storage_dtype(self.meta.dtype))
+        if box.volume:
+            read_regions(self.checkpoint.storage, [Request(self.meta, box, buf)])
+        return np.array(buf[local])  # a C-contiguous copy; 0-d stays 0-d
+
+
+def _plan_index(index: Any, shape: tuple[int, ...]) -> tuple[Box, tuple[Any, ...]]:
+    """The bounding box an index reads, and how to index that box to get the result."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    if sum(i is Ellipsis for i in items) > 1:
+        raise ZarrckptError("an index can hold at most one '...'")
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        items[at : at + 1] = [slice(None)] * (len(shape) - len(items) + 1)
+    if len(items) > len(shape):
+        raise ZarrckptError(f"too many indices ({len(items)}) for a tensor of shape {list(shape)}")
+    items += [slice(None)] * (len(shape) - len(items))
+    lo: list[int] = []
+    size: list[int] = []
+    local: list[Any] = []
+    for d, (item, n) in enumerate(zip(items, shape, strict=True)):
+        if isinstance(item, (int, np.integer)) and not isinstance(item, bool):
+            i = int(item) + n if item < 0 else int(item)
+            if not 0 <= i < n:
+                raise ZarrckptError(f"index {item} is out of range for dimension {d} of size {n}")
+            lo.append(i)
+            size.append(1)
+            local.append(0)
+        elif isinstance(item, slice):
+            r = range(*item.indices(n))
+            if len(r) == 0:
+                lo.append(0)
+                size.append(0)
+                local.append(slice(0, 0))
+                continue
+            first, last = min(r[0], r[-1]), max(r[0], r[-1])
+            lo.append(first)
+            size.append(last - first + 1)
+            start = r[0] - first
+            stop = start + len(r) * r.step
+            local.append(slice(start, stop if stop >= 0 else None, r.step))
+        else:
+            raise ZarrckptError(f"unsupported index {item!r} for dimension {d}: use ints, slices and '...'")
+    return Box(tuple(lo), tuple(size)), tuple(local)
