@@ -22,8 +22,9 @@ def state(rank: int, world: int, step: int) -> dict:
     rows = ROWS // world
     return {
         "model": {
-            f"w{i}": zarrckpt.LocalShard(global_tensor(step, i)[rank * rows : (rank + 1) * rows].clone(),
-                                         (ROWS, COLS), (rank * rows, 0))
+            f"w{i}": zarrckpt.LocalShard(
+                global_tensor(step, i)[rank * rows : (rank + 1) * rows].clone(), (ROWS, COLS), (rank * rows, 0)
+            )
             for i in range(TENSORS)
         },
         "step": step,
@@ -32,8 +33,9 @@ def state(rank: int, world: int, step: int) -> dict:
 
 def main() -> None:
     rank, world, port, root, step = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
     sd = state(rank, world, step)
     manager = zarrckpt.CheckpointManager(root, interval=1, keep_last=10, async_save=False)
     dist.barrier()

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 import torch
-
-import zarrckpt
 from multiproc import run_ranks
 from states import check_loaded, mixed_state
+
+import zarrckpt
 
 
 def _state(value: float, n: int = 6) -> dict[str, Any]:
