@@ -39,6 +39,10 @@ _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zarrckpt-async
 _background_groups: dict[Any, Any] = {}
 _last: Future[None] | None = None
 _lock = threading.Lock()
+# Host staging buffers, kept for the next async_save (no fresh allocation and page faults each
+# time); holds at most what one save had staged at once. release_staging() frees them.
+_pool: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+_pool_lock = threading.Lock()
 atexit.register(_executor.shutdown, wait=True)  # a save in flight finishes before the process exits
 
 
@@ -154,18 +158,38 @@ class _Job:
             if tensor is None:
                 break
             write_rank(self.storage, self.plan, LocalState({tensor.key: tensor}, {}, {}), rank, {tensor.key}, False)
+            _recycle(tensor.data)
             with self.cond:
                 self.in_flight -= tensor.data.nbytes
                 self.cond.notify_all()
         write_rank(self.storage, self.plan, LocalState({}, {}, {}), rank, set(), True)
 
 
+def release_staging() -> None:
+    """Free the host staging buffers async_save keeps between saves."""
+    with _pool_lock:
+        _pool.clear()
+
+
+def _pool_key(t: torch.Tensor) -> tuple[Any, ...]:
+    return (tuple(t.shape), t.dtype, t.is_pinned())
+
+
 def _to_host(t: torch.Tensor) -> torch.Tensor:
     """A host copy the training loop can no longer change (pinned for GPU tensors)."""
     t = t.detach()
-    if t.device.type == "cpu":
-        return t.clone()
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    torch.cuda.current_stream(t.device).synchronize()
+    gpu = t.device.type != "cpu"
+    with _pool_lock:
+        free = _pool.get((tuple(t.shape), t.dtype, gpu))
+        host = free.pop() if free else None
+    if host is None:
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=gpu)
+    host.copy_(t, non_blocking=gpu)
+    if gpu:
+        torch.cuda.current_stream(t.device).synchronize()
     return host
+
+
+def _recycle(t: torch.Tensor) -> None:
+    with _pool_lock:
+        _pool.setdefault(_pool_key(t), []).append(t)
