@@ -21,7 +21,7 @@ from .keys import Path, flat_key, iter_leaves, nest, set_leaf
 from .layout import Box
 from .localstate import LocalShard, collect, from_json_value, tensor_box
 from .plan import DEFAULT_CHUNK_BYTES, build_save_plan
-from .reader import Request, read_regions
+from .reader import Request, allocate, read_regions
 from .storage import Storage
 from .writer import write_rank
 
@@ -176,7 +176,7 @@ def _plan_targets(
         if meta is None:
             continue
         if meta.kind == "bytes":
-            buf = np.empty(meta.shape, dtype=np.uint8)
+            buf = allocate(meta)
             requests.append(Request(meta, Box.full(meta.shape), buf))
             finish.append(partial(_set_bytes, state_dict, path, buf, type(value)))
         elif isinstance(value, np.ndarray):

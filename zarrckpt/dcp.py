@@ -14,7 +14,6 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import torch
 from torch.distributed.checkpoint import StorageReader, StorageWriter
 from torch.distributed.checkpoint._traverse import set_element
@@ -46,7 +45,7 @@ from .layout import Box, Shape, cell_box, grid_shape
 from .localstate import LocalState, LocalTensor, collect, from_json_value
 from .plan import DEFAULT_CHUNK_BYTES, build_save_plan
 from .plan import SavePlan as ZSavePlan
-from .reader import Request, read_regions
+from .reader import Request, allocate, read_regions
 from .storage import Storage
 from .writer import write_rank
 
@@ -227,7 +226,7 @@ class ZarrReader(StorageReader):
                     values.append((item, manifest.values[key]))
                 else:
                     meta = manifest.arrays[key]
-                    buf = np.empty(meta.shape, dtype=dtypes.storage_dtype(meta.dtype))
+                    buf = allocate(meta)
                     requests.append(Request(meta, Box.full(meta.shape), buf))
                     values.append((item, buf))
                 continue

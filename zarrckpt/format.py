@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import math
+import reprlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +22,9 @@ MANIFEST = "zarr.json"
 PENDING = ".zarrckpt-pending.json"
 KINDS = ("tensor", "bytes", "ndarray")
 MAX_ELEMENTS = 2**62
+MAX_RANK = 64  # numpy's limit
+
+Bad = Callable[[str], InvalidCheckpointError]
 
 
 @dataclass(frozen=True)
@@ -89,57 +94,107 @@ class ArrayMeta:
         }
 
     @classmethod
-    def from_json(cls, path: str, doc: Any) -> ArrayMeta:
+    def from_json(cls, path: str, doc: Any, where: str = "the checkpoint") -> ArrayMeta:
         """Parse an array ``zarr.json`` written by zarrckpt, rejecting anything else clearly."""
 
         def bad(why: str) -> InvalidCheckpointError:
-            return InvalidCheckpointError(f"array metadata at {path!r} is invalid: {why}")
+            return InvalidCheckpointError(f"array metadata {path!r} in {where} is invalid: {why}")
 
-        try:
-            attrs = doc["attributes"]["zarrckpt"]
-            key = attrs["key"]
-            shape = _int_tuple(doc["shape"], "shape")
-            dtype = doc["data_type"]
-            shard = _int_tuple(doc["chunk_grid"]["configuration"]["chunk_shape"], "chunk_grid")
-            (codec,) = doc["codecs"]
-            conf = codec["configuration"]
-            chunk = _int_tuple(conf["chunk_shape"], "inner chunk_shape")
-            role, kind = attrs.get("role", "other"), attrs.get("kind", "tensor")
-            inner = [c["name"] for c in conf["codecs"]]
-            index_codecs = [c["name"] for c in conf["index_codecs"]]
-            location = conf.get("index_location", "end")
-            topology = attrs.get("topology", {})
-        except (KeyError, TypeError, ValueError) as e:
-            raise bad(f"missing or malformed field ({e!r})") from None
-        if not isinstance(key, str):
-            raise bad("key is not a string")
+        attrs = "attributes.zarrckpt."
+        _check_version(doc, attrs + "format_version", bad)
+        key = _get(doc, attrs + "key", str, bad)
         try:
             validate_keys([key])
         except InvalidKeyError as e:
             raise bad(str(e)) from None
         if key_to_path(key) != path:
             raise bad(f"its key {key!r} does not match its path")
-        if not dtypes.is_known(dtype):
-            raise bad(f"unsupported data_type {dtype!r}")
-        if codec.get("name") != "sharding_indexed" or location != "start":
-            raise bad("expected one sharding_indexed codec with index_location 'start'")
-        if inner != ["bytes", "crc32c"] or index_codecs != ["bytes", "crc32c"]:
-            raise bad(f"unsupported codecs {inner} / {index_codecs}")
+        shape = _shape(doc, "shape", bad)
+        shard = _shape(doc, "chunk_grid.configuration.chunk_shape", bad)
+        codecs = _get(doc, "codecs", list, bad)
+        if len(codecs) != 1:
+            raise bad(f"field 'codecs' must hold exactly one sharding_indexed codec, not {_short(codecs)}")
+        chunk = _shape(codecs[0], "configuration.chunk_shape", bad, at="codecs[0].")
+        dtype = _get(doc, "data_type", str, bad)
+        role = _get(doc, attrs + "role", str, bad, "other")
+        kind = _get(doc, attrs + "kind", str, bad, "tensor")
+        topology = _get(doc, attrs + "topology", dict, bad, {})
         if not (len(shape) == len(shard) == len(chunk)):
             raise bad("shape, shard shape and chunk shape have different ranks")
-        if any(c < 1 or s < 1 or s % c for s, c in zip(shard, chunk, strict=True)):
-            raise bad(f"inner chunks {list(chunk)} do not evenly divide shards {list(shard)}")
-        if math.prod(shape) > MAX_ELEMENTS or math.prod(shard) > MAX_ELEMENTS:
-            raise bad(f"absurd shape {list(shape)}")
-        if role not in ROLES or kind not in KINDS or not isinstance(topology, dict):
-            raise bad(f"unknown role {role!r} or kind {kind!r}")
-        return cls(key, shape, dtype, shard, chunk, role, kind, topology)
+        if math.prod(max(n, 1) for n in shape) > MAX_ELEMENTS:
+            raise bad(f"absurd shape {_short(shape)}")
+        if any(not 1 <= s <= max(n, 1) for n, s in zip(shape, shard, strict=True)):
+            raise bad(f"shard shape {_short(shard)} is not within 1..shape {_short(shape)} in every dimension")
+        if any(c < 1 or s % c for s, c in zip(shard, chunk, strict=True)):
+            raise bad(f"inner chunks {_short(chunk)} do not evenly divide shards {_short(shard)}")
+        if not dtypes.is_known(dtype):
+            raise bad(f"unsupported data_type {_short(dtype)}")
+        if role not in ROLES or kind not in KINDS:
+            raise bad(f"unknown role {_short(role)} or kind {_short(kind)}")
+        if kind == "bytes" and (dtype != "uint8" or len(shape) != 1):
+            raise bad(f"a bytes value must be stored as 1-D uint8, not {len(shape)}-D {dtype}")
+        if _get(doc, attrs + "order", str, bad, "C") != "C" or doc.get("storage_transformers"):
+            raise bad("only C order and no storage transformers are supported")
+        meta = cls(key, shape, dtype, shard, chunk, role, kind, topology)
+        expected = meta.to_json()
+        for name in ("zarr_format", "node_type", "chunk_grid", "chunk_key_encoding", "fill_value", "codecs"):
+            if doc.get(name) != expected[name]:
+                raise bad(f"field {name!r} is {_short(doc.get(name))}, zarrckpt writes {_short(expected[name])}")
+        return meta
 
 
-def _int_tuple(value: Any, what: str) -> Shape:
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
-        raise ValueError(f"{what} must be a list of non-negative integers")
+_REQUIRED: Any = object()
+_TYPE_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer"}
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 80
+
+
+def _short(value: Any) -> str:
+    """A bounded ``repr`` of an untrusted value, for error messages."""
+    return _REPR.repr(value)
+
+
+def _get(doc: Any, path: str, kind: type, bad: Bad, default: Any = _REQUIRED, at: str = "") -> Any:
+    """``doc[a][b]...`` for ``path`` ``"a.b..."``, checked to be a ``kind`` (a bool is no int)."""
+    node, name, parts = doc, at + path, path.split(".")
+    for i, part in enumerate(parts):
+        if not isinstance(node, dict):
+            parent = (at + ".".join(parts[:i])).rstrip(".")
+            raise bad(f"{repr(parent) if parent else 'the document'} must be a JSON object, not {_short(node)}")
+        if part not in node:
+            if default is _REQUIRED:
+                raise bad(f"field {name!r} is missing")
+            return default
+        node = node[part]
+    if not isinstance(node, kind) or (isinstance(node, bool) and kind is not bool):
+        raise bad(f"field {name!r} must be {_TYPE_NAMES[kind]}, not {_short(node)}")
+    return node
+
+
+def _shape(doc: Any, path: str, bad: Bad, at: str = "") -> Shape:
+    value = _get(doc, path, list, bad, at=at)
+    if len(value) > MAX_RANK or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        raise bad(f"field {at + path!r} must be at most {MAX_RANK} non-negative integers, not {_short(value)}")
     return tuple(value)
+
+
+def _check_version(doc: Any, path: str, bad: Bad) -> None:
+    version = _get(doc, path, int, bad)
+    if version > FORMAT_VERSION:
+        raise bad(f"format version {version} is newer than this zarrckpt reads (1..{FORMAT_VERSION}): upgrade zarrckpt")
+    if version < 1:
+        raise bad(f"field {path!r}: format version {version} does not exist")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"non-finite number {text}")
+    return value
+
+
+def _no_constant(text: str) -> Any:
+    raise ValueError(f"non-finite number {text}")
 
 
 def library_name() -> str:
@@ -194,38 +249,42 @@ class Manifest:
 
     @classmethod
     def loads(cls, raw: bytes, where: str) -> Manifest:
+        """Parse a manifest (untrusted bytes); every problem is an InvalidCheckpointError naming ``where``."""
+
         def bad(why: str) -> InvalidCheckpointError:
             return InvalidCheckpointError(f"checkpoint manifest {where} is invalid: {why}")
 
         try:
-            doc = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise bad(f"not JSON ({e})") from None
+            doc = json.loads(raw, parse_float=_finite, parse_constant=_no_constant)
+        except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+            raise bad(f"not JSON ({_short(e)})") from None
         if not isinstance(doc, dict) or doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
             raise bad("not a Zarr v3 group")
-        attrs = doc.get("attributes")
-        info = attrs.get("zarrckpt") if isinstance(attrs, dict) else None
-        if not isinstance(info, dict):
+        if not isinstance(doc.get("attributes"), dict) or not isinstance(doc["attributes"].get("zarrckpt"), dict):
             raise bad("it is a Zarr group but not a zarrckpt checkpoint (no 'zarrckpt' attribute)")
-        version = info.get("format_version")
-        if not isinstance(version, int) or isinstance(version, bool) or version > FORMAT_VERSION or version < 1:
-            raise bad(f"format version {version!r} is not supported by this zarrckpt (reads 1..{FORMAT_VERSION})")
-        try:
-            nodes = doc["consolidated_metadata"]["metadata"]
-            save_id, values, world = info["save_id"], info["values"], info["world_size"]
-            if not isinstance(nodes, dict) or not isinstance(values, dict) or not isinstance(save_id, str):
-                raise TypeError("wrong types")
-            if not isinstance(world, int):
-                raise TypeError("world_size must be an integer")
-        except (KeyError, TypeError) as e:
-            raise bad(f"missing or malformed field ({e!r})") from None
+        info = "attributes.zarrckpt."
+        _check_version(doc, info + "format_version", bad)
+        save_id = _get(doc, info + "save_id", str, bad)
+        world = _get(doc, info + "world_size", int, bad)
+        if world < 1:
+            raise bad(f"field {info + 'world_size'!r} must be a positive integer, not {world}")
+        values = _get(doc, info + "values", dict, bad)
+        created, library = _get(doc, info + "created", str, bad, ""), _get(doc, info + "library", str, bad, "")
+        nodes = _get(doc, "consolidated_metadata.metadata", dict, bad)
         arrays = {}
         for path, node in nodes.items():
-            if isinstance(node, dict) and node.get("node_type") == "array":
-                meta = ArrayMeta.from_json(path, node)
+            if not path or any(s in ("", ".", "..") or "\\" in s or "\0" in s for s in path.split("/")):
+                raise bad(f"consolidated metadata has a node at the unsafe path {_short(path)}")
+            node_type = node.get("node_type") if isinstance(node, dict) else None
+            if node_type == "array":
+                meta = ArrayMeta.from_json(path, node, where)
                 arrays[meta.key] = meta
+            elif node_type != "group":
+                raise bad(f"consolidated metadata node {_short(path)} is neither a group nor an array: {_short(node)}")
         try:
             validate_keys([*arrays, *values])
         except InvalidKeyError as e:
             raise bad(str(e)) from None
-        return cls(save_id, arrays, values, world, str(info.get("created", "")), str(info.get("library", "")))
+        if both := sorted(arrays.keys() & values.keys()):
+            raise bad(f"keys stored both as an array and as a value: {_short(both)}")
+        return cls(save_id, arrays, values, world, created, library)

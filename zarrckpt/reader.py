@@ -16,7 +16,7 @@ import crc32c
 import numpy as np
 
 from . import dtypes
-from .errors import CorruptChunkError
+from .errors import CorruptChunkError, InvalidCheckpointError
 from .format import ArrayMeta
 from .layout import Box, Shape, cell_box, cells_in
 from .shard import EMPTY, chunk_indices, chunks_per_shard, decode_chunk, decode_index, index_nbytes
@@ -63,6 +63,17 @@ def plan_reads(requests: Sequence[Request]) -> list[_ShardTask]:
     return list(tasks.values())
 
 
+def allocate(meta: ArrayMeta) -> np.ndarray:
+    """A host buffer for a whole stored array (bytes values, DCP byte items)."""
+    try:
+        return np.empty(meta.shape, dtype=dtypes.storage_dtype(meta.dtype))
+    except (MemoryError, ValueError) as e:
+        raise InvalidCheckpointError(
+            f"{meta.key!r} claims {meta.nbytes} bytes, more than can be allocated here ({e}); the checkpoint "
+            "metadata is probably corrupted"
+        ) from None
+
+
 def read_regions(storage: Storage, requests: Sequence[Request]) -> int:
     """Fill every request's ``dest``; returns the number of bytes fetched from storage."""
     return sum(storage.run_all(lambda t: _read_shard(storage, t), plan_reads(requests)))
@@ -85,19 +96,24 @@ def _read_shard(storage: Storage, task: _ShardTask) -> int:
     head = index_nbytes(n_chunks)
     size = meta.chunk_nbytes + 4
     needed = sorted(task.needs)
+    stored = _stored_chunks(meta, task.index)
+    # chunks sit back to back after the index, in index order (FORMAT.md §5): anything else is corrupt
+    layout = {k: head + i * size for i, k in enumerate(stored)}
     try:
         whole = head + size * len(needed)
-        if not storage.local and whole <= MAX_REQUEST_BYTES and needed == _stored_chunks(meta, task.index):
+        if not storage.local and whole <= MAX_REQUEST_BYTES and needed == stored:
             with storage.reading(path) as blob:  # the whole object in one request
                 index = decode_index(bytes(blob[:head]), n_chunks, storage.where(path), meta.key)
                 for k in needed:
-                    offset = _check_entry(index[k], size, meta, path, k)
+                    offset = _check_entry(index[k], size, layout, meta, path, k)
                     _copy_chunk(task, k, blob[offset : offset + size], path)
                 return len(blob)
         with storage.reading(path, 0, head) as raw_index:
             index = decode_index(bytes(raw_index), n_chunks, storage.where(path), meta.key)
+        for k in needed:
+            _check_entry(index[k], size, layout, meta, path, k)
         fetched = head
-        for run in _runs(needed, index, size, meta, path):
+        for run in _runs(needed, layout, size):
             start = int(index[run[0]][0])
             direct = [_direct_view(task, k) for k in run] if storage.local else []
             if direct and all(v is not None for v in direct):
@@ -160,28 +176,24 @@ def _copy_chunk(task: _ShardTask, k: int, raw: memoryview, path: str) -> None:
         req.dest[part.relative_to(req.box.offsets).slices()] = chunk[part.relative_to(origin).slices()]
 
 
-def _check_entry(entry: np.ndarray, size: int, meta: ArrayMeta, path: str, k: int) -> int:
+def _check_entry(entry: np.ndarray, size: int, layout: dict[int, int], meta: ArrayMeta, path: str, k: int) -> int:
+    """The offset of inner chunk ``k``, after checking its index entry against the shard layout."""
     offset, nbytes = int(entry[0]), int(entry[1])
     if offset == EMPTY or nbytes != size:
         state = "is missing from" if offset == EMPTY else f"has a wrong size ({nbytes} bytes) in"
-        raise CorruptChunkError(
-            f"inner chunk {k} of {meta.key!r} {state} shard {path}", key=meta.key, chunk=f"{path}#{k}"
-        )
-    return offset
+    elif offset != layout.get(k):
+        state = f"is stored at offset {offset}, not {layout.get(k)}, in"
+    else:
+        return offset
+    raise CorruptChunkError(f"inner chunk {k} of {meta.key!r} {state} shard {path}", key=meta.key, chunk=f"{path}#{k}")
 
 
-def _runs(needed: list[int], index: np.ndarray, size: int, meta: ArrayMeta, path: str) -> list[list[int]]:
+def _runs(needed: list[int], layout: dict[int, int], size: int) -> list[list[int]]:
     """Split needed chunk numbers into runs stored back to back, each one ranged GET of bounded size."""
     runs: list[list[int]] = []
     for k in needed:
-        offset = _check_entry(index[k], size, meta, path, k)
         last = runs[-1][-1] if runs else None
-        if (
-            last is not None
-            and k == last + 1
-            and offset == int(index[last][0]) + size
-            and (len(runs[-1]) + 1) * size <= MAX_REQUEST_BYTES
-        ):
+        if last is not None and layout[k] == layout[last] + size and (len(runs[-1]) + 1) * size <= MAX_REQUEST_BYTES:
             runs[-1].append(k)
         else:
             runs.append([k])
