@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from functools import partial
@@ -53,7 +54,8 @@ class CheckpointManager:
         self.rank = torch_dist.get_rank(process_group) if torch_dist.is_initialized() else 0
         self._saving: Future[None] | None = None
         self._deleter = ThreadPoolExecutor(max_workers=delete_workers, thread_name_prefix="zarrckpt-delete")
-        self._deleting: list[Future[None]] = []
+        self._deleting: list[Future[None]] = []  # background retention work (guarded by _lock)
+        self._lock = threading.Lock()
 
     def url(self, step: int) -> str:
         return f"{self.root}/step_{step:010d}"
@@ -120,7 +122,8 @@ class CheckpointManager:
         return stale
 
     def _background(self, fn: Any) -> None:
-        self._deleting.append(self._deleter.submit(fn))
+        with self._lock:
+            self._deleting.append(self._deleter.submit(fn))
 
     def _retain(self) -> None:
         steps = self.steps()
@@ -139,9 +142,14 @@ class CheckpointManager:
         """Wait for the save in flight and for deletions; re-raise a failed save."""
         if self._saving is not None:
             self._saving.result()
-        while self._deleting:
-            done, _ = wait_for(list(self._deleting))
-            self._deleting = [f for f in self._deleting if f not in done]
+        while True:
+            with self._lock:
+                pending = list(self._deleting)
+            if not pending:
+                return
+            done, _ = wait_for(pending)
+            with self._lock:
+                self._deleting = [f for f in self._deleting if f not in done]
             for f in done:
                 if f.exception() is not None:
                     log.warning("deleting an old checkpoint failed: %s", f.exception())
