@@ -347,7 +347,7 @@ def report(args: argparse.Namespace, runs: list[dict[str, float]], usage: dict[s
         f"{os.cpu_count()} CPUs, gloo, 1 torch thread per rank; storage: {args.tmp or tempfile.gettempdir()}",
         "- DCP: `FileSystemWriter(path)` defaults (one file per rank, 1 thread, "
         + ("but `sync_files=False`); " if args.dcp_no_sync else "`sync_files=True`: fsyncs its files); ")
-        + "zarrckpt: defaults (fsyncs its files; local I/O threads per rank: min(4, CPUs))",
+        + "zarrckpt: defaults (fsyncs its files; per rank 8 write threads, min(4, CPUs) read threads)",
         f"- medians of {len(runs)} repetition(s); time = max over ranks between barriers; GB/s = state bytes / time "
         "(1 GB = 1e9 B)",
         "- each spawn first saves and loads a tiny state with both libraries (warm-up, not timed)",

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from zarrckpt.plan import DEFAULT_CHUNK_BYTES
-from zarrckpt.storage import LOCAL_CONCURRENCY
+from zarrckpt.storage import LOCAL_WRITE_CONCURRENCY
 
 MiB = 1 << 20
 SLACK = 48 * MiB  # allocator and interpreter noise, measured well below this
@@ -23,7 +23,7 @@ def test_extra_rss_is_bounded(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     extra = json.loads(out.stdout.strip().splitlines()[-1])
     print({k: f"{v / MiB:.1f} MiB" for k, v in extra.items()})
-    per_worker = LOCAL_CONCURRENCY * (DEFAULT_CHUNK_BYTES + 4)
+    per_worker = LOCAL_WRITE_CONCURRENCY * (DEFAULT_CHUNK_BYTES + 4)
     assert extra["async_save"] <= budget + per_worker + SLACK, extra
     assert extra["save"] <= per_worker + SLACK, extra
     assert extra["load"] <= per_worker + SLACK, extra

@@ -24,15 +24,18 @@ log = logging.getLogger("zarrckpt")
 T = TypeVar("T")
 R = TypeVar("R")
 REMOTE_CONCURRENCY = 16  # object stores are latency-bound: many requests in flight
-LOCAL_CONCURRENCY = 4  # local disks are CPU/memcpy-bound: more threads than cores only contend
+LOCAL_WRITE_CONCURRENCY = 8  # local writes wait on fsync: overlap several
+LOCAL_READ_CONCURRENCY = 4  # local reads are memcpy-bound: more threads than cores only contend
 
 
-def default_concurrency(local: bool) -> int:
+def default_concurrency(local: bool, writing: bool) -> int:
     """Requests in flight per rank: ``$ZARRCKPT_CONCURRENCY``, else a default per storage kind."""
     env = os.environ.get("ZARRCKPT_CONCURRENCY", "")
     if env.isdigit() and int(env) > 0:
         return int(env)
-    return min(LOCAL_CONCURRENCY, os.cpu_count() or 1) if local else REMOTE_CONCURRENCY
+    if not local:
+        return REMOTE_CONCURRENCY
+    return LOCAL_WRITE_CONCURRENCY if writing else min(LOCAL_READ_CONCURRENCY, os.cpu_count() or 1)
 
 
 Buffer = bytes | memoryview
@@ -62,7 +65,8 @@ class Storage:
             raise ZarrckptError(f"cannot open storage for {self.url!r}: {e}") from e
         self.root = root.rstrip("/")
         self.local = isinstance(self.fs, LocalFileSystem)
-        self.concurrency = concurrency or default_concurrency(self.local)
+        self.concurrency = concurrency or default_concurrency(self.local, writing=False)
+        self.write_concurrency = concurrency or default_concurrency(self.local, writing=True)
         self._made: set[str] = set()  # local directories known to exist
         self._buffers: list[bytearray] = []  # reusable read buffers (local files)
         self._lock = threading.Lock()
@@ -245,12 +249,13 @@ class Storage:
         self._made.clear()
 
     # -- concurrency ----------------------------------------------------------------------
-    def run_all(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
+    def run_all(self, fn: Callable[[T], R], items: Iterable[T], *, writing: bool = False) -> list[R]:
         """Run ``fn`` over ``items`` with bounded concurrency; results in order; re-raise the first failure."""
         items = list(items)
-        if len(items) <= 1 or self.concurrency == 1:
+        limit = min(self.write_concurrency if writing else self.concurrency, len(items))
+        if limit <= 1:
             return [fn(item) for item in items]
-        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(items)), thread_name_prefix="zarrckpt") as pool:
+        with ThreadPoolExecutor(max_workers=limit, thread_name_prefix="zarrckpt") as pool:
             futures: list[Future[R]] = [pool.submit(fn, item) for item in items]
             wait(futures, return_when=FIRST_EXCEPTION)
             for fut in futures:  # after a failure, start nothing more

@@ -54,6 +54,6 @@ def write_rank(
     docs = plan.metadata_of(rank) if metadata else []
     jobs: list[Callable[[], int]] = [partial(write_shard, j) for j in shards]
     jobs += [partial(write_doc, d) for d in docs]
-    written = sum(storage.run_all(lambda job: job(), jobs))
+    written = sum(storage.run_all(lambda job: job(), jobs, writing=True))
     log.info("rank %d wrote %d objects, %.1f MB in %.2fs", rank, len(jobs), written / 1e6, time.perf_counter() - start)
     return written
