@@ -102,3 +102,19 @@ def test_open_refuses_missing_and_uncommitted(tmp_path: Path) -> None:
     (tmp_path / "ck" / "zarr.json").unlink()
     with pytest.raises(zarrckpt.IncompleteCheckpointError):
         zarrckpt.open(str(tmp_path / "ck"))
+
+
+def test_verify_reports_every_problem(tmp_path: Path) -> None:
+    url = str(tmp_path / "ck")
+    zarrckpt.save({"a": torch.randn(64, 64), "b": torch.randn(64, 64), "c": torch.zeros(3)}, url, chunk_bytes=4096)
+    summary = zarrckpt.open(url).verify()
+    assert summary["problems"] == [] and summary["tensors"] == 3 and summary["bytes_read"] >= 2 * 64 * 64 * 4
+    shard = tmp_path / "ck/a/c/0/0"
+    raw = bytearray(shard.read_bytes())
+    raw[5000] ^= 1
+    shard.write_bytes(bytes(raw))
+    (tmp_path / "ck/b/c/0/0").unlink()
+    problems = zarrckpt.open(url).verify()["problems"]
+    assert len(problems) == 2
+    assert "'a'" in problems[0] and "crc32c" in problems[0]
+    assert "'b'" in problems[1] and "missing" in problems[1]

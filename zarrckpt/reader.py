@@ -79,6 +79,19 @@ def read_regions(storage: Storage, requests: Sequence[Request]) -> int:
     return sum(storage.run_all(lambda t: _read_shard(storage, t), plan_reads(requests)))
 
 
+def verify_array(storage: Storage, meta: ArrayMeta) -> int:
+    """Read every stored chunk of ``meta`` and check the shard indexes and every checksum.
+
+    Returns the bytes fetched; raises CorruptChunkError for the first problem found.
+    """
+    tasks = []
+    for sidx in cells_in(Box.full(meta.shape), meta.shard_shape):
+        task = _ShardTask(meta, sidx)
+        task.needs = {k: [] for k in _stored_chunks(meta, sidx)}  # checked, copied nowhere
+        tasks.append(task)
+    return sum(storage.run_all(lambda t: _read_shard(storage, t), tasks))
+
+
 def _stored_chunks(meta: ArrayMeta, sidx: Shape) -> list[int]:
     """Inner chunk numbers of a shard that lie (at least partly) inside the array."""
     shard = cell_box(sidx, meta.shard_shape, meta.shape)
