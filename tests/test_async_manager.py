@@ -139,3 +139,25 @@ def test_manager_on_s3(s3_url: tuple[str, dict[str, Any]]) -> None:
     assert manager.steps() == [2]
     _assert_loads(manager.url(2), 2.0, storage_options=opts)
     manager.close()
+
+
+def test_staging_failure_commits_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from zarrckpt import asyncsave
+
+    calls = {"n": 0}
+    real = asyncsave._to_host
+
+    def flaky(t: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("device copy failed")
+        return real(t)
+
+    monkeypatch.setattr(asyncsave, "_to_host", flaky)
+    with pytest.raises(RuntimeError, match="device copy failed"):
+        zarrckpt.async_save(_state(1.0), str(tmp_path / "ck"))
+    monkeypatch.setattr(asyncsave, "_to_host", real)
+    future = zarrckpt.async_save(_state(2.0), str(tmp_path / "other"))  # waits for the abandoned one
+    future.result(timeout=60)
+    with pytest.raises(zarrckpt.IncompleteCheckpointError):
+        zarrckpt.load(_state(0.0), str(tmp_path / "ck"))

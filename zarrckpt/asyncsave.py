@@ -28,6 +28,7 @@ import torch.distributed as torch_dist
 
 from . import commit as protocol
 from .dist import Group
+from .errors import ZarrckptError
 from .format import Manifest, library_name
 from .localstate import LocalState, LocalTensor, collect
 from .plan import DEFAULT_CHUNK_BYTES, SavePlan, build_save_plan
@@ -72,8 +73,8 @@ def async_save(
         background = Group(_background_group(process_group)) if group.active else group
         job = _Job(Storage(url, storage_options), plan, background, overwrite, staging_budget_bytes)
         future = _executor.submit(job.run)
-        job.stage(local)
         _last = future
+        job.stage(local)
         return future
 
 
@@ -97,10 +98,24 @@ class _Job:
     in_flight: int = 0  # staged bytes not yet written
     peak: int = 0
     failed: bool = False
+    stage_failed: bool = False
     cond: threading.Condition = field(default_factory=threading.Condition)
 
     def stage(self, local: LocalState) -> None:
-        """Caller's thread: copy each local tensor to host memory, within the budget."""
+        """Caller's thread: copy each local tensor to host memory, within the budget.
+
+        If staging fails, the background save is told so and abandons the checkpoint uncommitted.
+        """
+        try:
+            self._stage(local)
+        except BaseException:
+            with self.cond:
+                self.stage_failed = True
+                self.staged.append(None)
+                self.cond.notify_all()
+            raise
+
+    def _stage(self, local: LocalState) -> None:
         start = time.perf_counter()
         for tensor in local.tensors.values():
             nbytes = tensor.data.nbytes
@@ -156,6 +171,8 @@ class _Job:
                 self.cond.wait_for(lambda: bool(self.staged))
                 tensor = self.staged.pop(0)
             if tensor is None:
+                if self.stage_failed:
+                    raise ZarrckptError("copying the state to host memory failed on this rank; nothing was committed")
                 break
             write_rank(self.storage, self.plan, LocalState({tensor.key: tensor}, {}, {}), rank, {tensor.key}, False)
             _recycle(tensor.data)
