@@ -232,3 +232,14 @@ def test_bad_urls(s3_url: tuple[str, dict[str, Any]]) -> None:
         zarrckpt.save({"w": torch.zeros(1)}, "s3://no-such-bucket/ckpt", storage_options=opts)
     with pytest.raises(zarrckpt.CheckpointNotFoundError):
         zarrckpt.load({"w": torch.zeros(1)}, "s3://no-such-bucket/ckpt", storage_options=opts)
+
+
+def test_file_url(tmp_path: Any) -> None:
+    url = (tmp_path / "ck").as_uri()  # file:///...
+    assert url.startswith("file://")
+    want = _state()
+    zarrckpt.save(want, url)
+    got = _state(fill=False)
+    zarrckpt.load(got, url)
+    _assert_equal(got, want)
+    assert (tmp_path / "ck" / "zarr.json").exists()
