@@ -33,6 +33,11 @@ def test_async_save_stages_then_training_may_continue(tmp_path: Path) -> None:
         t.add_(100.0)
     assert future.result(timeout=60) is None
     _assert_loads(str(tmp_path / "ck"), 1.0)
+    from zarrckpt import asyncsave
+
+    assert asyncsave._pool, "staging buffers are kept for the next save"
+    asyncsave.release_staging()
+    assert not asyncsave._pool
 
 
 def test_staging_budget_bounds_host_copies(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
