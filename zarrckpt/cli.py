@@ -1,7 +1,8 @@
-"""Command-line inspection of checkpoints: ``zarrckpt ls|info|show|verify|diff``.
+"""The ``zarrckpt`` command line: ``ls|info|show|verify|diff`` to inspect, ``export|import`` to convert.
 
-Only the public read API (``zarrckpt.open``) is used. Exit codes: 0 ok, 1 differences or verify
-problems, 2 usage errors, 3 zarrckpt errors (bad URL, missing checkpoint, unknown key, bad slice).
+Only the public API is used (``zarrckpt.open``, ``zarrckpt.export``, ``zarrckpt.importer``).
+Exit codes: 0 ok, 1 differences or verify problems, 2 usage errors, 3 zarrckpt errors (bad URL,
+missing checkpoint or source, unknown key or role, bad slice, existing output).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 import torch
 
 import zarrckpt
+from zarrckpt.export import DEFAULT_MAX_SHARD_BYTES, ROLES, export_safetensors
+from zarrckpt.importer import KINDS, import_checkpoint
 
 BLOCK_BYTES = 64 << 20  # tensors larger than this are compared in row blocks
 _INT = re.compile(r"^[+-]?\d+$")
@@ -247,6 +250,45 @@ def cmd_diff(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
     return 1 if differ else 0
 
 
+def cmd_export(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
+    summary = export_safetensors(
+        args.url,
+        args.out,
+        roles=args.role or None,
+        dtype=args.dtype,
+        include=args.include or None,
+        max_shard_bytes=args.max_shard_size,
+        strip_prefix=args.strip_prefix,
+        storage_options=opts,
+        progress=args.progress or sys.stderr.isatty(),
+        overwrite=args.overwrite,
+    )
+    if args.json:
+        emit_json(summary)
+        return 0
+    files = summary["files"] + ([summary["index"]] if summary["index"] else [])
+    print(
+        f"exported {summary['tensors']} tensors, {human(summary['bytes'])}"
+        + (f" as {summary['dtype']}" if summary["dtype"] else "")
+        + f" to {summary['out']} in {summary['seconds']:.2f} s"
+    )
+    for name in files:
+        print(f"  {name}")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
+    summary = import_checkpoint(args.src, args.url, kind=args.kind, storage_options=opts, overwrite=args.overwrite)
+    if args.json:
+        emit_json(summary)
+        return 0
+    print(
+        f"imported {summary['kind']} checkpoint {summary['source']} -> {summary['url']}: {summary['tensors']} tensors "
+        f"({human(summary['bytes'])}), {summary['values']} values in {summary['seconds']:.2f} s"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
@@ -277,6 +319,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("url_a")
     p.add_argument("url_b")
     p.set_defaults(func=cmd_diff)
+    p = sub.add_parser("export", parents=[common], help="write tensors as (sharded) Hugging Face safetensors")
+    p.add_argument("url")
+    p.add_argument("out", help="local output directory (must be empty or absent unless --overwrite)")
+    p.add_argument("--format", choices=["safetensors"], default="safetensors")
+    p.add_argument("--role", action="append", choices=ROLES, default=[], help="keep only this role (repeatable)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="cast floating-point tensors")
+    p.add_argument("--include", action="append", default=[], metavar="PATTERN", help="fnmatch glob on keys")
+    p.add_argument("--strip-prefix", metavar="PREFIX", help="remove this prefix from tensor names, e.g. 'model.'")
+    p.add_argument(
+        "--max-shard-size",
+        default=f"{DEFAULT_MAX_SHARD_BYTES // 10**9}GB",
+        metavar="SIZE",
+        help="largest file, e.g. 500MB, 5GB, 2GiB (default 5GB)",
+    )
+    p.add_argument("--progress", action="store_true", help="progress bar on stderr (default: when it is a tty)")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier export in OUT")
+    p.set_defaults(func=cmd_export)
+    p = sub.add_parser("import", parents=[common], help="convert a DCP, torch.save or safetensors checkpoint")
+    p.add_argument("src", help="DCP directory, torch.save file, .safetensors file, or directory / index json")
+    p.add_argument("url")
+    p.add_argument("--from", dest="kind", choices=KINDS, help="source kind (default: detected)")
+    p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at URL")
+    p.set_defaults(func=cmd_import)
     return parser
 
 

@@ -1,0 +1,397 @@
+"""Import a checkpoint from another format into zarrckpt: DCP directories, ``torch.save`` files,
+safetensors files or sharded safetensors directories.
+
+Nothing here unpickles arbitrary objects: ``torch.save`` files and DCP's non-tensor values are
+read with ``torch.load(weights_only=True)``, and DCP's pickled ``.metadata`` with an unpickler
+that only admits DCP's own metadata classes. Safetensors headers are parsed and checked here,
+and the tensors are memory-mapped, so importing them holds no copy of the data in memory;
+``torch.save`` files are memory-mapped too (zip format). DCP checkpoints are read whole into
+memory first (DCP reads into allocated tensors), so importing one needs RAM for its tensors.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import pickle
+import struct
+import time
+import warnings
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import dtypes
+from .api import save
+from .checkpoint import open as open_checkpoint
+from .errors import CheckpointExistsError, CheckpointNotFoundError, UnsupportedValueError, ZarrckptError
+from .keys import flat_key, iter_leaves
+
+__all__ = ["KINDS", "detect_kind", "import_checkpoint", "read_safetensors"]
+
+KINDS = ("dcp", "torch", "safetensors")
+MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
+
+_ST_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def import_checkpoint(
+    src: str | os.PathLike[str],
+    url: str | os.PathLike[str],
+    *,
+    kind: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+    overwrite: bool = False,
+) -> dict[str, Any]:
+    """Convert the checkpoint at local path ``src`` into a zarrckpt checkpoint at ``url``.
+
+    ``kind`` is ``"dcp"`` (a ``torch.distributed.checkpoint`` directory), ``"torch"`` (a
+    ``torch.save`` file) or ``"safetensors"`` (a ``.safetensors`` file, a directory of them, or a
+    ``*.safetensors.index.json``); by default it is detected from the files. Keys are the
+    source's keys, flattened the way :func:`zarrckpt.save` flattens nested dicts (dotted paths).
+    Runs in one process, no process group. Returns a summary:
+    ``{"source", "kind", "url", "tensors", "values", "bytes", "seconds"}``.
+    """
+    start = time.perf_counter()
+    path = Path(os.fspath(src))
+    if not path.exists():
+        raise ZarrckptError(f"import source {str(path)!r} does not exist (expected a local file or directory)")
+    kind = kind or detect_kind(path)
+    if kind not in KINDS:
+        raise ZarrckptError(f"unknown source kind {kind!r}: choose one of {', '.join(KINDS)}")
+    if not overwrite:  # fail before reading a large source
+        try:
+            open_checkpoint(url, storage_options=storage_options)
+        except CheckpointNotFoundError:
+            pass
+        except ZarrckptError:
+            pass  # an incomplete save is for save() to judge; bad URLs fail the same way below
+        else:
+            raise CheckpointExistsError(
+                f"a committed checkpoint already exists at {os.fspath(url)!r}; pass overwrite=True (--overwrite) "
+                "to replace it"
+            )
+    if kind == "dcp":
+        state = _read_dcp(path)
+    elif kind == "torch":
+        state = _read_torch(path)
+    else:
+        state = read_safetensors(path)
+    tensors = values = nbytes = 0
+    for _, leaf in iter_leaves(state):
+        if isinstance(leaf, torch.Tensor):
+            tensors += 1
+            nbytes += leaf.numel() * leaf.element_size()
+        else:
+            values += 1
+    save(state, url, storage_options=storage_options, overwrite=overwrite)
+    return {
+        "source": str(path),
+        "kind": kind,
+        "url": os.fspath(url),
+        "tensors": tensors,
+        "values": values,
+        "bytes": nbytes,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def detect_kind(path: Path) -> str:
+    """``"dcp"``, ``"torch"`` or ``"safetensors"`` from the files at ``path``."""
+    if path.is_dir():
+        if (path / ".metadata").is_file():
+            return "dcp"
+        if any(path.glob("*.safetensors")) or any(path.glob("*.safetensors.index.json")):
+            return "safetensors"
+        if (path / "zarr.json").is_file():
+            raise ZarrckptError(f"{str(path)!r} is a Zarr checkpoint already; open it with zarrckpt.open")
+        raise ZarrckptError(
+            f"cannot tell what kind of checkpoint the directory {str(path)!r} holds: expected a DCP checkpoint "
+            "(.metadata) or safetensors files (*.safetensors, *.safetensors.index.json); force one with --from"
+        )
+    if path.name.endswith(".safetensors.index.json"):
+        return "safetensors"
+    try:
+        with path.open("rb") as f:
+            head = f.read(9)
+    except OSError as e:
+        raise ZarrckptError(f"cannot read import source {str(path)!r}: {e}") from e
+    if zipfile.is_zipfile(path) or head.startswith(b"\x80\x02\x8a\x0a"):
+        return "torch"
+    if len(head) == 9 and head[8:9] == b"{" and 2 <= struct.unpack("<Q", head[:8])[0] <= MAX_HEADER:
+        return "safetensors"
+    raise ZarrckptError(
+        f"cannot tell what kind of checkpoint {str(path)!r} is: not a torch.save file (zip or legacy pickle) "
+        "nor a safetensors file; force one with --from dcp|torch|safetensors"
+    )
+
+
+# --- torch.save -------------------------------------------------------------------------------
+
+
+def _read_torch(path: Path) -> dict[str, Any]:
+    if path.is_dir():
+        raise ZarrckptError(f"{str(path)!r} is a directory, not a torch.save file")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+    except pickle.UnpicklingError as e:
+        raise UnsupportedValueError(
+            f"{str(path)!r} holds objects that torch.load(weights_only=True) refuses to load ({e}); only tensors "
+            "and plain values (dicts, lists, numbers, strings) are imported, never arbitrary pickles"
+        ) from None
+    except Exception as e:  # torch.load fails in many ways on a damaged file (KeyError, RuntimeError, ...)
+        raise ZarrckptError(f"cannot read {str(path)!r} as a torch.save file: {type(e).__name__}: {e}") from e
+    if isinstance(state, torch.Tensor):
+        return {"tensor": state}
+    if not isinstance(state, dict):
+        raise UnsupportedValueError(
+            f"{str(path)!r} holds a {type(state).__name__}; expected a (nested) dict of tensors and plain values"
+        )
+    return state
+
+
+# --- safetensors --------------------------------------------------------------------------------
+
+
+def read_safetensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Tensors of a safetensors file, a directory of them, or an index json, memory-mapped.
+
+    The tensors are read-only views of the files (copy-on-write): nothing is read until used.
+    """
+    p = Path(os.fspath(path))
+    if p.is_dir():
+        indexes = sorted(p.glob("*.safetensors.index.json"))
+        if len(indexes) > 1:
+            raise ZarrckptError(f"{str(p)!r} holds several index files ({[i.name for i in indexes]}); pass one of them")
+        files = _index_files(indexes[0]) if indexes else sorted(p.glob("*.safetensors"))
+        if not files:
+            raise ZarrckptError(f"no *.safetensors files in {str(p)!r}")
+    elif p.name.endswith(".json"):
+        files = _index_files(p)
+    else:
+        files = [p]
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        for name, t in _read_safetensors_file(f).items():
+            if name in out:
+                raise ZarrckptError(f"tensor {name!r} appears in more than one file (again in {str(f)!r})")
+            out[name] = t
+    return out
+
+
+def _index_files(index: Path) -> list[Path]:
+    try:
+        doc = json.loads(index.read_text())
+        weight_map = doc["weight_map"]
+        assert isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())
+    except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
+        raise ZarrckptError(
+            f"{str(index)!r} is not a safetensors index (a 'weight_map' of name -> file): {e}"
+        ) from None
+    files = []
+    for name in sorted(set(weight_map.values())):
+        f = index.parent / name
+        if Path(name).name != name or not f.is_file():
+            raise ZarrckptError(f"{str(index)!r} names the file {name!r}, which is not in {str(index.parent)!r}")
+        files.append(f)
+    return files
+
+
+def _read_safetensors_file(path: Path) -> dict[str, torch.Tensor]:
+    def bad(why: str) -> ZarrckptError:
+        return ZarrckptError(f"{str(path)!r} is not a valid safetensors file: {why}")
+
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise bad("shorter than its 8-byte header length")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER or n + 8 > size:
+            raise bad(f"header length {n} is beyond the file size ({size} bytes) or the {MAX_HEADER}-byte limit")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise bad(f"header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise bad("header is not a JSON object")
+    header.pop("__metadata__", None)
+    base, data_size = 8 + n, size - 8 - n
+    spans = []
+    out: dict[str, torch.Tensor] = {}
+    mm = np.memmap(path, dtype=np.uint8, mode="c", offset=base, shape=(data_size,)) if data_size else None
+    for name, entry in header.items():
+        try:
+            dtype = _ST_DTYPES[entry["dtype"]]
+            shape = [int(s) for s in entry["shape"]]
+            begin, end = (int(o) for o in entry["data_offsets"])
+        except KeyError as e:
+            if isinstance(entry, dict) and entry.get("dtype") not in _ST_DTYPES:
+                raise UnsupportedValueError(
+                    f"{str(path)!r}: tensor {name!r} has dtype {entry.get('dtype')!r}, which zarrckpt cannot store; "
+                    f"supported: {', '.join(_ST_DTYPES)}"
+                ) from None
+            raise bad(f"entry {name!r} lacks {e}") from None
+        except (TypeError, ValueError):
+            raise bad(f"entry {name!r} is malformed: {entry!r}") from None
+        if any(s < 0 for s in shape) or not 0 <= begin <= end <= data_size:
+            raise bad(f"tensor {name!r}: shape {shape} or data_offsets {[begin, end]} out of range")
+        if end - begin != math.prod(shape) * dtype.itemsize:
+            raise bad(f"tensor {name!r}: {end - begin} bytes for shape {shape} of {entry['dtype']}")
+        spans.append((begin, end, name))
+        raw = mm[begin:end] if mm is not None else np.empty(0, np.uint8)
+        np_dtype = dtypes.storage_dtype(dtypes.zarr_name(dtype))
+        if raw.ctypes.data % np_dtype.itemsize:
+            raw = raw.copy()  # an unaligned tensor: copy it rather than hand torch a misaligned view
+        arr = raw.view(np_dtype).reshape(shape)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.from_numpy on a memmap warns about its subclass
+            t = torch.from_numpy(arr)
+        out[name] = t.view(dtype) if t.dtype != dtype else t
+    spans.sort()
+    at = 0
+    for begin, end, name in spans:
+        if begin != at:
+            raise bad(f"tensor {name!r} starts at {begin}, expected {at} (data must be contiguous, no overlaps)")
+        at = end
+    if at != data_size:
+        raise bad(f"data ends at {at} but the file holds {data_size} data bytes")
+    return out
+
+
+# --- DCP --------------------------------------------------------------------------------------
+
+_DCP_META = "torch.distributed.checkpoint.metadata"
+_SAFE_GLOBALS = {
+    (_DCP_META, n)
+    for n in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` admitting only DCP's metadata classes and torch dtypes."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _SAFE_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from DCP metadata")
+
+
+def _dcp_reader(path: Path) -> Any:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            where = path / ".metadata"
+            try:
+                with where.open("rb") as f:
+                    metadata = _MetadataUnpickler(f).load()
+            except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
+                raise ZarrckptError(f"{str(where)!r} is not DCP metadata zarrckpt can read safely: {e}") from None
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(path)
+
+
+def _dcp_planner() -> Any:
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class SafePlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            fqn = read_item.dest_index.fqn
+            try:
+                obj = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as e:
+                raise UnsupportedValueError(
+                    f"DCP value {fqn!r} is an object torch.load(weights_only=True) refuses ({e}); "
+                    "only tensors and plain values are imported"
+                ) from None
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
+    return SafePlanner()
+
+
+def _read_dcp(path: Path) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if not (path / ".metadata").is_file():
+        raise ZarrckptError(f"{str(path)!r} is not a DCP checkpoint: it has no .metadata file")
+    reader = _dcp_reader(path)
+    metadata = reader.read_metadata()
+    state: dict[str, Any] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        state[fqn] = (
+            torch.empty(tuple(md.size), dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
+        )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "torch.distributed is disabled ... single process"
+            dcp.load(state, storage_reader=reader, planner=_dcp_planner(), no_dist=True)
+    except ZarrckptError:
+        raise
+    except Exception as e:  # DCP wraps reader failures in CheckpointException
+        for inner in _causes(e):
+            if isinstance(inner, ZarrckptError):
+                raise inner from None
+        raise ZarrckptError(f"cannot read the DCP checkpoint {str(path)!r}: {e}") from e
+    # DCP's keys are already flat (dotted); keep them exactly
+    return {flat_key((k,)): v for k, v in state.items()}
+
+
+def _causes(e: BaseException) -> list[BaseException]:
+    out: list[BaseException] = []
+    failures = getattr(e, "failures", None)  # CheckpointException: {rank: exception}
+    if isinstance(failures, dict):
+        out += [f for f in failures.values() if isinstance(f, BaseException)]
+    cur = e.__cause__ or e.__context__
+    while cur is not None and len(out) < 20:
+        out.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return out
