@@ -914,3 +914,10 @@ def test_launch_train_checkpoint_to_s3_and_resume(s3_url, tmp_path):
     assert not denied, f"requests the IAM policy would refuse: {sorted(denied)[:20]}"
     actions = {s3_action(m, t)[0] for m, t, _ in log.requests}
     assert actions == S3_ACTIONS, "the job lists, reads, writes and deletes (retention)"
+
+
+def test_readme_covers_every_file():
+    readme = (DEPLOY / "README.md").read_text()
+    for path in DEPLOY.rglob("*"):
+        if path.is_file() and path.name != "README.md":
+            assert f"`{path.relative_to(DEPLOY)}`" in readme or f"`{path.name}`" in readme, path
