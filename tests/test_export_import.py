@@ -160,6 +160,16 @@ def test_export_shards_and_index(url: str, tmp_path: Path) -> None:
     assert sorted(os.listdir(out)) == ["README.md", "model.safetensors"] and s2["files"] == ["model.safetensors"]
 
 
+def test_export_refuses_a_checkpoint_replaced_meanwhile(tmp_path: Path) -> None:
+    u = str(tmp_path / "ck")
+    zarrckpt.save({"w": torch.zeros(64, 4)}, u)
+    ckpt = zarrckpt.open(u)
+    zarrckpt.save({"w": torch.ones(64, 4)}, u, overwrite=True)
+    with pytest.raises(zarrckpt.IncompleteCheckpointError, match="overwritten"):
+        export_safetensors(ckpt, tmp_path / "out", max_shard_bytes=512)
+    assert os.listdir(tmp_path / "out") == []  # nothing half-published, no partial files
+
+
 def test_parse_size() -> None:
     assert parse_size("5GB") == 5 * 10**9 and parse_size("500MB") == 500 * 10**6
     assert parse_size("2GiB") == 2 << 30 and parse_size("1.5kb") == 1500 and parse_size(123) == 123

@@ -27,6 +27,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
+from . import commit as protocol
 from . import dtypes
 from .checkpoint import Checkpoint, TensorView
 from .checkpoint import open as open_checkpoint
@@ -167,12 +168,24 @@ def export_safetensors(
     )
     total = sum(it.nbytes for it in items)
     bar = _Progress(len(items), total) if progress else None
-    for name, shard in zip(names, shards, strict=True):
-        _write_file(out / name, shard, block_bytes, bar)
-    if len(shards) > 1:
-        weight_map = {it.name: name for name, shard in zip(names, shards, strict=True) for it in shard}
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        _atomic_write(out / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
+    files = {out / name: shard for name, shard in zip(names, shards, strict=True)}
+    written: list[Path] = []
+    try:
+        for path, shard in files.items():
+            written.append(_write_file(_partial(path), shard, block_bytes, bar))
+        if len(shards) > 1:
+            weight_map = {it.name: path.name for path, shard in files.items() for it in shard}
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            written.append(_partial(out / INDEX_NAME))
+            written[-1].write_bytes((json.dumps(index, indent=2) + "\n").encode())
+        protocol.check_unchanged(ckpt.storage, ckpt.manifest.save_id)  # never publish a mix of two saves
+        for tmp in written:  # the index last: a reader that finds it finds every shard
+            os.replace(tmp, tmp.with_name(tmp.name.removeprefix(".").removesuffix(".partial")))
+    finally:
+        for tmp in written:
+            tmp.unlink(missing_ok=True)
+        for path in files:
+            _partial(path).unlink(missing_ok=True)
     _remove_stale(out, set(names) | ({INDEX_NAME} if len(shards) > 1 else set()))
     if bar:
         bar.done()
@@ -278,25 +291,24 @@ def _header(items: list[_Item]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _write_file(path: Path, shard: list[_Item], block_bytes: int, bar: _Progress | None) -> None:
+def _partial(path: Path) -> Path:
+    return path.with_name(f".{path.name}.partial")
+
+
+def _write_file(path: Path, shard: list[_Item], block_bytes: int, bar: _Progress | None) -> Path:
     # widest elements first, so that every tensor starts aligned to its element size
     ordered = sorted(shard, key=lambda it: (-it.dtype.itemsize, it.name))
-    tmp = path.with_name(f".{path.name}.partial")
-    try:
-        with tmp.open("wb") as f:
-            f.write(_header(ordered))
-            for it in ordered:
-                written = _copy_tensor(f, it, block_bytes, bar)
-                if written != it.nbytes:  # the checkpoint changed under us, or a bug: never write a bad file
-                    raise ZarrckptError(f"{it.view.key!r}: wrote {written} bytes, expected {it.nbytes}")
-                if bar:
-                    bar.tensor_done()
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with path.open("wb") as f:
+        f.write(_header(ordered))
+        for it in ordered:
+            written = _copy_tensor(f, it, block_bytes, bar)
+            if written != it.nbytes:  # never write a file whose header does not match its data
+                raise ZarrckptError(f"{it.view.key!r}: wrote {written} bytes, expected {it.nbytes}")
+            if bar:
+                bar.tensor_done()
+        f.flush()
+        os.fsync(f.fileno())
+    return path
 
 
 def _blocks(shape: tuple[int, ...], itemsize: int, block_bytes: int, chunk: Sequence[int]) -> Iterator[Any]:
@@ -351,12 +363,6 @@ def _le_bytes(t: torch.Tensor) -> np.ndarray:
     if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and sys.byteorder == "big"):
         arr = arr.astype(arr.dtype.newbyteorder("<"))
     return np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.partial")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def _remove_stale(out: Path, keep: set[str]) -> None:
