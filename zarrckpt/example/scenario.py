@@ -1,0 +1,201 @@
+"""The measured scenario: train under T1, save at step K, resume under T1 / T2 / T3.
+
+Run A trains ``2K`` steps under T1 without interruption and saves a checkpoint as it passes
+step K (a save does not touch the training state, so run A's first K steps *are* run B's).
+Each resumed run loads that checkpoint under its own topology, saves what it restored to a
+second checkpoint (to check, tensor by tensor, that the restore was bit-exact), and trains
+steps ``K+1 .. 2K``; its losses and the samples it reads are compared with run A's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import zarrckpt
+
+from ..launch import spawn
+from .config import ModelConfig, Topology, TrainConfig
+from .trainer import Trainer
+
+LOSS_TOLERANCE = 1e-3
+"""Max |loss - run A's loss| allowed after a resume under another topology (see ``check``)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A topology to run under, by name."""
+
+    name: str
+    world: int
+    pp: int = 1
+    ep: int = 0
+    expert_dp: str = "replicated"
+
+    def topology(self) -> Topology:
+        return Topology(self.world, self.pp, self.ep, self.expert_dp).resolved(ModelConfig())
+
+
+DEFAULT_T1 = Layout("T1", 8, pp=2, ep=2, expert_dp="sharded")
+DEFAULT_RESUMES = (
+    Layout("T1", 8, pp=2, ep=2, expert_dp="sharded"),
+    Layout("T2", 4, pp=1, ep=4),
+    Layout("T3", 1),
+)
+
+
+def _job(rank: int, world: int, spec: dict[str, Any]) -> None:
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    layout, opts = Layout(**spec["layout"]), spec["storage_options"]
+    trainer = Trainer(ModelConfig(), TrainConfig(), layout.topology())
+    out: dict[str, Any] = {"losses": [], "ids": [], "save_s": None, "load_s": None}
+
+    def timed(fn: Any) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        took = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        return float(took.item())
+
+    if spec.get("resume"):
+        out["load_s"] = timed(lambda: trainer.load(spec["resume"], opts))
+        zarrckpt.save(trainer.state_dict(), spec["resave"], storage_options=opts)
+    while trainer.step < spec["until"]:
+        loss, ids = trainer.train_step()
+        out["losses"].append(loss)
+        out["ids"].append(ids)
+        if trainer.step == spec.get("save_at"):
+            out["save_s"] = timed(lambda: zarrckpt.save(trainer.state_dict(), spec["save_url"], storage_options=opts))
+    if rank == 0:
+        with open(spec["result"], "w") as f:
+            json.dump(out, f)
+
+
+def _launch(layout: Layout, **spec: Any) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        spec |= {"layout": asdict(layout), "result": os.path.join(tmp, "result.json")}
+        spawn(layout.world, _job, spec, timeout_s=600)
+        with open(spec["result"]) as f:
+            result: dict[str, Any] = json.load(f)
+            return result
+
+
+@dataclass
+class Row:
+    name: str
+    saved_by: str
+    loaded_by: str
+    tensors: int
+    nbytes: int
+    save_s: float
+    load_s: float
+    max_restore_diff: float
+    values_equal: bool
+    max_loss_diff: float
+    same_samples: bool
+
+
+@dataclass
+class Report:
+    k: int
+    run_a_losses: list[float]
+    rows: list[Row] = field(default_factory=list)
+
+    def problems(self) -> list[str]:
+        """What failed the scenario's checks (empty when everything held)."""
+        out = []
+        for r in self.rows:
+            if r.max_restore_diff != 0.0 or not r.values_equal:
+                out.append(f"{r.name}: restored state differs from the saved one (max |Δ| {r.max_restore_diff})")
+            if not r.same_samples:
+                out.append(f"{r.name}: the data loader did not continue with run A's samples")
+            limit = 0.0 if r.loaded_by == r.saved_by else LOSS_TOLERANCE
+            if not r.max_loss_diff <= limit:
+                out.append(f"{r.name}: losses differ from run A's by {r.max_loss_diff:.3g} (allowed {limit:g})")
+        return out
+
+    def table(self) -> str:
+        head = (
+            f"{'resume':<8}{'saved → loaded':<44}{'tensors':>8}{'MB':>8}{'save s':>8}{'load s':>8}"
+            f"{'max|Δ| restored':>17}{'max|Δloss| vs A':>17}{'samples':>9}"
+        )
+        lines = [head, "-" * len(head)]
+        for r in self.rows:
+            lines.append(
+                f"{r.name:<8}{r.saved_by + ' → ' + r.loaded_by:<44}{r.tensors:>8}{r.nbytes / 1e6:>8.2f}"
+                f"{r.save_s:>8.2f}{r.load_s:>8.2f}{r.max_restore_diff:>17.3g}{r.max_loss_diff:>17.3g}"
+                f"{'same' if r.same_samples else 'DIFFER':>9}"
+            )
+        return "\n".join(lines)
+
+
+def describe(layout: Layout) -> str:
+    return f"{layout.world} ranks {layout.topology()}"
+
+
+def compare(url_a: str, url_b: str, opts: dict[str, Any] | None) -> tuple[float, bool]:
+    """(max |a - b| over every tensor, whether every plain value is equal) of two checkpoints."""
+    a, b = zarrckpt.open(url_a, storage_options=opts), zarrckpt.open(url_b, storage_options=opts)
+    if a.keys() != b.keys():
+        return math.inf, False
+    worst = 0.0
+    for key in a:
+        x, y = a[key].read(), b[key].read()
+        if x.dtype == torch.uint8 or not x.is_floating_point():
+            worst = max(worst, 0.0 if torch.equal(x, y) else math.inf)
+        else:
+            same_nan = torch.isnan(x) == torch.isnan(y)
+            diff = (x - y).abs().nan_to_num(0.0).max().item() if x.numel() else 0.0
+            worst = max(worst, diff if bool(same_nan.all()) else math.inf)
+    return worst, a.metadata == b.metadata
+
+
+def run(
+    root: str,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    k: int = 10,
+    t1: Layout = DEFAULT_T1,
+    resumes: tuple[Layout, ...] = DEFAULT_RESUMES,
+    progress: Any = print,
+) -> Report:
+    """Run the whole scenario under ``root`` (a directory or URL); returns the report."""
+    ckpt = f"{root.rstrip('/')}/runB/step_{k:010d}"
+    progress(f"run A: {describe(t1)}, {2 * k} steps, saving at step {k} -> {ckpt}")
+    a = _launch(t1, storage_options=storage_options, until=2 * k, save_at=k, save_url=ckpt)
+    report = Report(k, a["losses"])
+    view = zarrckpt.open(ckpt, storage_options=storage_options)
+    nbytes = sum(t["bytes"] for t in view.tensors())
+    for i, layout in enumerate(resumes):
+        name = f"({'abcdefgh'[i]}) {layout.name}"
+        progress(f"run B {name}: resume under {describe(layout)}, steps {k + 1}..{2 * k}")
+        resaved = f"{root.rstrip('/')}/verify/{i}"
+        b = _launch(layout, storage_options=storage_options, until=2 * k, resume=ckpt, resave=resaved)
+        diff, values_equal = compare(ckpt, resaved, storage_options)
+        loss_diff = max(abs(x - y) for x, y in zip(b["losses"], a["losses"][k:], strict=True))
+        report.rows.append(
+            Row(
+                name,
+                describe(t1),
+                describe(layout),
+                len(view),
+                nbytes,
+                a["save_s"],
+                b["load_s"],
+                diff,
+                values_equal,
+                loss_diff,
+                b["ids"] == a["ids"][k:],
+            )
+        )
+    return report

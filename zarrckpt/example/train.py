@@ -1,0 +1,112 @@
+"""The example MoE training job, resumable under any topology.
+
+    python -m zarrckpt.example.train --ckpt URL [--steps N] [--save-every K] [--keep-last 3]
+           [--pp P] [--ep E] [--expert-dp sharded|replicated] [--storage-options JSON]
+           [--seed S] [--backend gloo|nccl] [--log-every N]
+
+Under ``torchrun`` it joins the env:// rendezvous; run alone it is a single process. It resumes
+from the latest committed checkpoint under ``--ckpt`` (saved by any number of ranks in any
+layout: loading reshards), trains until step N, and saves every K steps with a
+``CheckpointManager`` (asynchronous saves, keeping the last ``--keep-last``).
+``--ckpt`` defaults to ``$ZARRCKPT_CKPT_URL``, ``--storage-options`` to ``$ZARRCKPT_STORAGE_OPTIONS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import zarrckpt
+
+from ..launch import free_port
+from .config import ModelConfig, Topology, TrainConfig
+from .trainer import Trainer
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", default=os.environ.get("ZARRCKPT_CKPT_URL"), help="checkpoint root (dir or URL)")
+    p.add_argument("--steps", type=int, default=100, help="train until this step")
+    p.add_argument("--save-every", type=int, default=10)
+    p.add_argument("--keep-last", type=int, default=3)
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (divides 4 and the world size)")
+    p.add_argument("--ep", type=int, default=0, help="expert-parallel groups (default gcd(8, world/pp))")
+    p.add_argument("--expert-dp", choices=["sharded", "replicated"], default="replicated")
+    p.add_argument("--storage-options", default=os.environ.get("ZARRCKPT_STORAGE_OPTIONS"), help="JSON object")
+    p.add_argument("--seed", type=int, default=TrainConfig.seed)
+    p.add_argument("--backend", default="gloo")
+    p.add_argument("--log-every", type=int, default=10)
+    args = p.parse_args(argv)
+    if not args.ckpt:
+        p.error("give --ckpt URL or set ZARRCKPT_CKPT_URL")
+    try:
+        args.options = json.loads(args.storage_options) if args.storage_options else None
+    except ValueError as e:
+        p.error(f"--storage-options / ZARRCKPT_STORAGE_OPTIONS is not JSON: {e}")
+    if args.options is not None and not isinstance(args.options, dict):
+        p.error("--storage-options must be a JSON object")
+    return args
+
+
+def _init(backend: str) -> None:
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, init_method="env://", timeout=timedelta(minutes=10))
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+
+
+def _latest(manager: zarrckpt.CheckpointManager) -> int | None:
+    step = torch.tensor([(manager.latest() or -1) if dist.get_rank() == 0 else 0])
+    dist.broadcast(step, src=0)  # every rank resumes from the step rank 0 saw
+    return None if step.item() < 0 else int(step.item())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    _init(args.backend)
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        try:
+            topo = Topology(world, args.pp, args.ep, args.expert_dp).resolved(ModelConfig())
+        except ValueError as e:
+            print(f"zarrckpt.example.train: bad topology for {world} ranks: {e}", file=sys.stderr)
+            return 2
+        trainer = Trainer(ModelConfig(), TrainConfig(seed=args.seed), topo)
+        manager = zarrckpt.CheckpointManager(
+            args.ckpt, interval=args.save_every, keep_last=args.keep_last, storage_options=args.options
+        )
+        step = _latest(manager)
+        if step is not None:
+            trainer.load(manager.url(step), args.options)
+            if rank == 0:
+                print(f"resumed from step {step} of {args.ckpt} on {world} ranks ({topo})", flush=True)
+        elif rank == 0:
+            print(f"starting from scratch on {world} ranks ({topo}), checkpoints to {args.ckpt}", flush=True)
+        loss, start, first = float("nan"), time.perf_counter(), trainer.step
+        while trainer.step < args.steps:
+            loss, _ = trainer.train_step()
+            manager.save(trainer.step, trainer.state_dict(), force=trainer.step == args.steps)
+            if rank == 0 and (trainer.step % args.log_every == 0 or trainer.step == args.steps):
+                rate = (trainer.step - first) / max(time.perf_counter() - start, 1e-9)
+                print(f"step {trainer.step} loss {loss:.4f} ({rate:.1f} steps/s)", flush=True)
+        manager.close()
+        if rank == 0:
+            print(f"done: step {trainer.step} loss {loss:.4f}", flush=True)
+        return 0
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
