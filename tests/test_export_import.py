@@ -14,8 +14,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from multiproc import run_ranks
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from states import SPECS, global_tensor, mixed_state
 
 import zarrckpt
 from zarrckpt import cli
@@ -252,6 +254,28 @@ def test_import_dcp(tmp_path: Path) -> None:
     check_imported(str(tmp_path / "ck"), FLAT, SAVED_VALUES)
 
 
+def _dcp_save_rank(rank: int, world: int, path: str) -> None:
+    dcp.save(mixed_state(rank, world, fill=True, save_world=world), checkpoint_id=path)
+
+
+def test_import_dcp_saved_by_two_ranks(tmp_path: Path) -> None:
+    """DTensors sharded over 2 gloo ranks (several chunks per tensor), per-rank keys, bytes, RNG state."""
+    src = tmp_path / "dcp"
+    run_ranks(2, _dcp_save_rank, str(src))
+    s = import_checkpoint(src, tmp_path / "ck")
+    ckpt = zarrckpt.open(str(tmp_path / "ck"))
+    assert s["kind"] == "dcp" and s["tensors"] == len(ckpt)
+    for key in SPECS:
+        assert same(ckpt[key].read(), global_tensor(key)), key
+    for stage in range(2):
+        assert same(ckpt[f"model.stage{stage}.w"].read(), torch.full((4, 3), float(stage + 1)))
+    assert same(ckpt["rng.torch"].read(), torch.Generator().manual_seed(7).get_state())
+    assert same(ckpt["rank1.blob"].read(), torch.tensor([1] * 5, dtype=torch.uint8))
+    meta = ckpt.metadata
+    assert meta["step"] == 1000 and meta["rank1"] == {"seed": 11}
+    assert meta["config"] == {"name": "tiny-moe", "layers": [1, 2, 3], "lr": 3e-4, "flags": {"fused": True}}
+
+
 def test_import_torch_save(tmp_path: Path) -> None:
     legacy_state = state()
     del legacy_state["model"]["layers"]["1"]["fp8"]  # torch's legacy format cannot hold float8
@@ -263,6 +287,12 @@ def test_import_torch_save(tmp_path: Path) -> None:
         want = {flat_key(path): leaf for path, leaf in iter_leaves(sd) if isinstance(leaf, torch.Tensor)}
         assert s["kind"] == "torch" and s["bytes"] == sum(t.nbytes for t in want.values())
         check_imported(str(tmp_path / f"ck{legacy}"), want, SAVED_VALUES)
+
+    x = torch.randn(4, 6, generator=G)  # views share storage; a Parameter is a tensor
+    views = {"x": x, "t": x.t(), "part": x[1:3, ::2], "p": torch.nn.Parameter(torch.ones(2))}
+    torch.save(views, tmp_path / "views.pt")
+    import_checkpoint(tmp_path / "views.pt", tmp_path / "views")
+    check_imported(str(tmp_path / "views"), {k: v.detach().contiguous() for k, v in views.items()}, {})
 
 
 def test_import_safetensors_single_and_sharded(tmp_path: Path) -> None:

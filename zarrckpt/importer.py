@@ -29,7 +29,13 @@ import torch
 from . import dtypes
 from .api import save
 from .checkpoint import open as open_checkpoint
-from .errors import CheckpointExistsError, CheckpointNotFoundError, UnsupportedValueError, ZarrckptError
+from .errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    IncompleteCheckpointError,
+    UnsupportedValueError,
+    ZarrckptError,
+)
 from .keys import flat_key, iter_leaves
 
 __all__ = ["KINDS", "detect_kind", "import_checkpoint", "read_safetensors"]
@@ -68,7 +74,8 @@ def import_checkpoint(
     ``*.safetensors.index.json``); by default it is detected from the files. Keys are the
     source's keys, flattened the way :func:`zarrckpt.save` flattens nested dicts (dotted paths).
     Runs in one process, no process group. Returns a summary:
-    ``{"source", "kind", "url", "tensors", "values", "bytes", "seconds"}``.
+    ``{"source", "kind", "url", "tensors", "values", "bytes", "seconds"}`` (``tensors`` counts
+    every stored array, byte strings included; ``values`` the plain JSON values).
     """
     start = time.perf_counter()
     path = Path(os.fspath(src))
@@ -77,14 +84,12 @@ def import_checkpoint(
     kind = kind or detect_kind(path)
     if kind not in KINDS:
         raise ZarrckptError(f"unknown source kind {kind!r}: choose one of {', '.join(KINDS)}")
-    if not overwrite:  # fail before reading a large source
-        try:
-            open_checkpoint(url, storage_options=storage_options)
-        except CheckpointNotFoundError:
-            pass
-        except ZarrckptError:
-            pass  # an incomplete save is for save() to judge; bad URLs fail the same way below
-        else:
+    try:  # fail on a bad URL or an existing checkpoint before reading a large source
+        open_checkpoint(url, storage_options=storage_options)
+    except (CheckpointNotFoundError, IncompleteCheckpointError):
+        pass  # nothing there, or a failed save that save() replaces
+    else:
+        if not overwrite:
             raise CheckpointExistsError(
                 f"a committed checkpoint already exists at {os.fspath(url)!r}; pass overwrite=True (--overwrite) "
                 "to replace it"
@@ -100,6 +105,9 @@ def import_checkpoint(
         if isinstance(leaf, torch.Tensor):
             tensors += 1
             nbytes += leaf.numel() * leaf.element_size()
+        elif isinstance(leaf, (bytes, bytearray, np.ndarray)):  # stored as arrays too
+            tensors += 1
+            nbytes += leaf.nbytes if isinstance(leaf, np.ndarray) else len(leaf)
         else:
             values += 1
     save(state, url, storage_options=storage_options, overwrite=overwrite)
@@ -127,7 +135,7 @@ def detect_kind(path: Path) -> str:
             f"cannot tell what kind of checkpoint the directory {str(path)!r} holds: expected a DCP checkpoint "
             "(.metadata) or safetensors files (*.safetensors, *.safetensors.index.json); force one with --from"
         )
-    if path.name.endswith(".safetensors.index.json"):
+    if path.name.endswith((".safetensors", ".safetensors.index.json")):
         return "safetensors"
     try:
         with path.open("rb") as f:
