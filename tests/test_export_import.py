@@ -183,8 +183,10 @@ def test_parse_size() -> None:
 def test_export_errors(url: str, tmp_path: Path) -> None:
     with pytest.raises(zarrckpt.ZarrckptError, match=r"unknown role.*'weight'.*main_weight"):
         export_safetensors(url, tmp_path / "a", roles=["weight"])
-    with pytest.raises(zarrckpt.ZarrckptError, match="unknown dtype 'int4'"):
+    with pytest.raises(zarrckpt.ZarrckptError, match="cannot export as dtype 'int4'"):
         export_safetensors(url, tmp_path / "a", dtype="int4")
+    with pytest.raises(zarrckpt.ZarrckptError, match="choose bf16, fp16 or fp32"):
+        export_safetensors(url, tmp_path / "a", dtype=torch.int8)
     with pytest.raises(zarrckpt.ZarrckptError, match=r"no tensors to export.*include"):
         export_safetensors(url, tmp_path / "a", include="nothing.*")
     clash = str(tmp_path / "clash")

@@ -299,7 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="fsspec storage option (repeatable; VALUE parsed as JSON when possible)",
     )
     common.add_argument("--json", action="store_true", help="machine-readable JSON output")
-    parser = argparse.ArgumentParser(prog="zarrckpt", description="Inspect zarrckpt checkpoints.")
+    parser = argparse.ArgumentParser(
+        prog="zarrckpt", description="Inspect zarrckpt checkpoints; export and import them."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("ls", parents=[common], help="list tensors")
     p.add_argument("url")

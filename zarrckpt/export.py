@@ -66,16 +66,7 @@ SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
-_DTYPE_NAMES = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "float": torch.float32,
-}
+_CASTS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS |= {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
@@ -95,15 +86,14 @@ def parse_size(text: str | int) -> int:
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    """``"bf16"`` / ``"fp16"`` / ``"fp32"`` (or the torch dtype) -> torch dtype; None stays None."""
-    if dtype is None or isinstance(dtype, torch.dtype):
-        if isinstance(dtype, torch.dtype) and dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise ZarrckptError(f"cannot export as {dtype}: choose bf16, fp16 or fp32")
-        return dtype
-    try:
-        return _DTYPE_NAMES[str(dtype).lower().removeprefix("torch.")]
-    except KeyError:
-        raise ZarrckptError(f"unknown dtype {dtype!r}: choose bf16, fp16 or fp32") from None
+    """``"bf16"`` / ``"fp16"`` / ``"fp32"`` (or ``"bfloat16"``, ``torch.bfloat16``, ...) -> torch dtype."""
+    if dtype is None:
+        return None
+    name = str(dtype).lower().removeprefix("torch.")
+    found = _CASTS.get(name, getattr(torch, name, None) if name.isidentifier() else None)
+    if found not in _CASTS.values():
+        raise ZarrckptError(f"cannot export as dtype {dtype!r}: choose bf16, fp16 or fp32")
+    return found
 
 
 @dataclass(frozen=True)

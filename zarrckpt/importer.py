@@ -36,6 +36,7 @@ from .errors import (
     UnsupportedValueError,
     ZarrckptError,
 )
+from .export import SAFETENSORS_DTYPES
 from .keys import flat_key, iter_leaves
 
 __all__ = ["KINDS", "detect_kind", "import_checkpoint", "read_safetensors"]
@@ -43,20 +44,7 @@ __all__ = ["KINDS", "detect_kind", "import_checkpoint", "read_safetensors"]
 KINDS = ("dcp", "torch", "safetensors")
 MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 
-_ST_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
+_ST_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
 
 def import_checkpoint(
