@@ -47,3 +47,11 @@ def storage(request, tmp_path):
         yield from _remote(f"memory://{uuid.uuid4().hex}", {})
     else:
         yield request.getfixturevalue(f"{request.param}_url")
+
+
+@pytest.fixture
+def s3_requests(s3_server):
+    """The moto server's request log, emptied: ``s3_requests.requests(url)`` lists what reached it."""
+    log = servers.request_log(s3_server)
+    log.clear()
+    return log

@@ -23,8 +23,11 @@ import re
 import sys
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs
 
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
 
@@ -71,6 +74,8 @@ def s3_server(bucket: str | None = BUCKET) -> Iterator[str]:
     try:
         host, port = server.get_host_and_port()  # real port after binding port 0
         endpoint = f"http://{host}:{port}"
+        log = _LOGS[endpoint] = RequestLog()
+        server._server.app = _CountingApp(server._server.app, log)  # type: ignore[union-attr]
         if bucket:
             import fsspec
 
@@ -78,6 +83,106 @@ def s3_server(bucket: str | None = BUCKET) -> Iterator[str]:
         yield endpoint
     finally:
         server.stop()  # shutdown() + join() of the server thread
+        _LOGS.pop(endpoint, None)
+
+
+@dataclass(frozen=True)
+class S3Request:
+    """One HTTP request the moto server answered (path-style addressing: ``/bucket/key``)."""
+
+    method: str
+    path: str  # unquoted, e.g. "/zarrckpt-test/<prefix>/zarr.json"
+    query: dict[str, list[str]]
+    range: str | None  # the Range header, e.g. "bytes=0-19"
+    status: int
+    bytes_sent: int  # response body bytes
+    bytes_received: int  # request body bytes
+
+    @property
+    def kind(self) -> str:
+        """GET, LIST (a GET on a bucket: ListObjects), HEAD, PUT, POST or DELETE."""
+        if self.method == "GET" and self.path.strip("/").count("/") == 0:
+            return "LIST"
+        return self.method
+
+    def touches(self, prefix: str) -> bool:
+        """Whether the request names ``prefix`` (``bucket/some/prefix``) in its path or list prefix."""
+        bucket, _, rest = prefix.strip("/").partition("/")
+        if self.kind == "LIST":
+            return self.path.strip("/") == bucket and self.query.get("prefix", [""])[0].startswith(rest)
+        return self.path.lstrip("/").startswith(prefix.strip("/"))
+
+
+class RequestLog:
+    """Every request a moto server answers, in order (thread-safe; child processes' requests too)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._requests: list[S3Request] = []
+
+    def add(self, request: S3Request) -> None:
+        with self._lock:
+            self._requests.append(request)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._requests.clear()
+
+    def requests(self, url: str | None = None) -> list[S3Request]:
+        """The requests so far; with ``url`` (``s3://bucket/prefix``), only those touching it."""
+        with self._lock:
+            got = list(self._requests)
+        if url is None:
+            return got
+        prefix = url.split("://", 1)[-1]
+        return [r for r in got if r.touches(prefix)]
+
+
+_LOGS: dict[str, RequestLog] = {}
+
+
+def request_log(endpoint: str) -> RequestLog:
+    """The request log of the moto server at ``endpoint`` (started by :func:`s3_server`)."""
+    return _LOGS[endpoint]
+
+
+class _CountingApp:
+    """WSGI middleware: records each request, with the body bytes it sends back.
+
+    The response body is collected (moto holds objects in memory anyway) and the request is
+    logged *before* anything is sent, so a client that got its answer always finds it logged.
+    """
+
+    def __init__(self, app: Callable[..., Iterable[bytes]], log: RequestLog) -> None:
+        self.app, self.log = app, log
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+        status: list[int] = []
+
+        def respond(line: str, headers: Any, exc_info: Any = None) -> Any:
+            status.append(int(line.split()[0]))
+            return start_response(line, headers, exc_info)
+
+        body = self.app(environ, respond)
+        try:
+            data = b"".join(body)
+        finally:
+            close = getattr(body, "close", None)
+            if close is not None:
+                close()
+        method = environ["REQUEST_METHOD"]
+        self.log.add(
+            S3Request(
+                method=method,
+                path=environ.get("PATH_INFO", ""),  # WSGI gives it percent-decoded
+                query=parse_qs(environ.get("QUERY_STRING", ""), keep_blank_values=True),
+                range=environ.get("HTTP_RANGE"),
+                status=status[-1] if status else 0,
+                bytes_sent=0 if method == "HEAD" else len(data),
+                bytes_received=int(environ.get("CONTENT_LENGTH") or 0),
+            )
+        )
+        return [data]
 
 
 # ------------------------------------------------------------ GCS (gcp-storage-emulator)

@@ -27,16 +27,22 @@ from .reader import Request, read_regions, verify_array
 from .storage import Storage
 
 
-def open(url: Any, *, storage_options: dict[str, Any] | None = None) -> Checkpoint:
-    """Open the committed checkpoint at ``url`` for reading (no process group needed)."""
+def open(url: Any, *, storage_options: dict[str, Any] | None = None, partial_reads: bool = True) -> Checkpoint:
+    """Open the committed checkpoint at ``url`` for reading (no process group needed).
+
+    ``partial_reads``: when an index needs only a small part of an inner chunk, fetch just those
+    bytes. Such reads cannot check the chunk's crc32c (it covers the whole chunk); pass False to
+    always read and verify whole inner chunks. :meth:`Checkpoint.verify` always reads everything.
+    """
     storage = Storage(url, storage_options)
-    return Checkpoint(storage, protocol.read_manifest(storage))
+    return Checkpoint(storage, protocol.read_manifest(storage), partial_reads)
 
 
 @dataclass(frozen=True)
 class Checkpoint:
     storage: Storage
     manifest: Manifest
+    partial_reads: bool = True
 
     def keys(self) -> list[str]:
         """Tensor keys, sorted."""
@@ -171,7 +177,8 @@ class TensorView:
         box, local = _plan_index(index, self.shape)
         buf = np.empty(box.sizes, dtype=dtypes.storage_dtype(self.meta.dtype))
         if box.volume:
-            read_regions(self.checkpoint.storage, [Request(self.meta, box, buf)])
+            ckpt = self.checkpoint
+            read_regions(ckpt.storage, [Request(self.meta, box, buf)], partial=ckpt.partial_reads)
         return np.array(buf[local])  # a C-contiguous copy; 0-d stays 0-d
 
 

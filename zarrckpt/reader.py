@@ -4,6 +4,13 @@ Plan per request box: the shards it touches, then the inner chunks inside them. 
 task: the whole object in one GET when every stored chunk is needed and it is small enough,
 else the index plus one ranged GET per run of adjacent needed chunks (at most
 MAX_REQUEST_BYTES each). Every chunk's crc32c is checked before use.
+
+With ``partial=True`` (lazy views), an inner chunk of which only a small part is needed is not
+read whole: only the byte ranges holding that part are fetched (chunks are uncompressed C-order
+elements, see :mod:`zarrckpt.partial`), ranges at most RANGE_MERGE_GAP apart in one GET, the
+shard index folded into the first GET when it is that close. Such a partial read cannot check
+the chunk's crc32c (it covers the whole chunk); the shard index is still verified. Chunks read
+whole are always verified.
 """
 
 from __future__ import annotations
@@ -19,10 +26,13 @@ from . import dtypes
 from .errors import CorruptChunkError, InvalidCheckpointError
 from .format import ArrayMeta
 from .layout import Box, Shape, cell_box, cells_in
+from .partial import Range, chunk_ranges, coalesce
 from .shard import EMPTY, chunk_indices, chunks_per_shard, decode_chunk, decode_index, index_nbytes
 from .storage import Storage
 
 MAX_REQUEST_BYTES = 8 * 1024 * 1024  # one GET fetches at most this much (bounds read buffers)
+RANGE_MERGE_GAP = 256 * 1024  # partial reads: a gap this small is read through (about one request's cost)
+MAX_RANGES_PER_CHUNK = 64  # partial reads: more ranges than this in one chunk -> read the chunk whole
 
 
 @dataclass(frozen=True)
@@ -74,9 +84,13 @@ def allocate(meta: ArrayMeta) -> np.ndarray:
         ) from None
 
 
-def read_regions(storage: Storage, requests: Sequence[Request]) -> int:
-    """Fill every request's ``dest``; returns the number of bytes fetched from storage."""
-    return sum(storage.run_all(lambda t: _read_shard(storage, t), plan_reads(requests)))
+def read_regions(storage: Storage, requests: Sequence[Request], *, partial: bool = False) -> int:
+    """Fill every request's ``dest``; returns the number of bytes fetched from storage.
+
+    ``partial``: fetch only the needed byte ranges of inner chunks that are needed in small part,
+    at the price of not checking those chunks' crc32c (see the module docstring).
+    """
+    return sum(storage.run_all(lambda t: _read_shard(storage, t, partial), plan_reads(requests)))
 
 
 def verify_array(storage: Storage, meta: ArrayMeta) -> int:
@@ -102,7 +116,19 @@ def _stored_chunks(meta: ArrayMeta, sidx: Shape) -> list[int]:
     ]
 
 
-def _read_shard(storage: Storage, task: _ShardTask) -> int:
+def _read_shard(storage: Storage, task: _ShardTask, partial: bool = False) -> int:
+    try:
+        plans = _partial_plans(task) if partial else {}
+        return _read_ranges(storage, task, plans) if plans else _read_chunks(storage, task)
+    except FileNotFoundError:
+        path = task.meta.shard_path(task.index)
+        raise CorruptChunkError(
+            f"shard object {storage.where(path)} of {task.meta.key!r} is missing", key=task.meta.key, chunk=path
+        ) from None
+
+
+def _read_chunks(storage: Storage, task: _ShardTask) -> int:
+    """Read and verify the needed inner chunks of one shard, each whole."""
     meta = task.meta
     path = meta.shard_path(task.index)
     n_chunks = math.prod(chunks_per_shard(meta.shard_shape, meta.chunk_shape))
@@ -112,35 +138,110 @@ def _read_shard(storage: Storage, task: _ShardTask) -> int:
     stored = _stored_chunks(meta, task.index)
     # chunks sit back to back after the index, in index order (FORMAT.md §5): anything else is corrupt
     layout = {k: head + i * size for i, k in enumerate(stored)}
-    try:
-        whole = head + size * len(needed)
-        if not storage.local and whole <= MAX_REQUEST_BYTES and needed == stored:
-            with storage.reading(path) as blob:  # the whole object in one request
-                index = decode_index(bytes(blob[:head]), n_chunks, storage.where(path), meta.key)
-                for k in needed:
-                    offset = _check_entry(index[k], size, layout, meta, path, k)
-                    _copy_chunk(task, k, blob[offset : offset + size], path)
-                return len(blob)
-        with storage.reading(path, 0, head) as raw_index:
-            index = decode_index(bytes(raw_index), n_chunks, storage.where(path), meta.key)
-        for k in needed:
-            _check_entry(index[k], size, layout, meta, path, k)
-        fetched = head
-        for run in _runs(needed, layout, size):
-            start = int(index[run[0]][0])
-            direct = [_direct_view(task, k) for k in run] if storage.local else []
-            if direct and all(v is not None for v in direct):
-                fetched += _read_direct(storage, task, path, start, run, direct)
-                continue
-            with storage.reading(path, start, int(index[run[-1]][0]) + size) as blob:
-                fetched += len(blob)
-                for k in run:
-                    offset = int(index[k][0]) - start
-                    _copy_chunk(task, k, blob[offset : offset + size], path)
-    except FileNotFoundError:
-        raise CorruptChunkError(
-            f"shard object {storage.where(path)} of {meta.key!r} is missing", key=meta.key, chunk=path
-        ) from None
+    whole = head + size * len(needed)
+    if not storage.local and whole <= MAX_REQUEST_BYTES and needed == stored:
+        # the whole object in one request; an open range (start=0) spares s3fs a HEAD for its size
+        with storage.reading(path, 0) as blob:
+            index = decode_index(bytes(blob[:head]), n_chunks, storage.where(path), meta.key)
+            for k in needed:
+                offset = _check_entry(index[k], size, layout, meta, path, k)
+                _copy_chunk(task, k, blob[offset : offset + size], path)
+            return len(blob)
+    with storage.reading(path, 0, head) as raw_index:
+        index = decode_index(bytes(raw_index), n_chunks, storage.where(path), meta.key)
+    for k in needed:
+        _check_entry(index[k], size, layout, meta, path, k)
+    fetched = head
+    for run in _runs(needed, layout, size):
+        start = int(index[run[0]][0])
+        direct = [_direct_view(task, k) for k in run] if storage.local else []
+        if direct and all(v is not None for v in direct):
+            fetched += _read_direct(storage, task, path, start, run, direct)
+            continue
+        with storage.reading(path, start, int(index[run[-1]][0]) + size) as blob:
+            fetched += len(blob)
+            for k in run:
+                offset = int(index[k][0]) - start
+                _copy_chunk(task, k, blob[offset : offset + size], path)
+    return fetched
+
+
+def _chunk_origin(meta: ArrayMeta, sidx: Shape, k: int) -> tuple[Shape, Shape]:
+    """(grid index, global origin) of inner chunk ``k`` of shard ``sidx``."""
+    grid = chunks_per_shard(meta.shard_shape, meta.chunk_shape)
+    cidx = tuple(int(i) for i in np.unravel_index(k, grid)) if grid else ()
+    shard_origin = cell_box(sidx, meta.shard_shape, meta.shape).offsets
+    return cidx, tuple(o + i * c for o, i, c in zip(shard_origin, cidx, meta.chunk_shape, strict=True))
+
+
+def _partial_plans(task: _ShardTask) -> dict[int, list[Range]]:
+    """Byte ranges (within the chunk's elements) to read instead of the whole chunk, per inner chunk.
+
+    A chunk is read in part only when that moves at most half its bytes, counting each extra
+    request as RANGE_MERGE_GAP bytes; otherwise it is read whole and verified.
+    """
+    meta = task.meta
+    plans: dict[int, list[Range]] = {}
+    for k, parts in task.needs.items():
+        if not parts:
+            continue
+        _, origin = _chunk_origin(meta, task.index, k)
+        ranges: list[Range] = []
+        for part, _req in parts:
+            rel = part.relative_to(origin)
+            got = chunk_ranges(
+                meta.chunk_shape, meta.itemsize, rel.offsets, rel.sizes, RANGE_MERGE_GAP, MAX_RANGES_PER_CHUNK
+            )
+            if got is None:
+                break
+            ranges += got
+        else:
+            merged = [(s, e) for s, e, _ in coalesce(ranges, RANGE_MERGE_GAP, MAX_REQUEST_BYTES)]
+            cost = sum(e - s for s, e in merged) + (len(merged) - 1) * RANGE_MERGE_GAP
+            if len(merged) <= MAX_RANGES_PER_CHUNK and 2 * cost <= meta.chunk_nbytes + 4:
+                plans[k] = merged
+    return plans
+
+
+def _read_ranges(storage: Storage, task: _ShardTask, plans: dict[int, list[Range]]) -> int:
+    """Read one shard's index, the byte ranges of the chunks in ``plans`` and the other needed chunks
+    whole, coalesced into few GETs; the index (always in the first GET) is checked before any use."""
+    meta = task.meta
+    path = meta.shard_path(task.index)
+    n_chunks = math.prod(chunks_per_shard(meta.shard_shape, meta.chunk_shape))
+    head = index_nbytes(n_chunks)
+    size = meta.chunk_nbytes + 4
+    layout = {k: head + i * size for i, k in enumerate(_stored_chunks(meta, task.index))}
+    wants: list[tuple[int, int, int]] = [(0, head, -1)]  # (start, end, inner chunk or -1: the index)
+    for k in sorted(task.needs):
+        base = layout[k]
+        wants += [(base + s, base + e, k) for s, e in plans[k]] if k in plans else [(base, base + size, k)]
+    scratch = {k: np.empty(meta.chunk_nbytes, dtype=np.uint8) for k in plans}  # pages fill only where written
+    fetched = 0
+    for start, end, members in coalesce([w[:2] for w in wants], RANGE_MERGE_GAP, MAX_REQUEST_BYTES):
+        with storage.reading(path, start, end) as blob:
+            fetched += len(blob)
+            if len(blob) < end - start:
+                raise CorruptChunkError(
+                    f"shard object {storage.where(path)} of {meta.key!r} is truncated "
+                    f"({start + len(blob)} bytes, needed {end})",
+                    key=meta.key,
+                    chunk=path,
+                )
+            for i in members:  # in order of start: the index comes first
+                lo, hi, k = wants[i]
+                piece = blob[lo - start : hi - start]
+                if k < 0:
+                    index = decode_index(bytes(piece), n_chunks, storage.where(path), meta.key)
+                    for needed in task.needs:
+                        _check_entry(index[needed], size, layout, meta, path, needed)
+                elif k in plans:
+                    scratch[k][lo - layout[k] : hi - layout[k]] = np.frombuffer(piece, dtype=np.uint8)
+                else:
+                    _copy_chunk(task, k, piece, path)
+    for k, buf in scratch.items():
+        chunk = buf.view(dtypes.storage_dtype(meta.dtype)).reshape(meta.chunk_shape)
+        _scatter(task, k, chunk)
     return fetched
 
 
@@ -179,12 +280,14 @@ def _read_direct(
 def _copy_chunk(task: _ShardTask, k: int, raw: memoryview, path: str) -> None:
     """Verify inner chunk ``k`` and copy the parts the requests need into their destinations."""
     meta = task.meta
-    grid = chunks_per_shard(meta.shard_shape, meta.chunk_shape)
-    cidx = tuple(int(i) for i in np.unravel_index(k, grid)) if grid else ()
+    cidx, _ = _chunk_origin(meta, task.index, k)
     data = decode_chunk(raw, meta.chunk_nbytes, meta.key, f"{path} (inner chunk {list(cidx)})")
-    chunk = np.frombuffer(data, dtype=dtypes.storage_dtype(meta.dtype)).reshape(meta.chunk_shape)
-    shard_origin = cell_box(task.index, meta.shard_shape, meta.shape).offsets
-    origin = tuple(o + i * c for o, i, c in zip(shard_origin, cidx, meta.chunk_shape, strict=True))
+    _scatter(task, k, np.frombuffer(data, dtype=dtypes.storage_dtype(meta.dtype)).reshape(meta.chunk_shape))
+
+
+def _scatter(task: _ShardTask, k: int, chunk: np.ndarray) -> None:
+    """Copy the parts of inner chunk ``k`` (its elements, ``chunk``) that requests need into place."""
+    _, origin = _chunk_origin(task.meta, task.index, k)
     for part, req in task.needs[k]:
         req.dest[part.relative_to(req.box.offsets).slices()] = chunk[part.relative_to(origin).slices()]
 

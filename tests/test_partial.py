@@ -1,0 +1,162 @@
+"""Partial inner-chunk reads: the byte-range math against numpy, and the reader on arbitrary layouts."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import uuid
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from zarrckpt import reader
+from zarrckpt.errors import CorruptChunkError
+from zarrckpt.format import ArrayMeta
+from zarrckpt.layout import Box, cell_box, cells_in
+from zarrckpt.partial import chunk_ranges, coalesce
+from zarrckpt.reader import Request, read_regions
+from zarrckpt.shard import encode_shard
+from zarrckpt.storage import Storage
+
+
+@st.composite
+def chunk_and_box(draw: st.DrawFn) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    chunk = tuple(draw(st.lists(st.integers(1, 6), min_size=0, max_size=4)))
+    offsets, sizes = [], []
+    for n in chunk:
+        lo = draw(st.integers(0, n - 1))
+        offsets.append(lo)
+        sizes.append(draw(st.integers(1, n - lo)))
+    return chunk, tuple(offsets), tuple(sizes)
+
+
+def _needed_bytes(chunk: tuple[int, ...], itemsize: int, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> set[int]:
+    """Byte positions of the box's elements, by numpy slicing of the chunk's flat element numbers."""
+    flat = np.arange(math.prod(chunk)).reshape(chunk)
+    elements = flat[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))].ravel()
+    return {int(e) * itemsize + b for e in elements for b in range(itemsize)}
+
+
+@given(chunk_and_box(), st.sampled_from([1, 2, 4, 8]), st.sampled_from([0, 1, 3, 8, 50, 10**9]))
+@settings(max_examples=300, deadline=None)
+def test_chunk_ranges_cover_exactly_what_numpy_slices(box: Any, itemsize: int, gap: int) -> None:
+    chunk, offsets, sizes = box
+    ranges = chunk_ranges(chunk, itemsize, offsets, sizes, gap, limit=10**9)
+    assert ranges is not None
+    needed = _needed_bytes(chunk, itemsize, offsets, sizes)
+    covered = {b for s, e in ranges for b in range(s, e)}
+    assert needed <= covered and sum(e - s for s, e in ranges) == len(covered)  # covers, no overlap
+    assert all(s in needed and e - 1 in needed for s, e in ranges)  # no wasted bytes at the ends
+    assert all(a[1] + gap < b[0] for a, b in itertools.pairwise(ranges))  # sorted, maximally merged
+    if gap == 0:
+        assert covered == needed
+    if len(ranges) > 1:
+        assert chunk_ranges(chunk, itemsize, offsets, sizes, gap, limit=len(ranges) - 1) is None
+
+
+def test_chunk_ranges_examples() -> None:
+    # [8, 256, 256] float32: expert 5 is one 256 KiB run; row 17 of it one 1 KiB run
+    assert chunk_ranges((8, 256, 256), 4, (5, 0, 0), (1, 256, 256), 0, 1) == [(5 << 18, 6 << 18)]
+    assert chunk_ranges((8, 256, 256), 4, (5, 17, 0), (1, 1, 256), 0, 1) == [
+        ((5 << 18) + 17 * 1024, (5 << 18) + 18 * 1024)
+    ]
+    # a column: 4 runs of one element, 12 bytes apart; merged when the gap allows
+    assert chunk_ranges((4, 4), 4, (0, 1), (4, 1), 11, 10) == [(4, 8), (20, 24), (36, 40), (52, 56)]
+    assert chunk_ranges((4, 4), 4, (0, 1), (4, 1), 12, 10) == [(4, 56)]
+    assert chunk_ranges((), 8, (), (), 0, 1) == [(0, 8)]
+    assert chunk_ranges((3, 0), 4, (0, 0), (3, 0), 0, 1) == []
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 200), st.integers(1, 40)), max_size=12),
+    st.integers(0, 30),
+    st.integers(1, 100),
+)
+@settings(max_examples=300, deadline=None)
+def test_coalesce(raw: list[tuple[int, int]], gap: int, max_bytes: int) -> None:
+    ranges = [(s, s + n) for s, n in raw]
+    spans = coalesce(ranges, gap, max_bytes)
+    assert sorted(i for _, _, members in spans for i in members) == list(range(len(ranges)))
+    for start, end, members in spans:
+        assert start == min(ranges[i][0] for i in members) and end == max(ranges[i][1] for i in members)
+        assert [ranges[i] for i in members] == sorted(ranges[i] for i in members)
+        reach, overlapped = ranges[members[0]][1], False
+        for i in members[1:]:
+            overlapped |= ranges[i][0] < reach
+            reach = max(reach, ranges[i][1])
+        assert overlapped or len(members) == 1 or end - start <= max_bytes  # only overlaps exceed max_bytes
+    for (start, end, _), (nxt, _, members) in itertools.pairwise(spans):
+        first = ranges[members[0]]
+        assert nxt >= end  # disjoint and sorted
+        assert nxt - end > gap or max(end, first[1]) - start > max_bytes  # split for the gap or for the size
+    assert coalesce([(0, 4), (6, 9), (40, 41)], 2, 100) == [(0, 9, [0, 1]), (40, 41, [2])]
+    assert coalesce([(0, 4), (6, 9)], 2, 8) == [(0, 4, [0]), (6, 9, [1])]
+    assert coalesce([(5, 9), (0, 20)], 0, 4) == [(0, 20, [1, 0])]
+
+
+# -- the reader: any layout (edge shards, several chunks per shard), any box, partial vs whole -------
+
+
+@st.composite
+def layout_and_box(draw: st.DrawFn) -> tuple[Any, ...]:
+    ndim = draw(st.integers(1, 3))
+    shape = tuple(draw(st.integers(1, 9)) for _ in range(ndim))
+    shard = tuple(draw(st.integers(1, n)) for n in shape)
+    chunk = tuple(draw(st.sampled_from([d for d in range(1, s + 1) if s % d == 0])) for s in shard)
+    offsets, sizes = [], []
+    for n in shape:
+        lo = draw(st.integers(0, n - 1))
+        offsets.append(lo)
+        sizes.append(draw(st.integers(1, n - lo)))
+    gap = draw(st.sampled_from([0, 4, 64, 1 << 20]))
+    return shape, shard, chunk, Box(tuple(offsets), tuple(sizes)), gap
+
+
+@given(layout_and_box(), st.sampled_from(["float32", "int16", "float64"]))
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_partial_reads_match_numpy(monkeypatch: pytest.MonkeyPatch, case: Any, dtype: str) -> None:
+    shape, shard, chunk, box, gap = case
+    full = np.arange(math.prod(shape)).astype(dtype).reshape(shape)
+    storage = Storage(f"memory://{uuid.uuid4().hex}")
+    meta = ArrayMeta("w", shape, dtype, shard, chunk)
+    for idx in cells_in(Box.full(shape), shard):
+        storage.write(meta.shard_path(idx), encode_shard(full[cell_box(idx, shard, shape).slices()], shard, chunk))
+    monkeypatch.setattr(reader, "RANGE_MERGE_GAP", gap)
+    want = full[box.slices()]
+    for partial in (True, False):
+        dest = np.full(box.sizes, -1, dtype=dtype)
+        fetched = read_regions(storage, [Request(meta, box, dest)], partial=partial)
+        assert np.array_equal(dest, want)
+        assert fetched > 0
+    storage.delete_all()
+
+
+def test_whole_chunks_stay_verified_partial_ones_cannot_be(tmp_path: Any) -> None:
+    """Rows 0:4 of 9, chunks of 3: chunk 0 is read whole (and verified), chunk 1 only for row 3."""
+    full = np.arange(9, dtype="float32")
+    storage = Storage(str(tmp_path / "ck"))
+    meta = ArrayMeta("w", (9,), "float32", (9,), (3,))
+    storage.write(meta.shard_path((0,)), encode_shard(full, (9,), (3,)))
+    head = 16 * 3 + 4
+
+    def read(partial: bool) -> tuple[int, np.ndarray]:
+        dest = np.empty(4, "float32")
+        return read_regions(storage, [Request(meta, Box((0,), (4,)), dest)], partial=partial), dest
+
+    assert read(True)[0] == head + 16 + 4  # one read: the index, chunk 0 + its crc, row 3
+    assert read(False)[0] == head + 2 * 16
+    assert np.array_equal(read(True)[1], full[:4])
+    path = tmp_path / "ck" / "w" / "c" / "0"
+    raw = bytearray(path.read_bytes())
+    raw[head + 16 + 8] ^= 0xFF  # row 5: in chunk 1, but not a byte the partial read fetches
+    path.write_bytes(bytes(raw))
+    assert np.array_equal(read(True)[1], full[:4])  # undetected: a partial read cannot check chunk 1's crc
+    with pytest.raises(CorruptChunkError, match=r"inner chunk \[1\].*crc32c"):
+        read(False)
+    raw[head + 4] ^= 0xFF  # row 1, in chunk 0: read whole, so verified even with partial reads
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CorruptChunkError, match=r"inner chunk \[0\].*crc32c"):
+        read(True)

@@ -1,0 +1,149 @@
+"""Request budget against a real moto S3 server: requests and bytes counted by the server itself.
+
+Opening a checkpoint is one GET of the manifest (plus the HEAD s3fs sends before a whole-object
+read), however many tensors it holds. A lazy view fetches the shard index and the bytes it
+needs, not whole inner chunks.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import fsspec
+import pytest
+import servers
+import torch
+from multiproc import run_ranks
+from servers import RequestLog, S3Request
+
+import zarrckpt
+
+EXPERTS, ROWS, COLS = 64, 256, 256
+WORLD = 8
+PER_RANK = EXPERTS // WORLD
+INDEX_BYTES = 16 * 1 + 4  # one inner chunk per shard: one index entry + the index crc32c
+
+
+def _expert_block(lo: int, hi: int) -> torch.Tensor:
+    """Experts ``lo:hi`` of the global tensor whose element i is float(i) (exact in float32)."""
+    return torch.arange(lo * ROWS * COLS, hi * ROWS * COLS, dtype=torch.float32).reshape(hi - lo, ROWS, COLS)
+
+
+def _save_experts(rank: int, world: int, url: str, opts: dict[str, Any]) -> None:
+    lo = rank * PER_RANK
+    block = zarrckpt.LocalShard(_expert_block(lo, lo + PER_RANK), (EXPERTS, ROWS, COLS), (lo, 0, 0))
+    zarrckpt.save({"model": {"experts": {"w1": block}}}, url, storage_options=opts)
+
+
+@pytest.fixture(scope="module")
+def experts_url(s3_server: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """A [64, 256, 256] float32 tensor saved by 8 gloo ranks, 8 experts each (saved once per module)."""
+    url, opts = servers.unique_url("s3"), servers.s3_storage_options(s3_server)
+    run_ranks(WORLD, _save_experts, url, opts)
+    yield url, opts
+    fs, root = fsspec.core.url_to_fs(url, **opts)
+    fs.rm(root, recursive=True)
+
+
+def _kinds(requests: list[S3Request]) -> Counter[str]:
+    return Counter(r.kind for r in requests)
+
+
+def test_open_1000_tensors_is_one_get(s3_url: tuple[str, dict[str, Any]], s3_requests: RequestLog) -> None:
+    url, opts = s3_url
+    zarrckpt.save({"model": {f"t{i}": torch.full((3,), float(i)) for i in range(1000)}}, url, storage_options=opts)
+    s3_requests.clear()
+    ckpt = zarrckpt.open(url, storage_options=opts)
+    assert len(ckpt) == 1000
+    got = s3_requests.requests()
+    assert _kinds(got)["GET"] == 1 and _kinds(got)["LIST"] == 0
+    assert [(r.kind, r.path) for r in got if r.kind != "HEAD"] == [("GET", f"/{url[5:]}/zarr.json")]
+    assert len(got) <= 2  # s3fs sends a HEAD before a whole-object GET
+    assert all(r.path.endswith("/zarr.json") and r.status == 200 for r in got)
+
+
+@pytest.mark.parametrize(
+    ("index", "start"),
+    [
+        ((5,), 5 * ROWS * COLS),  # one whole expert: 256 KiB
+        ((5, 17), (5 * ROWS + 17) * COLS),  # one row of it: 1 KiB
+    ],
+    ids=["expert", "row"],
+)
+def test_lazy_view_reads_only_what_it_needs(
+    experts_url: tuple[str, dict[str, Any]], s3_requests: RequestLog, index: tuple[int, ...], start: int
+) -> None:
+    url, opts = experts_url
+    ckpt = zarrckpt.open(url, storage_options=opts)
+    meta = ckpt["model.experts.w1"].meta
+    assert (meta.shard_shape, meta.chunk_shape) == ((PER_RANK, ROWS, COLS),) * 2  # one 2 MiB chunk per rank
+    s3_requests.clear()
+    got = ckpt["model.experts.w1"][index]
+    want = _expert_block(5, 6)[0][index[1:]]
+    assert torch.equal(got, want)
+    requested = got.numel() * 4
+    log = s3_requests.requests()
+    shard = f"/{url[5:]}/model/experts/w1/c/0/0/0"
+    first = INDEX_BYTES + start * 4  # the data follows the index
+    assert [(r.kind, r.path, r.range, r.status) for r in log] == [
+        ("GET", shard, f"bytes=0-{INDEX_BYTES - 1}", 206),
+        ("GET", shard, f"bytes={first}-{first + requested - 1}", 206),
+    ]
+    transferred = sum(r.bytes_sent for r in log)
+    assert transferred == requested + INDEX_BYTES <= 1.25 * requested + INDEX_BYTES
+    assert len(log) <= 4
+
+
+def test_verified_reads_fetch_whole_chunks(experts_url: tuple[str, dict[str, Any]], s3_requests: RequestLog) -> None:
+    """partial_reads=False: whole inner chunks, each checked against its crc32c (one GET per shard here)."""
+    url, opts = experts_url
+    ckpt = zarrckpt.open(url, storage_options=opts, partial_reads=False)
+    s3_requests.clear()
+    assert torch.equal(ckpt["model.experts.w1"][5, 17], _expert_block(5, 6)[0, 17])
+    log = s3_requests.requests()
+    whole = INDEX_BYTES + PER_RANK * ROWS * COLS * 4 + 4
+    assert [(r.kind, r.range, r.bytes_sent) for r in log] == [("GET", "bytes=0-", whole)]
+
+
+def test_strided_views(experts_url: tuple[str, dict[str, Any]], s3_requests: RequestLog) -> None:
+    """Rows 1 KiB long, 256 KiB apart: coalesced into one range (with the index when it is close);
+    a view needing most of a chunk reads it whole and verifies it."""
+    url, opts = experts_url
+    view = zarrckpt.open(url, storage_options=opts)["model.experts.w1"]
+    row = COLS * 4
+    s3_requests.clear()
+    assert torch.equal(view[6:8, 17], _expert_block(6, 8)[:, 17])  # experts 6 and 7 of shard 0
+    lo, hi = INDEX_BYTES + (6 * ROWS + 17) * row, INDEX_BYTES + (7 * ROWS + 18) * row
+    assert [(r.range, r.bytes_sent) for r in s3_requests.requests()] == [
+        (f"bytes=0-{INDEX_BYTES - 1}", INDEX_BYTES),
+        (f"bytes={lo}-{hi - 1}", hi - lo),  # 257 KiB for 2 KiB: fewer requests beat fewer bytes here
+    ]
+    s3_requests.clear()
+    assert torch.equal(view[:2, 17], _expert_block(0, 2)[:, 17])  # experts 0 and 1: 255 KiB apart, one GET
+    end = INDEX_BYTES + (ROWS + 18) * row
+    assert [(r.range, r.bytes_sent) for r in s3_requests.requests()] == [(f"bytes=0-{end - 1}", end)]
+    s3_requests.clear()
+    assert torch.equal(view[:, 17], _expert_block(0, EXPERTS)[:, 17])  # ranges would span 7/8 of each chunk
+    whole = INDEX_BYTES + PER_RANK * ROWS * row + 4
+    got = sorted((r.path.rsplit("/", 3)[-3], r.range, r.bytes_sent) for r in s3_requests.requests())
+    assert got == [(str(rank), "bytes=0-", whole) for rank in range(WORLD)]
+
+
+def test_request_log_counts_requests_and_bytes(s3_url: tuple[str, dict[str, Any]], s3_requests: RequestLog) -> None:
+    """The counter itself: a PUT, a ranged GET and a listing, as the server saw them."""
+    url, opts = s3_url
+    fs, root = fsspec.core.url_to_fs(url, **opts)
+    fs.pipe_file(f"{root}/a", b"0123456789" * 100)
+    assert fs.cat_file(f"{root}/a", start=10, end=110) == b"0123456789" * 10
+    assert fs.ls(root, detail=False, refresh=True) == [f"{root}/a"]
+    log = s3_requests.requests(url)
+    assert [(r.kind, r.range, r.bytes_received) for r in log] == [
+        ("PUT", None, 1000),
+        ("GET", "bytes=10-109", 0),
+        ("LIST", None, 0),
+    ]
+    assert [r.bytes_sent for r in log[:2]] == [0, 100] and log[2].bytes_sent > 0
+    assert log[2].query["prefix"] == [url.split("/", 3)[-1] + "/"]
+    assert s3_requests.requests(url + "-other") == [] and len(s3_requests.requests()) == 3
