@@ -29,7 +29,7 @@ G = torch.Generator().manual_seed(5)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
-    """Compare float8 (no torch.equal) and NaN-safe: the raw bits."""
+    """float8 as raw bits (torch.equal does not support float8)."""
     return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
 
 
@@ -320,12 +320,20 @@ def test_import_safetensors_single_and_sharded(tmp_path: Path) -> None:
         check_imported(str(tmp_path / "ck2"), tensors)
 
 
-def test_round_trip_export_import(url: str, tmp_path: Path) -> None:
+def test_round_trip_export_import(url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     export_safetensors(url, tmp_path / "st", max_shard_bytes="3kB")
     import_checkpoint(tmp_path / "st", tmp_path / "back")
     check_imported(str(tmp_path / "back"), FLAT)
-    rc = cli.main(["diff", url, str(tmp_path / "back"), "--json"])
-    assert rc == 1  # tensors equal; only the non-tensor values (not exported) differ
+    rc, out, _ = run(capsys, "diff", url, str(tmp_path / "back"), "--json")
+    report = json.loads(out)
+    assert rc == 1 and not any(report[k] for k in ("only_in_a", "only_in_b", "layout", "values"))
+    assert {d["key"] for d in report["metadata"]} == {  # non-tensor values are not exported
+        "optim.param_groups.0.lr",
+        "optim.param_groups.0.betas",
+        "optim.param_groups.0.params",
+        "trainer.step",
+        "trainer.name",
+    }
 
 
 class Evil:

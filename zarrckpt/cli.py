@@ -91,7 +91,7 @@ def emit_json(obj: Any, indent: int | None = 2) -> None:
 
 
 def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(d, dict) and d:
+    if isinstance(d, dict) and (d or not prefix):  # a nested {} is a value; the top-level {} has none
         out: dict[str, Any] = {}
         for k, v in d.items():
             out.update(flatten(v, f"{prefix}{k}."))
