@@ -118,3 +118,83 @@ def test_verify_reports_every_problem(tmp_path: Path) -> None:
     assert len(problems) == 2
     assert "'a'" in problems[0] and "crc32c" in problems[0]
     assert "'b'" in problems[1] and "missing" in problems[1]
+
+
+def _rows(html: str) -> list[list[str]]:
+    """Cells of every table row (tags stripped, entities kept)."""
+    return [re.findall(r"<t[dh]>(.*?)</t[dh]>", row) for row in re.findall(r"<tr>(.*?)</tr>", html)]
+
+
+EXPERT_GRID = ["[8, 6, 10]", "[1, 6, 10]"]  # shard, inner chunk
+
+
+def test_checkpoint_html(ckpt: zarrckpt.Checkpoint) -> None:
+    html = ckpt._repr_html_()
+    rows = _rows(html)
+    summary = {r[0]: r[1] for r in rows if len(r) == 2}
+    assert summary["url"] == f"<code>{ckpt.storage.url}</code>"
+    assert summary["step / metadata"] == "trainer.step = 7"
+    assert summary["world size at save"] == "1" and summary["tensors"] == "3"
+    assert summary["created"] == ckpt.manifest.created and summary["library"] == "zarrckpt 0.1.0"
+    total = 8 * 6 * 10 * 4 + 7 * 5 * 2 + 4
+    assert summary["total"] == f"1.9 KiB ({total:,} bytes)"
+    assert summary["by role"] == f"main_weight: {total / 1024:.1f} KiB"
+    assert [r for r in rows if len(r) == 7] == [
+        ["key", "role", "shape", "dtype", "size", "shard", "chunk"],
+        ["<code>model.bf</code>", "main_weight", "[7, 5]", "bfloat16", "70 B", "[7, 5]", "[7, 5]"],
+        ["<code>model.layers.0.experts.w1</code>", "main_weight", "[8, 6, 10]", "float32", "1.9 KiB", *EXPERT_GRID],
+        ["<code>model.scalar</code>", "main_weight", "[]", "float32", "4 B", "[]", "[]"],
+    ]
+    assert "showing the first" not in html
+    view = ckpt["model.layers.0.experts.w1"]
+    assert {r[0]: r[1] for r in _rows(view._repr_html_())} == {
+        "key": "<code>model.layers.0.experts.w1</code>",
+        "role": "main_weight",
+        "shape": "[8, 6, 10]",
+        "dtype": "float32",
+        "size": "1.9 KiB (1,920 bytes)",
+        "shards": "1 of [8, 6, 10]",
+        "inner chunks": "8 per shard, [1, 6, 10]",
+        "saved by": "holders: 1, world_size: 1",
+        "location": f"<code>{view.path}</code>",
+    }
+
+
+def test_html_escapes_and_truncates(tmp_path: Path) -> None:
+    url = str(tmp_path / "ck<&>")
+    state: dict[str, Any] = {f"t{i:02d}": torch.zeros(2) for i in range(60)}
+    state["a<script>alert(1)<&>"] = torch.ones(1)
+    state["trainer"] = {"step": "<b>9</b>", "note": "</pre><img src=x onerror=alert(1)>"}
+    zarrckpt.save(state, url)
+    ckpt = zarrckpt.open(url)
+    html = ckpt._repr_html_()
+    assert "<script>" not in html and "<img" not in html and "<b>9" not in html and html.count("</pre>") == 1
+    assert "<code>a&lt;script&gt;alert(1)&lt;&amp;&gt;</code>" in html and "ck&lt;&amp;&gt;" in html
+    assert "trainer.step = &lt;b&gt;9&lt;/b&gt;" in html and "&lt;/pre&gt;&lt;img src=x" in html
+    tensor_rows = [r for r in _rows(html) if len(r) == 7][1:]
+    assert [r[0] for r in tensor_rows] == ["<code>a&lt;script&gt;alert(1)&lt;&amp;&gt;</code>"] + [
+        f"<code>t{i:02d}</code>" for i in range(49)
+    ]
+    assert "showing the first 50 of 61 tensors" in html
+    view_html = ckpt["a<script>alert(1)<&>"]._repr_html_()
+    assert "<script>" not in view_html and "<code>a&lt;script&gt;alert(1)&lt;&amp;&gt;</code>" in view_html
+
+
+def test_verify_progress_and_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    url = str(tmp_path / "ck")
+    zarrckpt.save({"a": torch.randn(64, 64), "b": torch.randn(64, 64), "c": torch.zeros(3)}, url, chunk_bytes=4096)
+    summary = zarrckpt.open(url).verify(progress=True)
+    read = 2 * (16 * 4 + 4 + 4 * (4096 + 4)) + (16 + 4 + 12 + 4)  # 2 x (index + 4 chunks), c: index + 1 chunk
+    assert {k: v for k, v in summary.items() if k != "seconds"} == {"tensors": 3, "bytes_read": read, "problems": []}
+    assert summary.ok and re.fullmatch(r"verify OK: 3 tensors, 32\.2 KiB read in \d+\.\d\d s", str(summary))
+    err = capsys.readouterr().err
+    assert err.endswith("\n") and err.count("\n") == 1
+    final = err.rsplit("\r", 1)[-1]
+    assert re.fullmatch(r"verify \[#{30}\] 100% 3/3 tensors, 32\.2 KiB, [\d.]+ [KMG]?i?B/s\s*\n", final), final
+    assert "status</td><td><b>OK</b>" in summary._repr_html_()
+    (tmp_path / "ck/b/c/0/0").unlink()
+    bad = zarrckpt.open(url).verify()
+    assert not bad.ok and capsys.readouterr().err == ""  # no progress bar unless asked
+    lines = str(bad).splitlines()
+    assert re.fullmatch(r"verify 1 problem\(s\): 3 tensors, 16\.1 KiB read in \d+\.\d\d s", lines[0])
+    assert len(lines) == 2 and lines[1].startswith("  - ") and "'b'" in lines[1] and "missing" in lines[1]

@@ -7,7 +7,6 @@ index touches. No process group is needed.
 from __future__ import annotations
 
 import difflib
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ import torch
 
 from . import commit as protocol
 from . import dtypes
+from .display import Progress, VerifySummary, checkpoint_html, tensor_html
 from .errors import KeyNotFoundError, ZarrckptError
 from .format import ArrayMeta, Manifest
 from .keys import nest
@@ -89,31 +89,35 @@ class Checkpoint:
             for m in sorted(self.manifest.arrays.values(), key=lambda m: m.key)
         ]
 
-    def verify(self, *, progress: bool = False) -> dict[str, Any]:
+    def verify(self, *, progress: bool = False) -> VerifySummary:
         """Check completeness and every checksum of every tensor (reads the whole checkpoint).
 
-        Returns a summary: ``{"tensors", "bytes_read", "seconds", "problems": [...]}``; an empty
-        ``problems`` list means every shard object is present and every chunk verifies.
+        Returns a summary dict: ``{"tensors", "bytes_read", "seconds", "problems": [...]}``; an
+        empty ``problems`` list means every shard object is present and every chunk verifies.
+        It prints as one line (``print(ckpt.verify())``) and shows as a table in notebooks.
+        ``progress=True`` draws a progress bar on stderr meanwhile.
         """
         start = time.perf_counter()
         problems: list[str] = []
-        fetched = 0
+        fetched = done = 0
         arrays = sorted(self.manifest.arrays.values(), key=lambda m: m.key)
+        bar = Progress("verify", len(arrays), sum(m.nbytes for m in arrays)) if progress else None
         for i, meta in enumerate(arrays, 1):
             try:
                 fetched += verify_array(self.storage, meta)
             except ZarrckptError as e:
                 problems.append(str(e))
-            if progress:
-                print(f"\rverify {i}/{len(arrays)} tensors, {fetched / 1e6:.1f} MB", end="", file=sys.stderr)
-        if progress:
-            print(file=sys.stderr)
-        return {
-            "tensors": len(arrays),
-            "bytes_read": fetched,
-            "seconds": time.perf_counter() - start,
-            "problems": problems,
-        }
+            done += meta.nbytes
+            if bar is not None:
+                bar.update(i, done, fetched)
+        if bar is not None:
+            bar.finish(fetched)
+        return VerifySummary(
+            tensors=len(arrays), bytes_read=fetched, seconds=time.perf_counter() - start, problems=problems
+        )
+
+    def _repr_html_(self) -> str:
+        return checkpoint_html(self)
 
     def __repr__(self) -> str:
         total = sum(m.nbytes for m in self.manifest.arrays.values())
@@ -153,6 +157,9 @@ class TensorView:
 
     def __repr__(self) -> str:
         return f"<TensorView {self.key!r} {list(self.shape)} {self.meta.dtype} role={self.role}>"
+
+    def _repr_html_(self) -> str:
+        return tensor_html(self)
 
     def __getitem__(self, index: Any) -> torch.Tensor:
         """The indexed part as a tensor: ints (negative too), slices (with steps), ``...``."""

@@ -1,0 +1,193 @@
+"""Human-facing views of a checkpoint: HTML tables for notebooks, a progress bar for verify.
+
+Everything shown comes from the manifest (untrusted text): every string is HTML-escaped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from html import escape
+from typing import IO, TYPE_CHECKING, Any
+
+from .layout import grid_shape
+from .shard import chunks_per_shard
+
+if TYPE_CHECKING:
+    from .checkpoint import Checkpoint, TensorView
+
+MAX_ROWS = 50  # tensors listed in a checkpoint's HTML table
+MAX_METADATA_CHARS = 4000
+_CSS = (
+    "<style>.zarrckpt table{border-collapse:collapse;font-size:12px}"
+    ".zarrckpt td,.zarrckpt th{padding:2px 8px;text-align:left;border-bottom:1px solid #ddd}</style>"
+)
+
+
+def human(n: float) -> str:
+    """A byte count for people: ``1.5 MiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _shape(shape: Any) -> str:
+    return "[" + ", ".join(str(int(n)) for n in shape) + "]"
+
+
+def _table(rows: list[list[str]], header: list[str] | None = None) -> str:
+    """An HTML table; cells are already-escaped HTML."""
+    head = "<thead><tr>" + "".join(f"<th>{h}</th>" for h in header) + "</tr></thead>" if header else ""
+    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table>{head}<tbody>{body}</tbody></table>"
+
+
+def _box(title: str, inner: str) -> str:
+    return f'<div class="zarrckpt">{_CSS}<b>{title}</b>{inner}</div>'
+
+
+def headline(values: dict[str, Any]) -> str:
+    """The step (any value whose key ends in ``step``), else the first few metadata keys."""
+    steps = [f"{k} = {v}" for k, v in sorted(values.items()) if k.split(".")[-1] == "step" and not isinstance(v, dict)]
+    if steps:
+        return ", ".join(steps[:3])[:200]
+    keys = sorted(values)
+    return ", ".join(keys[:5]) + (f", … ({len(keys)} values)" if len(keys) > 5 else "") if keys else "none"
+
+
+def checkpoint_html(ckpt: Checkpoint) -> str:
+    m = ckpt.manifest
+    arrays = sorted(m.arrays.values(), key=lambda a: a.key)
+    total = sum(a.nbytes for a in arrays)
+    by_role: dict[str, int] = {}
+    for a in arrays:
+        by_role[a.role] = by_role.get(a.role, 0) + a.nbytes
+    summary = [
+        ["url", f"<code>{escape(ckpt.storage.url)}</code>"],
+        ["step / metadata", escape(headline(m.values))],
+        ["world size at save", str(m.world_size)],
+        ["created", escape(m.created or "unknown")],
+        ["library", escape(m.library or "unknown")],
+        ["tensors", f"{len(arrays):,}"],
+        ["total", f"{human(total)} ({total:,} bytes)"],
+        ["by role", escape(", ".join(f"{r}: {human(n)}" for r, n in sorted(by_role.items())) or "none")],
+    ]
+    rows = [
+        [
+            f"<code>{escape(a.key)}</code>",
+            escape(a.role),
+            _shape(a.shape),
+            escape(a.dtype),
+            human(a.nbytes),
+            _shape(a.shard_shape),
+            _shape(a.chunk_shape),
+        ]
+        for a in arrays[:MAX_ROWS]
+    ]
+    note = (
+        f"<p><i>showing the first {MAX_ROWS} of {len(arrays):,} tensors (sorted by key); "
+        "<code>ckpt.tensors()</code> lists them all</i></p>"
+        if len(arrays) > MAX_ROWS
+        else ""
+    )
+    meta = json.dumps(ckpt.metadata, indent=1, default=str)
+    if len(meta) > MAX_METADATA_CHARS:
+        meta = meta[:MAX_METADATA_CHARS] + f"\n… ({len(meta):,} characters in all)"
+    return _box(
+        "zarrckpt checkpoint",
+        _table(summary)
+        + f"<details open><summary>tensors ({len(arrays):,})</summary>"
+        + _table(rows, ["key", "role", "shape", "dtype", "size", "shard", "chunk"])
+        + note
+        + "</details>"
+        + f"<details><summary>metadata ({len(m.values):,} values)</summary><pre>{escape(meta)}</pre></details>",
+    )
+
+
+def tensor_html(view: TensorView) -> str:
+    a = view.meta
+    shards = math.prod(grid_shape(a.shape, a.shard_shape))
+    per_shard = math.prod(chunks_per_shard(a.shard_shape, a.chunk_shape))
+    topo = a.topology
+    saved = ", ".join(f"{k}: {v}" for k, v in sorted(topo.items()) if v is not None) or "one process"
+    rows = [
+        ["key", f"<code>{escape(a.key)}</code>"],
+        ["role", escape(a.role)],
+        ["shape", _shape(a.shape)],
+        ["dtype", escape(a.dtype)],
+        ["size", f"{human(a.nbytes)} ({a.nbytes:,} bytes)"],
+        ["shards", f"{shards:,} of {_shape(a.shard_shape)}"],
+        [
+            "inner chunks",
+            f"{per_shard:,} per shard, {_shape(a.chunk_shape)}",
+        ],
+        ["saved by", escape(saved)],
+        ["location", f"<code>{escape(view.path)}</code>"],
+    ]
+    return _box("zarrckpt tensor", _table(rows))
+
+
+class VerifySummary(dict[str, Any]):
+    """What :meth:`Checkpoint.verify` returns: a dict (``tensors``, ``bytes_read``, ``seconds``,
+    ``problems``) that prints as one line and shows as a table in notebooks."""
+
+    @property
+    def ok(self) -> bool:
+        return not self["problems"]
+
+    def __str__(self) -> str:
+        status = "OK" if self.ok else f"{len(self['problems'])} problem(s)"
+        line = (
+            f"verify {status}: {self['tensors']} tensors, {human(self['bytes_read'])} read in {self['seconds']:.2f} s"
+        )
+        return "\n".join([line, *(f"  - {p}" for p in self["problems"])])
+
+    def _repr_html_(self) -> str:
+        status = "OK" if self.ok else f"{len(self['problems'])} problem(s)"
+        rows = [
+            ["status", f"<b>{status}</b>"],
+            ["tensors", f"{self['tensors']:,}"],
+            ["read", human(self["bytes_read"])],
+            ["seconds", f"{self['seconds']:.2f}"],
+        ]
+        rows += [["problem", escape(p)] for p in self["problems"]]
+        return _box("zarrckpt verify", _table(rows))
+
+
+class Progress:
+    """A one-line text progress bar (``\\r``-updated, at most 10 times a second) on ``stream``."""
+
+    WIDTH = 30
+
+    def __init__(self, label: str, total_items: int, total_bytes: int, stream: IO[str] | None = None) -> None:
+        self.label, self.total_items, self.total_bytes = label, total_items, max(total_bytes, 1)
+        self.stream = stream if stream is not None else sys.stderr
+        self.start = self.last = time.perf_counter()
+        self.items = self.done_bytes = self.width = 0
+
+    def update(self, items: int, done_bytes: int, read_bytes: int) -> None:
+        self.items, self.done_bytes = items, done_bytes
+        now = time.perf_counter()
+        if now - self.last >= 0.1 and items < self.total_items:  # finish() draws the last state
+            self.last = now
+            self._draw(read_bytes, now - self.start)
+
+    def _draw(self, read_bytes: int, elapsed: float) -> None:
+        frac = min(1.0, self.done_bytes / self.total_bytes) if self.total_items else 1.0
+        filled = round(frac * self.WIDTH)
+        bar = "#" * filled + "-" * (self.WIDTH - filled)
+        rate = f", {human(read_bytes / elapsed)}/s" if elapsed > 0 else ""
+        line = f"{self.label} [{bar}] {frac:4.0%} {self.items}/{self.total_items} tensors, {human(read_bytes)}{rate}"
+        self.stream.write("\r" + line.ljust(self.width))  # pad: a shorter line must cover the last one
+        self.width = len(line)
+        self.stream.flush()
+
+    def finish(self, read_bytes: int) -> None:
+        """Draw the final state and end the line."""
+        self._draw(read_bytes, time.perf_counter() - self.start)
+        self.stream.write("\n")
+        self.stream.flush()
