@@ -190,7 +190,7 @@ def test_verify_progress_and_summary(tmp_path: Path, capsys: pytest.CaptureFixtu
     err = capsys.readouterr().err
     assert err.endswith("\n") and err.count("\n") == 1
     final = err.rsplit("\r", 1)[-1]
-    assert re.fullmatch(r"verify \[#{30}\] 100% 3/3 tensors, 32\.2 KiB, [\d.]+ [KMG]?i?B/s\s*\n", final), final
+    assert re.fullmatch(r"verify 3/3 tensors \[#{30}\] 100% 32\.2 KiB, [\d.]+ [KMG]?i?B/s\s*\n", final), final
     assert "status</td><td><b>OK</b>" in summary._repr_html_()
     (tmp_path / "ck/b/c/0/0").unlink()
     bad = zarrckpt.open(url).verify()

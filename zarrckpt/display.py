@@ -181,7 +181,7 @@ class Progress:
         filled = round(frac * self.WIDTH)
         bar = "#" * filled + "-" * (self.WIDTH - filled)
         rate = f", {human(read_bytes / elapsed)}/s" if elapsed > 0 else ""
-        line = f"{self.label} [{bar}] {frac:4.0%} {self.items}/{self.total_items} tensors, {human(read_bytes)}{rate}"
+        line = f"{self.label} {self.items}/{self.total_items} tensors [{bar}] {frac:4.0%} {human(read_bytes)}{rate}"
         self.stream.write("\r" + line.ljust(self.width))  # pad: a shorter line must cover the last one
         self.width = len(line)
         self.stream.flush()
