@@ -8,6 +8,7 @@ Each step gathers the full weights it computes with, and reduces gradients back 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,9 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from .config import Topology
 from .model import ExpertComm
+
+# DTensor warns on every gather of a [Shard(0), Shard(0)] weight that it takes two all_gathers
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
 @dataclass

@@ -10,7 +10,6 @@ steps ``K+1 .. 2K``; its losses and the samples it reads are compared with run A
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import tempfile
@@ -54,7 +53,6 @@ DEFAULT_RESUMES = (
 
 
 def _job(rank: int, world: int, spec: dict[str, Any]) -> None:
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     layout, opts = Layout(**spec["layout"]), spec["storage_options"]
     trainer = Trainer(ModelConfig(), TrainConfig(), layout.topology())
     out: dict[str, Any] = {"losses": [], "ids": [], "save_s": None, "load_s": None}

@@ -72,7 +72,6 @@ def _latest(manager: zarrckpt.CheckpointManager) -> int | None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     _init(args.backend)
     try:
