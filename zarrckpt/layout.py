@@ -85,13 +85,22 @@ def coverage_problems(key: str, shape: Shape, claims: Sequence[Claim], limit: in
     if problems or full.volume == 0:
         return problems
     # Count coverage on the grid of elementary intervals spanned by all box boundaries.
+    ends = {box: box.ends for box in distinct}
     cuts = [
-        sorted({0, n} | {b.offsets[d] for b in distinct} | {b.ends[d] for b in distinct}) for d, n in enumerate(shape)
+        sorted({0, n} | {b.offsets[d] for b in distinct} | {e[d] for e in ends.values()}) for d, n in enumerate(shape)
     ]
+    pos = [{cut: i for i, cut in enumerate(dim)} for dim in cuts]
+    spans = {
+        box: tuple(slice(pos[d][box.offsets[d]], pos[d][ends[box][d]]) for d in range(len(shape))) for box in distinct
+    }
+    if len(distinct) == math.prod(len(c) - 1 for c in cuts) and all(
+        s.stop - s.start == 1 for idx in spans.values() for s in idx
+    ):
+        return problems  # as many distinct boxes as grid cells, each box one cell: an exact tiling
     counts = np.zeros([len(c) - 1 for c in cuts], dtype=np.int32)
     owners = np.full(counts.shape, -1, dtype=np.int64)
     for box, ranks in distinct.items():
-        idx = tuple(slice(cuts[d].index(box.offsets[d]), cuts[d].index(box.ends[d])) for d in range(len(shape)))
+        idx = spans[box]
         clash = counts[idx] > 0
         if clash.any():
             cell = tuple(int(i[0]) for i in np.nonzero(clash))
@@ -123,8 +132,9 @@ def shard_shape_for(shape: Shape, boxes: Sequence[Box]) -> Shape:
     when there are none). Zero-length dimensions get cell size 1 (Zarr needs chunks >= 1).
     """
     cell = []
+    nonempty = {b for b in boxes if b.volume}
     for d, n in enumerate(shape):
-        cuts = {b.offsets[d] for b in boxes if b.volume} | {b.ends[d] for b in boxes if b.volume}
+        cuts = {b.offsets[d] for b in nonempty} | {b.offsets[d] + b.sizes[d] for b in nonempty}
         interior = [c for c in cuts if 0 < c < n]
         cell.append(max(1, math.gcd(*interior) if interior else n))
     return tuple(cell)

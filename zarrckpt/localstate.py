@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -53,7 +54,22 @@ class LocalState:
     paths: dict[str, Path]  # every key -> its path in the nested state dict
 
     def describe(self) -> dict[str, Any]:
-        return {"tensors": {k: t.describe() for k, t in self.tensors.items()}, "values": self.values}
+        """What this rank holds, as JSON for :func:`zarrckpt.plan.build_save_plan`.
+
+        Compact: each distinct tensor description (shape, dtype, kind, box, topology, digest) is
+        listed once in ``specs`` and ``tensors`` maps each key to its index there. A weight and
+        its Adam moments, or the same shard of every layer, share one entry, so the gathered
+        descriptions stay small and cheap to decode at thousands of ranks.
+        """
+        specs: list[dict[str, Any]] = []
+        index: dict[str, int] = {}
+        tensors: dict[str, int] = {}
+        for key, t in self.tensors.items():
+            desc = t.describe()
+            tensors[key] = index.setdefault(json.dumps(desc, sort_keys=True), len(specs))
+            if tensors[key] == len(specs):
+                specs.append(desc)
+        return {"specs": specs, "tensors": tensors, "values": self.values}
 
 
 @dataclass(frozen=True)
