@@ -19,6 +19,8 @@ from .errors import (
     StorageError,
     ZarrckptError,
 )
+from .export import export_safetensors
+from .importer import import_checkpoint
 from .localstate import LocalShard
 from .manager import CheckpointManager
 from .zarr_dtypes import register_zarr_dtypes
@@ -49,6 +51,8 @@ __all__ = [
     "delete",
     "list_checkpoints",
     "errors",
+    "export_safetensors",
+    "import_checkpoint",
     "load",
     "open",
     "save",
