@@ -127,14 +127,16 @@ class Report:
         return out
 
     def table(self) -> str:
+        moves = [f"{r.saved_by} → {r.loaded_by}" for r in self.rows]
+        width = max([len("saved → loaded"), *map(len, moves)]) + 2
         head = (
-            f"{'resume':<8}{'saved → loaded':<44}{'tensors':>8}{'MB':>8}{'save s':>8}{'load s':>8}"
+            f"{'resume':<8}{'saved → loaded':<{width}}{'tensors':>8}{'MB':>8}{'save s':>8}{'load s':>8}"
             f"{'max|Δ| restored':>17}{'max|Δloss| vs A':>17}{'samples':>9}"
         )
         lines = [head, "-" * len(head)]
-        for r in self.rows:
+        for r, move in zip(self.rows, moves, strict=True):
             lines.append(
-                f"{r.name:<8}{r.saved_by + ' → ' + r.loaded_by:<44}{r.tensors:>8}{r.nbytes / 1e6:>8.2f}"
+                f"{r.name:<8}{move:<{width}}{r.tensors:>8}{r.nbytes / 1e6:>8.2f}"
                 f"{r.save_s:>8.2f}{r.load_s:>8.2f}{r.max_restore_diff:>17.3g}{r.max_loss_diff:>17.3g}"
                 f"{'same' if r.same_samples else 'DIFFER':>9}"
             )
@@ -142,7 +144,7 @@ class Report:
 
 
 def describe(layout: Layout) -> str:
-    return f"{layout.world} ranks {layout.topology()}"
+    return f"{layout.world} rank{'s' if layout.world > 1 else ''} {layout.topology()}"
 
 
 def compare(url_a: str, url_b: str, opts: dict[str, Any] | None) -> tuple[float, bool]:
