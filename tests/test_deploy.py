@@ -6,7 +6,8 @@
   rendezvous wiring, credentials, /dev/shm, resources, restart policies, and the environment
   each pod would get, fed through deploy/torchrun.sh.
 - Shell scripts pass shellcheck.
-- The IAM policies grant only get / put / list / delete under the checkpoint prefix.
+- The IAM policies grant only get / put / list / delete under the checkpoint prefix; every
+  request a checkpoint-manager cycle makes on the GCS emulator passes the GCS role and condition.
 - The launch script trains the example job for real on 2 processes, checkpointing to an S3
   server (moto), and the printed command resumes it on 1 process; the Slurm script resumes it
   again. Every S3 request those jobs make is checked against the IAM policy.
@@ -354,6 +355,23 @@ def test_manifest_pods(path):
             assert nproc <= _quantity(res["requests"]["cpu"])
         pp = int(args[args.index("--pp") + 1]) if "--pp" in args else 1
         assert LAYERS % pp == 0 and (nnodes * nproc) % pp == 0
+
+
+def test_training_module_takes_the_contract_flags():
+    """The example module's own --help lists every flag of the contract (which the manifests'
+    arguments are checked against)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "zarrckpt.example.train", "--help"],
+        cwd=ROOT,
+        env=_script_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    listed = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", proc.stdout))
+    assert not TRAIN_FLAGS - listed, f"missing from --help: {TRAIN_FLAGS - listed}"
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
@@ -906,8 +924,8 @@ def _resumed_from(output: str) -> list[int]:
 
 @pytest.mark.timeout(420)
 def test_launch_train_checkpoint_to_s3_and_resume(s3_url, tmp_path):
-    """deploy/torchrun.sh runs the example on 2 processes, saving to S3; the command it prints
-    for 1 process resumes from the latest checkpoint; the Slurm script resumes once more. Every
+    """deploy/torchrun.sh runs the example on 2 processes (2 pipeline stages), saving to S3; the
+    command it prints for 1 process resumes from the latest checkpoint; the Slurm script resumes once more. Every
     S3 request of all three runs is allowed by deploy/iam/s3-policy.json for that prefix."""
     pytest.importorskip("zarrckpt.example.train", reason="the example training module is not there yet")
     # The policy's prefix is the fixture's fresh prefix, the checkpoint root a run below it, as
@@ -919,32 +937,22 @@ def test_launch_train_checkpoint_to_s3_and_resume(s3_url, tmp_path):
     env = _script_env(ZARRCKPT_STORAGE_OPTIONS=json.dumps(options))
 
     with _RequestLog() as log:
-        # 1. Two processes, a fresh run: steps 1..4, checkpoints at 2 and 4.
-        first = _run(
-            ["bash", str(TORCHRUN_SH), "--ckpt", url, "--steps", "4", "--save-every", "2"],
-            {**env, "NPROC_PER_NODE": "2"},
-        )
+        # 1. Two processes as two pipeline stages, a fresh run: steps 1..4, checkpoints at 2, 4.
+        train_args = ["--steps", "4", "--save-every", "2", "--pp", "2", "--backend", "gloo"]
+        first = _run(["bash", str(TORCHRUN_SH), "--ckpt", url, *train_args], {**env, "NPROC_PER_NODE": "2"})
         printed = [ln for ln in first.stderr.splitlines() if ln.startswith("+ torchrun ")]
         assert len(printed) == 1, first.stderr
         cmd = shlex.split(printed[0][2:])
         assert cmd[:4] == ["torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=2"]
-        assert cmd[cmd.index("-m") :] == [
-            "-m",
-            "zarrckpt.example.train",
-            "--ckpt",
-            url,
-            "--steps",
-            "4",
-            "--save-every",
-            "2",
-        ]
+        assert cmd[cmd.index("-m") :] == ["-m", "zarrckpt.example.train", "--ckpt", url, *train_args]
         assert _resumed_from(first.stdout) == []
         assert _done_step(first.stdout) == 4
         saved = zarrckpt.list_checkpoints(url, storage_options=options)
         assert saved == {"step_0000000002": "committed", "step_0000000004": "committed"}
         assert zarrckpt.open(f"{url}/step_0000000004", storage_options=options).topology["world_size"] == 2
 
-        # 2. The exact command the script prints for one process, run as printed.
+        # 2. The exact command the script prints for one process, run as printed: the PP2
+        #    checkpoint resharded onto one rank.
         line = subprocess.run(
             ["bash", str(TORCHRUN_SH), "--dry-run", "--ckpt", url, "--steps", "6", "--save-every", "2"],
             env={**env, "NPROC_PER_NODE": "1"},
