@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +102,29 @@ def test_manager_retention_and_resume(tmp_path: Path) -> None:
     assert manager.load_latest(target) == 10
     assert torch.equal(target["model"]["w0"], torch.full((128, 64), 10.0))
     manager.close()
+
+
+def test_close_right_after_the_last_save_still_applies_retention(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last save's clean-up is queued with the save, so close() cannot finish before it.
+
+    Future callbacks run after waiters wake; a scheduling delay there (forced here) used to let
+    close() return, and shut the deletion pool, before the clean-up was queued.
+    """
+    invoke = concurrent.futures.Future._invoke_callbacks  # type: ignore[attr-defined]
+
+    def late(self: concurrent.futures.Future) -> None:
+        time.sleep(0.2)
+        invoke(self)
+
+    monkeypatch.setattr(concurrent.futures.Future, "_invoke_callbacks", late)
+    for attempt in range(2):
+        manager = zarrckpt.CheckpointManager(str(tmp_path / f"run{attempt}"), interval=1, keep_last=1)
+        for step in range(3):
+            manager.save(step, _state(float(step)))
+        manager.close()
+        assert manager.steps() == [2]
 
 
 def test_manager_removes_uncommitted_leftovers(tmp_path: Path) -> None:

@@ -75,8 +75,8 @@ class CheckpointManager:
             future = Future()
             future.set_result(None)
         self._saving = future
-        if self.rank == 0:
-            future.add_done_callback(lambda f: None if f.exception() else self._background(self._retain))
+        if self.rank == 0:  # queued now, so wait() / close() cannot miss it
+            self._background(partial(self._retain_after, future))
         return future
 
     def steps(self) -> list[int]:
@@ -124,6 +124,10 @@ class CheckpointManager:
     def _background(self, fn: Any) -> None:
         with self._lock:
             self._deleting.append(self._deleter.submit(fn))
+
+    def _retain_after(self, saving: Future[None]) -> None:
+        if saving.exception() is None:  # blocks until the save is done
+            self._retain()
 
     def _retain(self) -> None:
         steps = self.steps()

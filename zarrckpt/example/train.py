@@ -2,7 +2,7 @@
 
     python -m zarrckpt.example.train --ckpt URL [--steps N] [--save-every K] [--keep-last 3]
            [--pp P] [--ep E] [--expert-dp sharded|replicated] [--storage-options JSON]
-           [--seed S] [--backend gloo|nccl] [--log-every N]
+           [--seed S] [--log-every N]
 
 Under ``torchrun`` it joins the env:// rendezvous; run alone it is a single process. It resumes
 from the latest committed checkpoint under ``--ckpt`` (saved by any number of ranks in any
@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--expert-dp", choices=["sharded", "replicated"], default="replicated")
     p.add_argument("--storage-options", default=os.environ.get("ZARRCKPT_STORAGE_OPTIONS"), help="JSON object")
     p.add_argument("--seed", type=int, default=TrainConfig.seed)
-    p.add_argument("--backend", default="gloo")
+    p.add_argument("--backend", choices=["gloo"], default="gloo", help="the example computes on the CPU")
     p.add_argument("--log-every", type=int, default=10)
     args = p.parse_args(argv)
     if not args.ckpt:
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"resumed from step {step} of {args.ckpt} on {world} ranks ({topo})", flush=True)
         elif rank == 0:
             print(f"starting from scratch on {world} ranks ({topo}), checkpoints to {args.ckpt}", flush=True)
-        loss, start, first = float("nan"), time.perf_counter(), trainer.step
+        loss, start, first = float(trainer.losses[-1]), time.perf_counter(), trainer.step
         while trainer.step < args.steps:
             loss, _ = trainer.train_step()
             manager.save(trainer.step, trainer.state_dict(), force=trainer.step == args.steps)
