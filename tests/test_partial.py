@@ -101,36 +101,38 @@ def test_coalesce(raw: list[tuple[int, int]], gap: int, max_bytes: int) -> None:
 
 
 @st.composite
-def layout_and_box(draw: st.DrawFn) -> tuple[Any, ...]:
+def layout_and_boxes(draw: st.DrawFn) -> tuple[Any, ...]:
     ndim = draw(st.integers(1, 3))
     shape = tuple(draw(st.integers(1, 9)) for _ in range(ndim))
     shard = tuple(draw(st.integers(1, n)) for n in shape)
     chunk = tuple(draw(st.sampled_from([d for d in range(1, s + 1) if s % d == 0])) for s in shard)
-    offsets, sizes = [], []
-    for n in shape:
-        lo = draw(st.integers(0, n - 1))
-        offsets.append(lo)
-        sizes.append(draw(st.integers(1, n - lo)))
+    boxes = []
+    for _ in range(draw(st.integers(1, 2))):  # two requests may need parts of the same chunk
+        offsets, sizes = [], []
+        for n in shape:
+            lo = draw(st.integers(0, n - 1))
+            offsets.append(lo)
+            sizes.append(draw(st.integers(1, n - lo)))
+        boxes.append(Box(tuple(offsets), tuple(sizes)))
     gap = draw(st.sampled_from([0, 4, 64, 1 << 20]))
-    return shape, shard, chunk, Box(tuple(offsets), tuple(sizes)), gap
+    return shape, shard, chunk, boxes, gap
 
 
-@given(layout_and_box(), st.sampled_from(["float32", "int16", "float64"]))
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(layout_and_boxes(), st.sampled_from(["float32", "int16", "float64"]))
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_partial_reads_match_numpy(monkeypatch: pytest.MonkeyPatch, case: Any, dtype: str) -> None:
-    shape, shard, chunk, box, gap = case
+    shape, shard, chunk, boxes, gap = case
     full = np.arange(math.prod(shape)).astype(dtype).reshape(shape)
     storage = Storage(f"memory://{uuid.uuid4().hex}")
     meta = ArrayMeta("w", shape, dtype, shard, chunk)
     for idx in cells_in(Box.full(shape), shard):
         storage.write(meta.shard_path(idx), encode_shard(full[cell_box(idx, shard, shape).slices()], shard, chunk))
     monkeypatch.setattr(reader, "RANGE_MERGE_GAP", gap)
-    want = full[box.slices()]
     for partial in (True, False):
-        dest = np.full(box.sizes, -1, dtype=dtype)
-        fetched = read_regions(storage, [Request(meta, box, dest)], partial=partial)
-        assert np.array_equal(dest, want)
-        assert fetched > 0
+        dests = [np.full(box.sizes, -1, dtype=dtype) for box in boxes]
+        read_regions(storage, [Request(meta, b, d) for b, d in zip(boxes, dests, strict=True)], partial=partial)
+        for box, dest in zip(boxes, dests, strict=True):
+            assert np.array_equal(dest, full[box.slices()])
     storage.delete_all()
 
 

@@ -216,7 +216,8 @@ def _read_ranges(storage: Storage, task: _ShardTask, plans: dict[int, list[Range
     for k in sorted(task.needs):
         base = layout[k]
         wants += [(base + s, base + e, k) for s, e in plans[k]] if k in plans else [(base, base + size, k)]
-    scratch = {k: np.empty(meta.chunk_nbytes, dtype=np.uint8) for k in plans}  # pages fill only where written
+    # per partly read chunk: the bytes from its first to its last range (gaps left unfilled)
+    scratch = {k: (ranges[0][0], np.empty(ranges[-1][1] - ranges[0][0], dtype=np.uint8)) for k, ranges in plans.items()}
     fetched = 0
     for start, end, members in coalesce([w[:2] for w in wants], RANGE_MERGE_GAP, MAX_REQUEST_BYTES):
         with storage.reading(path, start, end) as blob:
@@ -236,12 +237,21 @@ def _read_ranges(storage: Storage, task: _ShardTask, plans: dict[int, list[Range
                     for needed in task.needs:
                         _check_entry(index[needed], size, layout, meta, path, needed)
                 elif k in plans:
-                    scratch[k][lo - layout[k] : hi - layout[k]] = np.frombuffer(piece, dtype=np.uint8)
+                    first, buf = scratch[k]
+                    at = lo - layout[k] - first
+                    buf[at : at + hi - lo] = np.frombuffer(piece, dtype=np.uint8)
                 else:
                     _copy_chunk(task, k, piece, path)
-    for k, buf in scratch.items():
-        chunk = buf.view(dtypes.storage_dtype(meta.dtype)).reshape(meta.chunk_shape)
-        _scatter(task, k, chunk)
+    dtype = dtypes.storage_dtype(meta.dtype)
+    strides = tuple(math.prod(meta.chunk_shape[d + 1 :]) * dtype.itemsize for d in range(len(meta.chunk_shape)))
+    for k, (first, buf) in scratch.items():
+        _, origin = _chunk_origin(meta, task.index, k)
+        for part, req in task.needs[k]:
+            rel = part.relative_to(origin)
+            offset = sum(o * st for o, st in zip(rel.offsets, strides, strict=True)) - first
+            # the part as a strided view of the fetched bytes (numpy checks it lies inside them)
+            src = np.ndarray(rel.sizes, dtype=dtype, buffer=buf, offset=offset, strides=strides)
+            req.dest[part.relative_to(req.box.offsets).slices()] = src
     return fetched
 
 
