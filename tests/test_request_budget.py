@@ -107,6 +107,18 @@ def test_verified_reads_fetch_whole_chunks(experts_url: tuple[str, dict[str, Any
     assert [(r.kind, r.range, r.bytes_sent) for r in log] == [("GET", "bytes=0-", whole)]
 
 
+def test_verify_reads_each_shard_once(experts_url: tuple[str, dict[str, Any]], s3_requests: RequestLog) -> None:
+    """verify(): one GET per shard object, all of it (no HEAD first), every chunk checked."""
+    url, opts = experts_url
+    ckpt = zarrckpt.open(url, storage_options=opts)
+    s3_requests.clear()
+    summary = ckpt.verify()
+    whole = INDEX_BYTES + PER_RANK * ROWS * COLS * 4 + 4
+    assert summary["problems"] == [] and summary["bytes_read"] == WORLD * whole
+    got = sorted((r.kind, r.path.rsplit("/", 3)[-3], r.range, r.bytes_sent) for r in s3_requests.requests())
+    assert got == [("GET", str(rank), "bytes=0-", whole) for rank in range(WORLD)]
+
+
 def test_strided_views(experts_url: tuple[str, dict[str, Any]], s3_requests: RequestLog) -> None:
     """Rows 1 KiB long, 256 KiB apart: coalesced into one range (with the index when it is close);
     a view needing most of a chunk reads it whole and verifies it."""
