@@ -140,6 +140,31 @@ def test_box_outside_the_shape_is_reported(tiling, data) -> None:
     assert any(KEY in p and _box_str(bad) in p and "outside the global shape" in p and "rank 5" in p for p in problems)
 
 
+@SETTINGS
+@given(tilings(), st.data())
+def test_coverage_agrees_with_counting_elements(tiling, data) -> None:
+    """Both paths of coverage_problems (the exact-tiling shortcut and the counting grid) agree with
+    counting every element: no problems exactly when each element is in one distinct box."""
+    shape, claims, boxes = tiling
+    for _ in range(data.draw(st.integers(0, 2))):  # drop a box and all its replicas
+        gone = data.draw(st.sampled_from(boxes))
+        claims = [c for c in claims if c.box != gone]
+    claims += [Claim(7, b) for b in data.draw(st.lists(sub_boxes(shape), max_size=2))]
+    if data.draw(st.booleans()):  # a box split in two: still an exact tiling, but not of grid cells
+        victim = data.draw(st.sampled_from(claims)).box if claims else None
+        d = data.draw(st.integers(0, len(shape) - 1))
+        if victim is not None and victim.sizes[d] > 1:
+            cut = data.draw(st.integers(1, victim.sizes[d] - 1))
+            lo = Box(victim.offsets, tuple(cut if i == d else s for i, s in enumerate(victim.sizes)))
+            hi_off = tuple(o + cut if i == d else o for i, o in enumerate(victim.offsets))
+            hi = Box(hi_off, tuple(s - cut if i == d else s for i, s in enumerate(victim.sizes)))
+            claims = [c for c in claims if c.box != victim] + [Claim(1, lo), Claim(2, hi)]
+    counts = np.zeros(shape, dtype=int)
+    for box in {c.box for c in claims}:
+        counts[box.slices()] += 1
+    assert (coverage_problems(KEY, shape, claims) == []) == bool((counts == 1).all())
+
+
 def test_coverage_messages_name_key_and_region() -> None:
     claims = [Claim(0, Box((0, 0), (4, 3))), Claim(1, Box((4, 0), (4, 3)))]
     # gaps are reported per cell of the grid spanned by all claimed boundaries

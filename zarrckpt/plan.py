@@ -84,8 +84,13 @@ def _build(descriptions: Sequence[dict[str, Any]], chunk_bytes: int) -> SavePlan
     values: dict[str, tuple[list[int], list[Any]]] = {}
     for rank, desc in enumerate(descriptions):
         specs = desc.get("specs")
-        for key, t in desc["tensors"].items():
-            _hold(tensors, key, rank, t if specs is None else specs[t])
+        if specs is None:  # each key described in full: share equal descriptions, as describe() does
+            seen: dict[str, dict[str, Any]] = {}
+            for key, t in desc["tensors"].items():
+                _hold(tensors, key, rank, seen.setdefault(repr(t), t))
+        else:
+            for key, t in desc["tensors"].items():
+                _hold(tensors, key, rank, specs[t])
         for key, v in desc["values"].items():
             _hold(values, key, rank, v)
 

@@ -1,0 +1,144 @@
+"""The scale model (benchmarks/scale_model.py), reduced to 64 ranks, through the real planning path.
+
+Behaviour, not timing: every rank's description comes from ``collect(state).describe()`` of meta
+DTensors under a fake process group, and the plan built from them must have exactly the shards
+the layout implies, tile every tensor exactly once, and agree with the plan built from
+descriptions without shared specs. A resharding load plan must cover every target region.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from zarrckpt.errors import SaveLayoutError
+from zarrckpt.format import Manifest, group_paths
+from zarrckpt.layout import Box, cell_box
+from zarrckpt.plan import SavePlan, build_save_plan
+from zarrckpt.reader import plan_reads
+
+
+def _load_scale_model() -> Any:
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "scale_model.py"
+    spec = importlib.util.spec_from_file_location("scale_model", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["scale_model"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+sm = _load_scale_model()
+DIMS = sm.Dims(layers=4, d_model=256, heads=4, kv_heads=2, head_dim=64, experts=32, top_k=4, d_ff=96, vocab=1024)
+SAVE = sm.Layout(pp=2, dp=32, ep_mp=16, ep_dp=2)  # 64 ranks
+LOAD = sm.Layout(pp=1, dp=48, ep_mp=16, ep_dp=3)  # 48 ranks, uneven splits of d_model
+
+
+@pytest.fixture(scope="module")
+def raws() -> list[bytes]:
+    return sm.gather_descriptions(DIMS, SAVE)
+
+
+@pytest.fixture(scope="module")
+def plan(raws: list[bytes]) -> SavePlan:
+    return build_save_plan(sm.decode(raws))
+
+
+def test_descriptions_share_specs(raws: list[bytes]) -> None:
+    desc = json.loads(raws[0])
+    assert len(desc["specs"]) < len(desc["tensors"])
+    spec = desc["tensors"]["model.layers.0.attn.wqkv"]
+    assert desc["tensors"]["optim.state.model.layers.0.attn.wqkv.exp_avg"] == spec
+    assert desc["tensors"]["optim.state.model.layers.0.attn.wqkv.exp_avg_sq"] == spec
+    assert desc["specs"][spec]["topology"]["placements"] == ["Shard(dim=0)"]
+
+
+def test_plan_has_the_shards_the_layout_implies(plan: SavePlan) -> None:
+    params = DIMS.params()
+    world = SAVE.world
+    assert len(plan.arrays) == 4 * len(params) + 2 * world  # weight, 2 moments, step; 2 RNG states per rank
+    per_tensor = {"dense": SAVE.dp, "expert": SAVE.ep_mp * SAVE.ep_dp}  # Shard(0) over DP; EP-MP x EP-DP boxes
+    expected = sum(3 * per_tensor[group] + 1 for _, _, group, _ in params)  # weight, 2 moments; 1 step counter
+    expected += 2 * world
+    assert sum(len(owner) for owner in plan.owners.values()) == expected
+    meta = plan.arrays["model.layers.0.moe.experts.w1"]
+    assert meta.shard_shape == (DIMS.experts // SAVE.ep_mp, DIMS.d_model // SAVE.ep_dp, DIMS.d_ff)
+    assert meta.topology["holders"] == SAVE.dp and meta.topology["world_size"] == world
+    assert plan.arrays["optim.state.model.layers.0.moe.experts.w1.exp_avg"].role == "first_moment"
+    assert plan.values["trainer.step"] == sm.STEP and plan.values["optim.param_groups.model.norm.weight.lr"] == 3e-4
+
+
+def test_every_tensor_is_tiled_exactly_once_by_a_holder(plan: SavePlan, raws: list[bytes]) -> None:
+    descs = sm.decode(raws)
+    for key, owner in plan.owners.items():
+        meta = plan.arrays[key]
+        assert sum(cell_box(idx, meta.shard_shape, meta.shape).volume for idx in owner) == max(1, math.prod(meta.shape))
+        for idx, rank in owner.items():
+            desc = descs[rank]
+            spec = desc["specs"][desc["tensors"][key]]
+            held = Box(tuple(spec["box"][0]), tuple(spec["box"][1]))
+            cell = cell_box(idx, meta.shard_shape, meta.shape)
+            assert held.intersect(cell) == cell, (key, idx, rank)
+
+
+def test_writers_per_rank(plan: SavePlan) -> None:
+    """Each rank writes its own box of every tensor of its stage; replicated step counters are
+    written once, by the lowest rank of the stage."""
+    writes = Counter(rank for owner in plan.owners.values() for rank in owner.values())
+    stage_params = Counter(SAVE.stage_of(DIMS, layer, key) for key, _, _, layer in DIMS.params())
+    for rank in range(SAVE.world):
+        stage, dp_rank = divmod(rank, SAVE.dp)
+        steps = stage_params[stage] if dp_rank == 0 else 0
+        assert writes[rank] == 3 * stage_params[stage] + steps + 2, rank
+    assert set(writes) == set(range(SAVE.world))
+    assert sum(len(plan.shards_of(r)) for r in range(SAVE.world)) == sum(writes.values())
+    docs = [path for r in range(SAVE.world) for path, _ in plan.metadata_of(r)]
+    assert len(docs) == len(set(docs)) == len(plan.arrays) + len(group_paths(list(plan.arrays.values())))
+
+
+def test_compact_and_full_descriptions_plan_alike(plan: SavePlan, raws: list[bytes]) -> None:
+    full = build_save_plan(sm.decode([sm.inline_specs(raw) for raw in raws]))
+    assert full.arrays == plan.arrays and full.owners == plan.owners and full.values == plan.values
+    assert {k: a.topology for k, a in full.arrays.items()} == {k: a.topology for k, a in plan.arrays.items()}
+
+
+def test_a_misdeclared_box_is_caught_although_its_spec_is_shared(raws: list[bytes]) -> None:
+    """Rank 5 declares the wqkv of layer 0 one row lower: that key, and only it, is refused, even
+    though rank 5's other keys share (and keep) the original spec."""
+    descs = sm.decode(raws)
+    key = "model.layers.0.attn.wqkv"
+    desc = descs[5]
+    spec = json.loads(json.dumps(desc["specs"][desc["tensors"][key]]))
+    spec["box"][0][0] -= 1
+    desc["specs"].append(spec)
+    desc["tensors"][key] = len(desc["specs"]) - 1
+    with pytest.raises(SaveLayoutError) as err:
+        build_save_plan(descs)
+    problems = str(err.value).splitlines()[1:]
+    assert problems and all(p.strip().startswith(f"{key}: region") for p in problems), problems
+    assert any("claimed twice" in p for p in problems) and any("held by no rank" in p for p in problems)
+
+
+def test_resharding_load_plan_covers_every_target_region(plan: SavePlan) -> None:
+    manifest = Manifest.loads(sm.manifest_of(plan), "test")
+    for rank in (0, 1, LOAD.world - 1):
+        with sm.fake_rank(rank, LOAD.world):
+            state = sm.rank_state(DIMS, LOAD, rank)
+        requests, _ = sm.load_requests(state, manifest)
+        assert requests
+        covered: Counter[int] = Counter()
+        for task in plan_reads(requests):
+            for parts in task.needs.values():
+                for part, req in parts:
+                    covered[id(req)] += part.volume
+        assert all(covered[id(r)] == r.box.volume for r in requests)
+    counts = sm.plan_load(DIMS, LOAD, sm.manifest_of(plan), 1)
+    assert counts.gets >= counts.shard_tasks and counts.bytes_read >= counts.bytes_needed > 0
+    assert counts.missing_rng == 0
