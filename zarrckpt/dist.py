@@ -13,6 +13,7 @@ import torch
 import torch.distributed as torch_dist
 
 from .errors import ZarrckptError
+from .gcpause import gc_paused
 
 T = TypeVar("T")
 
@@ -43,7 +44,8 @@ class Group:
         buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else buf[:0]
         bufs = [torch.empty_like(buf) for _ in range(self.size)]
         torch_dist.all_gather(bufs, buf, group=self.pg)
-        return [json.loads(bytes(b[: int(n.item())].cpu().numpy())) for b, n in zip(bufs, lengths, strict=True)]
+        with gc_paused():
+            return [json.loads(bytes(b[: int(n.item())].cpu().numpy())) for b, n in zip(bufs, lengths, strict=True)]
 
     def barrier(self) -> None:
         if self.active:
