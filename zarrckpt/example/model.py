@@ -8,7 +8,6 @@ weights and this rank's experts, with expert parallelism supplied by the caller.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,30 +22,29 @@ Shape = tuple[int, ...]
 class Spec:
     shape: Shape
     expert: bool
-    stage_of: Callable[[Topology], int]
+    layer: int
+    """The block it belongs to: -1 for the embedding, ``layers`` for the final norm and head."""
+
+    def stage(self, topo: Topology, layers: int) -> int:
+        """The pipeline stage that holds it."""
+        return min(max(self.layer, 0), layers - 1) * topo.pp // layers
 
 
 def specs(cfg: ModelConfig) -> dict[str, Spec]:
     """Every parameter, keyed by its global (topology-independent) name."""
     d, e, ff = cfg.d_model, cfg.experts, cfg.d_ff
-    per_stage = cfg.layers
-    out: dict[str, Spec] = {"embed.weight": Spec((cfg.vocab, d), False, lambda t: 0)}
+    out: dict[str, Spec] = {"embed.weight": Spec((cfg.vocab, d), False, -1)}
     for i in range(cfg.layers):
-
-        def stage(t: Topology, i: int = i) -> int:
-            return i // (per_stage // t.pp)
-
         out |= {
-            f"layers.{i}.attn_norm.weight": Spec((d,), False, stage),
-            f"layers.{i}.attn.wqkv.weight": Spec((3 * d, d), False, stage),
-            f"layers.{i}.attn.wo.weight": Spec((d, d), False, stage),
-            f"layers.{i}.moe_norm.weight": Spec((d,), False, stage),
-            f"layers.{i}.moe.router.weight": Spec((e, d), False, stage),
-            f"layers.{i}.moe.experts.w1": Spec((e, d, ff), True, stage),
-            f"layers.{i}.moe.experts.w2": Spec((e, ff, d), True, stage),
+            f"layers.{i}.attn_norm.weight": Spec((d,), False, i),
+            f"layers.{i}.attn.wqkv.weight": Spec((3 * d, d), False, i),
+            f"layers.{i}.attn.wo.weight": Spec((d, d), False, i),
+            f"layers.{i}.moe_norm.weight": Spec((d,), False, i),
+            f"layers.{i}.moe.router.weight": Spec((e, d), False, i),
+            f"layers.{i}.moe.experts.w1": Spec((e, d, ff), True, i),
+            f"layers.{i}.moe.experts.w2": Spec((e, ff, d), True, i),
         }
-    last = lambda t: t.pp - 1  # noqa: E731
-    out |= {"norm.weight": Spec((d,), False, last), "head.weight": Spec((cfg.vocab, d), False, last)}
+    out |= {"norm.weight": Spec((d,), False, cfg.layers), "head.weight": Spec((cfg.vocab, d), False, cfg.layers)}
     return out
 
 

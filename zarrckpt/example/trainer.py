@@ -27,7 +27,7 @@ class Trainer:
     def __init__(self, cfg: ModelConfig, train: TrainConfig, topo: Topology) -> None:
         self.cfg, self.train, self.topo = cfg, train, topo.resolved(cfg)
         self.g: Groups = make_groups(self.topo)
-        self.specs = {k: s for k, s in model.specs(cfg).items() if s.stage_of(self.topo) == self.g.stage}
+        self.specs = {k: s for k, s in model.specs(cfg).items() if s.stage(self.topo, cfg.layers) == self.g.stage}
         self.params = {k: shard_of(model.init(k, s.shape, train.seed), self.g, s.expert) for k, s in self.specs.items()}
         self.moments = {
             k: {
