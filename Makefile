@@ -26,7 +26,7 @@ test: lint
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/core_vs_dcp.py --gib 1.0 --reps 3 --out benchmarks/results/core.md
+	$(BIN)/python benchmarks/run.py --out benchmarks/results/latest.md
 
 clean:
 	rm -rf $(VENV) demo-checkpoints .pytest_cache .mypy_cache .ruff_cache

@@ -268,12 +268,14 @@ def measure(fn: Callable[[], Any], profile_to: Path | None = None) -> dict[str, 
     dist.barrier()
     reset_peak_rss()
     rss0, io0 = rss_bytes(), io_counters()
+    wall0 = time.time()
     start = time.perf_counter()
     with prof or contextlib.nullcontext():
         fn()
     call = time.perf_counter() - start
     dist.barrier()
     elapsed = time.perf_counter() - start
+    wall1 = time.time()
     io1, peak = io_counters(), peak_rss_bytes()
     maxes = torch.tensor([elapsed, call, peak, peak - rss0], dtype=torch.float64)
     keys = ("rchar", "read_bytes", "wchar", "write_bytes")
@@ -283,7 +285,49 @@ def measure(fn: Callable[[], Any], profile_to: Path | None = None) -> dict[str, 
     if prof is not None and profile_to is not None:
         prof.dump(profile_to)
     out = dict(zip(("s", "call_s", "rss_peak", "rss_extra"), maxes.tolist(), strict=True))
-    return out | dict(zip(keys, sums.tolist(), strict=True))
+    return out | dict(zip(keys, sums.tolist(), strict=True)) | {"t0": wall0, "t1": wall1}
+
+
+class CpuSampler:
+    """A thread sampling, every ``interval`` s, this process's CPU time and the machine's busy time.
+
+    ``usage(t0, t1)`` then says, for a wall-clock window (``time.time``) measured in any process
+    of the machine: (CPU cores this process used, fraction of all the machine's CPU time busy).
+    """
+
+    def __init__(self, interval: float = 0.05) -> None:
+        self.interval = interval
+        self.samples: list[tuple[float, float, int, int]] = []  # (wall, own CPU s, busy jiffies, all jiffies)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="cpu-sampler", daemon=True)
+
+    @staticmethod
+    def _machine() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return sum(fields) - idle, sum(fields)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            t = os.times()
+            self.samples.append((time.time(), t.user + t.system, *self._machine()))
+
+    def __enter__(self) -> CpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def usage(self, t0: float, t1: float) -> tuple[float, float] | None:
+        """Over the samples bracketing [t0, t1]: (cores this process used, machine busy fraction)."""
+        before = [s for s in self.samples if s[0] <= t0]
+        after = [s for s in self.samples if s[0] >= t1]
+        if not before or not after:
+            return None
+        (w0, c0, b0, a0), (w1, c1, b1, a1) = before[-1], after[0]
+        return (c1 - c0) / max(w1 - w0, 1e-9), (b1 - b0) / max(a1 - a0, 1)
 
 
 # -- files -------------------------------------------------------------------------------------

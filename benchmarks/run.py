@@ -1,0 +1,308 @@
+"""The benchmark suite: zarrckpt side by side with DCP (and TensorStore, a raw write) on the same data.
+
+Usage::
+
+    python benchmarks/run.py                 # full run (make bench): 2 GiB local, 256 MiB S3, 5 reps
+    python benchmarks/run.py --quick         # smoke run: small sizes, 1 repetition
+    python benchmarks/run.py --only lazy     # some scenarios only: local, s3, lazy, async
+
+Writes ``benchmarks/results/latest.md`` (targets with PASS / MISS, one section per scenario)
+and PNG charts next to it. Scenarios (see benchmarks/README.md):
+
+1. save, 4 gloo ranks, local disk: zarrckpt, ``dcp.save`` + ``FileSystemWriter``, TensorStore
+   zarr3 with zarrckpt's layout, a raw fsync'd write of the same bytes;
+2. resharding load 4 -> 3 ranks from local disk, with read amplification;
+3. the same two on ``s3://`` against moto (started here), DCP through ``FsspecWriter/Reader``;
+4. lazy read of one expert slice on S3, requests and bytes counted at the server;
+5. async save: time the caller is blocked vs the synchronous save, and DCP's ``async_save``;
+6. peak RSS per rank of every save and load.
+
+Each repetition spawns fresh rank processes (one spawn of 4 for the saves, one of 3 for the
+loads); the order of the libraries rotates between repetitions; medians are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
+sys.path.insert(0, str(HERE))
+
+import scenarios  # noqa: E402  (after the sys.path setup)
+import torch  # noqa: E402
+from common import CpuSampler, generate_rows, state_nbytes, summarize_profiles  # noqa: E402
+from report import render, targets  # noqa: E402
+
+import zarrckpt  # noqa: E402
+from zarrckpt.launch import spawn  # noqa: E402
+
+SAVE_WORLD, LOAD_WORLD = 4, 3
+PARTS = ("local", "s3", "lazy", "async")
+
+
+SAMPLER = CpuSampler()
+
+
+def run_spawn(world: int, fn: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Run ``fn`` on ``world`` gloo ranks; annotate each measurement with the CPU use of this
+    process (the moto server lives here) and of the whole machine during it."""
+    spawn(world, fn, cfg, timeout_s=1800.0)
+    results = json.loads(Path(cfg["result"]).read_text())
+    for value in results.values():
+        if isinstance(value, dict) and "t0" in value:
+            usage = SAMPLER.usage(value["t0"], value["t1"])
+            if usage is not None:
+                value["server_cores"], value["machine_busy"] = usage
+    return results
+
+
+def one_rep(
+    args: argparse.Namespace,
+    rep: int,
+    s3: tuple[str, dict[str, Any], Any] | None,
+    profile: str | None,
+    layout: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Both spawns of one repetition; returns the merged results (with S3 request counts)."""
+    only = set(args.only)
+    root = Path(tempfile.mkdtemp(prefix="zarrckpt-bench-", dir=args.tmp))
+    base, opts, log = s3 if s3 else (None, None, None)
+    url = f"{base}/rep{rep}-{os.getpid()}" if base else None
+    cfg = {
+        "root": str(root),
+        "rep": rep,
+        "gib": args.gib,
+        "s3_gib": args.s3_mib / 1024,
+        "s3": url,
+        "opts": opts,
+        "profile": profile,
+        "evict": args.evict_cache,
+        "tensorstore": not args.no_tensorstore,
+        "result": str(root / "result.json"),
+        "layout": layout,
+    }
+    results: dict[str, Any] = {}
+    try:
+        save_parts = sorted(only & {"local", "async", "s3"})
+        if save_parts:
+            if log:
+                log.clear()
+            results |= run_spawn(SAVE_WORLD, scenarios.save_phase, {**cfg, "parts": save_parts})
+            if log and "s3" in only:
+                for lib in scenarios.LIBS:
+                    results[f"s3_save/{lib}/s3"] = log.summary(f"{url}/{lib}", ("PUT", "POST", "GET", "HEAD", "DELETE"))
+        load_parts = sorted(only & {"local", "s3"})
+        if load_parts:
+            if log:
+                log.clear()
+            results |= run_spawn(LOAD_WORLD, scenarios.load_phase, {**cfg, "parts": load_parts})
+            if log and "s3" in only:
+                for lib in scenarios.LIBS:
+                    results[f"s3_reshard/{lib}/s3"] = log.summary(f"{url}/{lib}", ("GET", "HEAD"))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        if url and opts is not None:
+            from s3server import remove
+
+            remove(url, opts)
+    return results
+
+
+def lazy_scenario(args: argparse.Namespace, s3: tuple[str, dict[str, Any], Any]) -> dict[str, Any]:
+    """Save the expert tensors with ``--lazy-ranks`` ranks, then read one slice here, counting requests."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    base, opts, log = s3
+    url = f"{base}/lazy-{os.getpid()}"
+    shape = tuple(args.lazy_shape)
+    root = Path(tempfile.mkdtemp(prefix="zarrckpt-bench-lazy-", dir=args.tmp))
+    cfg = {"root": str(root), "rep": 0, "s3": url, "opts": opts, "lazy_shape": shape, "result": str(root / "r.json")}
+    try:
+        saved = run_spawn(args.lazy_ranks, scenarios.lazy_phase, cfg)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    path, _ = scenarios.lazy_specs(shape)[0]
+    key, i = ".".join(path), args.lazy_index
+    expected = generate_rows(0, shape, i, i + 1)[0]
+    zurl, durl = f"{url}/zarrckpt", f"{url}/dcp"
+
+    def counted(where: str, fn: Any) -> tuple[Any, dict[str, Any]]:
+        log.clear()
+        start = time.perf_counter()
+        value = fn()
+        seconds = time.perf_counter() - start
+        hits = log.under(where)
+        kinds: dict[str, int] = {}
+        for h in hits:
+            kinds[h.method] = kinds.get(h.method, 0) + 1
+        return value, {"requests": len(hits), "bytes": sum(h.bytes_out for h in hits), "kinds": kinds, "s": seconds}
+
+    def dcp_read() -> torch.Tensor:
+        target = {path[0]: {path[1]: torch.empty(shape)}}
+        dcp.load(target, storage_reader=FsspecReader(durl, **opts))
+        return target[path[0]][path[1]][i]
+
+    runs: dict[str, list[dict[str, Any]]] = {"zarrckpt_open": [], "zarrckpt_index": [], "zarrckpt": [], "dcp": []}
+    counted(zurl, lambda: zarrckpt.open(zurl, storage_options=opts)[key][i])  # warm-up (imports, clients)
+    for _ in range(max(args.reps, 3)):
+        ckpt, opened = counted(zurl, lambda: zarrckpt.open(zurl, storage_options=opts))
+        got, indexed = counted(zurl, lambda ckpt=ckpt: ckpt[key][i])
+        assert torch.equal(got, expected), "zarrckpt lazy read returned wrong data"
+        runs["zarrckpt_open"].append(opened)
+        runs["zarrckpt_index"].append(indexed)
+        runs["zarrckpt"].append(
+            {k: opened[k] + indexed[k] for k in ("requests", "bytes", "s")}
+            | {
+                "kinds": {
+                    m: opened["kinds"].get(m, 0) + indexed["kinds"].get(m, 0)
+                    for m in opened["kinds"].keys() | indexed["kinds"].keys()
+                }
+            }
+        )
+        with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process"
+            warnings.simplefilter("ignore")
+            got, read = counted(durl, dcp_read)
+        assert torch.equal(got, expected), "DCP read returned wrong data"
+        runs["dcp"].append(read)
+    layout = next(t for t in zarrckpt.open(zurl, storage_options=opts).tensors() if t["key"] == key)
+    from s3server import remove
+
+    remove(url, opts)
+    out: dict[str, Any] = {
+        "key": key,
+        "shape": list(shape),
+        "index": i,
+        "ranks": args.lazy_ranks,
+        "tensors": len(scenarios.lazy_specs(shape)),
+        "slice_bytes": int(expected.numel() * 4),
+        "layout": layout,
+        "reps": len(runs["dcp"]),
+        "saved": saved,
+    }
+    for name, rows in runs.items():
+        last = rows[-1]
+        out[name] = {**last, "s": sorted(r["s"] for r in rows)[len(rows) // 2]}
+    return out
+
+
+def environment(args: argparse.Namespace, argv: list[str]) -> list[str]:
+    from importlib.metadata import version
+
+    def load() -> str:
+        return " / ".join(f"{x:.2f}" for x in os.getloadavg())
+
+    storage = args.tmp or tempfile.gettempdir()
+    fstype = subprocess.run(["df", "-T", storage], capture_output=True, text=True).stdout.splitlines()[-1].split()[1]
+    return [
+        f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC; `python benchmarks/run.py {' '.join(argv)}`".rstrip(),
+        f"torch {torch.__version__}, zarrckpt {zarrckpt.__version__}, tensorstore {version('tensorstore')}, "
+        f"moto {version('moto')}, Python {platform.python_version()}; {os.cpu_count()} CPUs; "
+        f"gloo, 1 torch thread per rank; local storage: {storage} ({fstype})",
+        f"load average (1/5/15 min) at the start: {load()}",
+        f"medians of {args.reps} repetition(s); time = max over ranks between a barrier before and after; "
+        "GB/s = state bytes / time (1 GB = 1e9 B); the order of the local savers rotates by one per "
+        "repetition (of zarrckpt and DCP elsewhere: alternates), "
+        "with an untimed `os.sync()` before each local save; each spawn "
+        "first runs every library on a tiny state (untimed)",
+        "everything fsyncs on local disk (zarrckpt, DCP's default `sync_files=True`, TensorStore's default "
+        "`file_io_sync`, the raw write); on S3 DCP gets `sync_files=False` (its fsync becomes `os.sync()` "
+        "there); page cache "
+        + ("evicted (best effort) before the local loads" if args.evict_cache else "NOT dropped before the loads"),
+    ]
+
+
+GPU_NOTE = (
+    "No GPU on this machine{}. `python benchmarks/gpu_save.py` measures a save from CUDA tensors where "
+    "one exists: blocked time of `zarrckpt.async_save`, `torch.cuda.memory_allocated` / `memory_reserved` "
+    "before, during and after the save, `max_memory_allocated`, and the pinned host staging."
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--gib", type=float, default=2.0, help="local state size, GiB (default 2)")
+    p.add_argument("--s3-mib", type=float, default=256, help="S3 state size, MiB (default 256; moto is slow)")
+    p.add_argument("--reps", type=int, default=5, help="repetitions; medians are reported (default 5)")
+    p.add_argument("--quick", action="store_true", help="small sizes, 1 repetition (a smoke run, < ~2 min)")
+    p.add_argument("--only", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    p.add_argument("--lazy-shape", default="64,256,256", help="expert tensor shape (default 64,256,256)")
+    p.add_argument("--lazy-ranks", type=int, default=8, help="ranks that save the expert tensors (default 8)")
+    p.add_argument("--lazy-index", type=int, default=5, help="expert index read lazily (default 5)")
+    p.add_argument("--out", type=Path, default=HERE / "results" / "latest.md", help="report (charts go next to it)")
+    p.add_argument("--tmp", default=None, help="parent directory of the local checkpoints (default: system temp)")
+    p.add_argument("--evict-cache", action="store_true", help="fsync + POSIX_FADV_DONTNEED before local loads")
+    p.add_argument("--no-tensorstore", action="store_true", help="leave TensorStore out of the local save")
+    p.add_argument("--no-charts", action="store_true", help="skip the PNG charts")
+    p.add_argument("--json", type=Path, default=None, help="also write every measurement to this JSON file")
+    p.add_argument("--profile", type=Path, default=None, help="profile rank 0 in an extra, untimed repetition")
+    args = p.parse_args(argv)
+    args.only = [x for x in args.only.split(",") if x]
+    if unknown := set(args.only) - set(PARTS):
+        p.error(f"--only: unknown {sorted(unknown)}; choose from {', '.join(PARTS)}")
+    args.lazy_shape = [int(x) for x in args.lazy_shape.split(",")]
+    if args.quick:
+        args.gib = min(args.gib, 0.05)
+        args.s3_mib = min(args.s3_mib, 16)
+        args.reps = 1
+    info: dict[str, Any] = {
+        "about": environment(args, argv),
+        "only": args.only,
+        "state_bytes": state_nbytes(args.gib),
+        "s3_state_bytes": state_nbytes(args.s3_mib / 1024),
+        "profile": str(args.profile) if args.profile else None,
+        "gpu": GPU_NOTE.format("" if not torch.cuda.is_available() else " used by this run (CPU only)"),
+    }
+    start = time.perf_counter()
+    needs_s3 = bool({"s3", "lazy"} & set(args.only))
+    runs: list[dict[str, Any]] = []
+    lazy = None
+    from s3server import s3_server
+
+    with SAMPLER, s3_server() if needs_s3 else contextlib.nullcontext(None) as s3:
+        if args.profile:
+            args.profile.mkdir(parents=True, exist_ok=True)
+            one_rep(args, 0, s3, str(args.profile))
+            summarize_profiles(args.profile)
+            print(f"profiles in {args.profile}", file=sys.stderr, flush=True)
+        for rep in range(args.reps):
+            layout = next((r["layout"] for r in runs if "layout" in r), None)  # for TensorStore
+            runs.append(one_rep(args, rep, s3, None, layout))
+            times = {k: round(v["s"], 2) for k, v in runs[-1].items() if isinstance(v, dict) and "s" in v}
+            print(f"rep {rep + 1}/{args.reps}: {times}", file=sys.stderr, flush=True)
+        if "lazy" in args.only and s3 is not None:
+            lazy = lazy_scenario(args, s3)
+    info["about"].append(
+        f"load average at the end: {' / '.join(f'{x:.2f}' for x in os.getloadavg())}; "
+        f"suite wall time {time.perf_counter() - start:.0f} s"
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    if not args.no_charts:
+        from charts import draw_all
+
+        info["charts"] = draw_all(runs, targets(runs, lazy, info), info, args.out.parent)
+    text = render(runs, lazy, info)
+    args.out.write_text(text)
+    if args.json:
+        args.json.write_text(json.dumps({"runs": runs, "lazy": lazy, "info": info}, indent=1))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,319 @@
+"""What the rank processes of ``run.py`` do: one function per spawn (``save_phase``, ``load_phase``,
+``lazy_phase``), each called as ``fn(rank, world, cfg)`` by ``zarrckpt.launch.spawn``.
+
+Every operation goes through :func:`common.measure` (barrier, call, barrier; time, peak RSS and
+``/proc/self/io`` deltas agreed over ranks). Rank 0 writes the results to ``cfg["result"]``
+as JSON: ``{"<op>/<library>": measurement, ...}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from common import build_specs_state, build_state, disk_usage, evict_page_cache, measure, tensor_specs, verify
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import zarrckpt
+
+SAVERS = ("zarrckpt", "tensorstore", "dcp", "raw", "raw8")  # local save; repetition r starts at SAVERS[r % 5]
+LIBS = ("zarrckpt", "dcp")
+
+
+def lazy_specs(shape: tuple[int, ...]) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
+    """The lazy-read scenario's state: three expert weight tensors of ``shape`` (the first is read)."""
+    return [(("model", f"layers.0.moe.experts.{w}"), shape) for w in ("w1", "w2", "w3")]
+
+
+# -- one operation per library -----------------------------------------------------------------
+
+
+def saver(lib: str, state: dict[str, Any], url: str, opts: dict[str, Any] | None) -> Callable[[], None]:
+    """``save`` with ``lib`` to ``url`` (``opts``: fsspec storage options, None on local disk)."""
+    if lib == "zarrckpt":
+        return lambda: zarrckpt.save(state, url, storage_options=opts)
+    if opts is None:  # DCP's defaults, as users get them: one file per rank, fsync'd
+        return lambda: dcp.save(state, storage_writer=FileSystemWriter(url))
+    # sync_files=False: on an fsspec stream DCP's fsync falls back to os.sync(), which flushes
+    # every local disk of the machine and has nothing to do with the object store
+    return lambda: dcp.save(state, storage_writer=FsspecWriter(url, sync_files=False, **opts))
+
+
+def loader(lib: str, state: dict[str, Any], url: str, opts: dict[str, Any] | None) -> Callable[[], None]:
+    if lib == "zarrckpt":
+        return lambda: zarrckpt.load(state, url, storage_options=opts)
+    if opts is None:
+        return lambda: dcp.load(state, storage_reader=FileSystemReader(url))
+    return lambda: dcp.load(state, storage_reader=FsspecReader(url, **opts))
+
+
+def raw_writer(state: dict[str, Any], root: Path) -> Callable[[], None]:
+    """Each rank writes the bytes of its local shards to one file, sequentially, then fsyncs it."""
+    from common import leaves
+
+    def write() -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        with open(root / f"rank{dist.get_rank()}.bin", "wb") as f:
+            for t in leaves(state):
+                f.write(t.numpy().data.cast("B"))
+            f.flush()
+            os.fsync(f.fileno())
+
+    return write
+
+
+def raw_parallel_writer(state: dict[str, Any], root: Path, threads: int = 8) -> Callable[[], None]:
+    """Each rank writes each local shard to its own file, ``threads`` at a time, each fsync'd
+    (zarrckpt's write pattern without the encoding and metadata: more I/O in flight)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from common import leaves
+
+    def one(item: tuple[int, Any]) -> None:
+        i, t = item
+        with open(root / f"rank{dist.get_rank()}-{i}.bin", "wb") as f:
+            f.write(t.numpy().data.cast("B"))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def write() -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(one, enumerate(leaves(state))))
+
+    return write
+
+
+def tensorstore_writer(state: dict[str, Any], root: Path, layout: list[dict[str, Any]]) -> Callable[[], None]:
+    """TensorStore's zarr3 driver writes the same arrays with zarrckpt's shard / inner-chunk shapes
+    and codecs (bytes + crc32c, index at the start): every rank writes its own region (one shard
+    per tensor), and the array ``zarr.json`` documents are spread round-robin over the ranks.
+    ``layout``: ``zarrckpt.open(url).tensors()`` of a zarrckpt checkpoint of the same state."""
+    import tensorstore as ts
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = {row["key"]: row for row in layout}
+    flat = _flat(state)
+
+    def spec(row: dict[str, Any]) -> dict[str, Any]:
+        inner = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+        sharding = {"chunk_shape": row["chunk"], "codecs": inner, "index_codecs": inner, "index_location": "start"}
+        meta = {
+            "shape": row["shape"],
+            "data_type": row["dtype"],
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": row["shard"]}},
+            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+            "fill_value": 0.0,
+            "codecs": [{"name": "sharding_indexed", "configuration": sharding}],
+        }
+        path = str(root / row["key"].replace(".", "/")) + "/"
+        return {"driver": "zarr3", "kvstore": {"driver": "file", "path": path}, "metadata": meta}
+
+    def write() -> None:
+        pending = []
+        for i, (key, value) in enumerate(sorted(flat.items())):
+            opened = ts.open(spec(rows[key]), create=True) if i % world == rank else None
+            arr = ts.open(spec(rows[key]), assume_metadata=True).result()
+            local = value.to_local()
+            offset = _offset(value)
+            pending.append(arr[offset : offset + local.shape[0]].write(local.numpy()))
+            if opened is not None:
+                pending.append(opened)
+        for fut in pending:
+            fut.result()
+
+    return write
+
+
+def _flat(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in state.items():
+        out |= _flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v}
+    return out
+
+
+def _offset(value: DTensor) -> int:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    return int(offset[0])
+
+
+_DCP_ASYNC_GROUP: list[Any] = []
+
+
+def async_saver(lib: str, state: dict[str, Any], url: str, holder: list[Future[Any]]) -> Callable[[], None]:
+    if lib == "zarrckpt":  # creates its own gloo group for the background collectives (first call)
+        return lambda: holder.append(zarrckpt.async_save(state, url))
+    # DCP's background thread runs collectives on ``process_group``; on the default group they would
+    # interleave with the caller's (deadlock). A separate gloo group, created once, as DCP recommends.
+    if not _DCP_ASYNC_GROUP:
+        _DCP_ASYNC_GROUP.append(dist.new_group(backend="gloo"))
+    group = _DCP_ASYNC_GROUP[0]
+    return lambda: holder.append(dcp.async_save(state, storage_writer=FileSystemWriter(url), process_group=group))
+
+
+# -- the spawns --------------------------------------------------------------------------------
+
+
+class Phase:
+    """State shared by one spawn's operations: config, results, profile target, cleanup."""
+
+    def __init__(self, rank: int, world: int, cfg: dict[str, Any], name: str) -> None:
+        self.rank, self.world, self.cfg, self.name = rank, world, cfg, name
+        self.mesh = init_device_mesh("cpu", (world,))
+        self.root = Path(cfg["root"])
+        self.results: dict[str, Any] = {}
+        self.even = cfg["rep"] % 2 == 0
+
+    def run(self, name: str, fn: Callable[[], Any]) -> dict[str, float]:
+        profile = self.cfg.get("profile")
+        out = measure(fn, Path(profile) / f"{name.replace('/', '_')}.pstats" if profile else None)
+        self.results[name] = out
+        return out
+
+    def order(self, libs: tuple[str, ...]) -> tuple[str, ...]:
+        return libs if self.even else libs[::-1]
+
+    def remove(self, *paths: Path) -> None:
+        dist.barrier()
+        if self.rank == 0:
+            for p in paths:
+                shutil.rmtree(p, ignore_errors=True)
+        dist.barrier()
+
+    def finish(self) -> None:
+        dist.barrier()
+        if self.rank == 0:
+            Path(self.cfg["result"]).write_text(json.dumps(self.results))
+
+    def warm_up(self, local: bool, s3: bool, asynchronous: bool) -> None:
+        """Every library and path once on a tiny state (untimed): imports, pools, first collectives."""
+        state, _ = build_specs_state([(("w",), (64, 8))], self.mesh, fill=True)
+        where = self.root / f"warmup-{self.name}"
+        targets: list[tuple[str, dict[str, Any] | None]] = []
+        if local:
+            targets.append((str(where), None))
+        if s3:
+            targets.append((f"{self.cfg['s3']}/warmup-{self.name}", self.cfg["opts"]))
+        for base, opts in targets:
+            for lib in LIBS:
+                saver(lib, state, f"{base}/{lib}", opts)()
+                loader(lib, state, f"{base}/{lib}", opts)()
+        if asynchronous:
+            for lib in LIBS:
+                holder: list[Future[Any]] = []
+                async_saver(lib, state, str(where / f"async-{lib}"), holder)()
+                holder[0].result()
+        if local and self.cfg.get("tensorstore", True):
+            raw_writer(state, where / "raw")()
+            raw_parallel_writer(state, where / "raw8")()
+            tensorstore_writer(state, where / "ts", zarrckpt.open(str(where / "zarrckpt")).tensors())()
+        self.remove(where)
+        if s3 and self.rank == 0:
+            from s3server import remove
+
+            remove(f"{self.cfg['s3']}/warmup-{self.name}", self.cfg["opts"])
+
+
+def save_phase(rank: int, world: int, cfg: dict[str, Any]) -> None:
+    """Scenarios 1 (local save), 5 (async save), 3 (S3 save), with peak RSS (6) for each."""
+    ph = Phase(rank, world, cfg, "save")
+    parts = set(cfg["parts"])
+    ph.warm_up("local" in parts, "s3" in parts, "async" in parts)
+    if parts & {"local", "async"}:
+        source, _ = build_state(cfg["gib"], ph.mesh, fill=True)
+        if "local" in parts:
+            savers = [s for s in SAVERS if s != "tensorstore" or cfg.get("tensorstore", True)]
+            start = cfg["rep"] % len(SAVERS)
+            order = [s for s in SAVERS[start:] + SAVERS[:start] if s in savers]
+            layout = cfg.get("layout")
+            if layout is None and order.index("zarrckpt") > order.index("tensorstore"):
+                order.remove("tensorstore")  # TensorStore copies the layout of zarrckpt's checkpoint
+                order.insert(order.index("zarrckpt") + 1, "tensorstore")
+            for lib in order:
+                path = ph.root / lib
+                if lib == "raw":
+                    fn = raw_writer(source, path)
+                elif lib == "raw8":
+                    fn = raw_parallel_writer(source, path)
+                elif lib == "tensorstore":
+                    layout = layout or zarrckpt.open(str(ph.root / "zarrckpt")).tensors()
+                    fn = tensorstore_writer(source, path, layout)
+                else:
+                    fn = saver(lib, source, str(path), None)
+                if rank == 0:
+                    os.sync()  # untimed: whatever the previous writer left in flight is on disk
+                ph.run(f"save/{lib}", fn)
+            if rank == 0:
+                ph.results["order"] = order
+                ph.results["files"] = {lib: disk_usage(ph.root / lib) for lib in savers}
+                ph.results["layout"] = zarrckpt.open(str(ph.root / "zarrckpt")).tensors()
+            ph.remove(ph.root / "raw", ph.root / "raw8", ph.root / "tensorstore")
+        if "async" in parts:
+            for call in ("first", "repeat"):
+                for lib in ph.order(LIBS):
+                    holder: list[Future[Any]] = []
+                    path = ph.root / f"async-{lib}"
+                    blocked = ph.run(f"async_{call}_call/{lib}", async_saver(lib, source, str(path), holder))
+                    done = ph.run(f"async_{call}_wait/{lib}", holder[0].result)
+                    ph.results[f"async_{call}/{lib}"] = {
+                        "blocked": blocked["call_s"],
+                        "total": blocked["s"] + done["s"],
+                    }
+                    ph.remove(path)
+            if "local" not in parts:  # the synchronous reference, same state
+                ph.run("save/zarrckpt", saver("zarrckpt", source, str(ph.root / "sync"), None))
+                ph.remove(ph.root / "sync")
+        del source
+    if "s3" in parts:
+        source, _ = build_state(cfg["s3_gib"], ph.mesh, fill=True)
+        for lib in ph.order(LIBS):
+            ph.run(f"s3_save/{lib}", saver(lib, source, f"{cfg['s3']}/{lib}", cfg["opts"]))
+        del source
+    ph.finish()
+
+
+def load_phase(rank: int, world: int, cfg: dict[str, Any]) -> None:
+    """Scenarios 2 and 3: load the checkpoints saved by ``save_phase`` on a different world size."""
+    ph = Phase(rank, world, cfg, "load")
+    parts = set(cfg["parts"])
+    ph.warm_up("local" in parts, "s3" in parts, False)
+    if "local" in parts:
+        target, checksums = build_state(cfg["gib"], ph.mesh, fill=False)
+        if cfg.get("evict") and rank == 0:
+            for lib in LIBS:
+                evict_page_cache(ph.root / lib)
+        for lib in ph.order(LIBS):
+            ph.run(f"reshard/{lib}", loader(lib, target, str(ph.root / lib), None))
+            verify(target, checksums, f"{lib} resharding load")
+        del target
+    if "s3" in parts:
+        target, checksums = build_state(cfg["s3_gib"], ph.mesh, fill=False)
+        for lib in ph.order(LIBS):
+            ph.run(f"s3_reshard/{lib}", loader(lib, target, f"{cfg['s3']}/{lib}", cfg["opts"]))
+            verify(target, checksums, f"{lib} S3 resharding load")
+        del target
+    ph.finish()
+
+
+def lazy_phase(rank: int, world: int, cfg: dict[str, Any]) -> None:
+    """Scenario 4, the save side: ``world`` ranks save the expert tensors with both libraries."""
+    ph = Phase(rank, world, cfg, "lazy")
+    state, _ = build_specs_state(lazy_specs(tuple(cfg["lazy_shape"])), ph.mesh, fill=True)
+    for lib in LIBS:
+        ph.run(f"lazy_save/{lib}", saver(lib, state, f"{cfg['s3']}/{lib}", cfg["opts"]))
+    ph.finish()
+
+
+__all__ = ["lazy_phase", "lazy_specs", "load_phase", "save_phase", "tensor_specs"]

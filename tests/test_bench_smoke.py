@@ -1,0 +1,89 @@
+"""The benchmark suite (benchmarks/run.py) must keep running: its cheapest scenario end to end,
+and the report rendered from a full set of measurements (every scenario section)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+TITLES = [
+    "## Targets",
+    "## 1. Save, 4 ranks, local disk",
+    "## 2. Resharding load 4 -> 3 ranks, local disk",
+    "## 3. S3 (moto)",
+    "## 4. Lazy read of one expert slice on S3",
+    "## 5. Async save",
+    "## 6. Peak RSS",
+    "## GPU",
+]
+
+
+def _import_report():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import report
+    finally:
+        sys.path.remove(str(BENCH))
+    return report
+
+
+@pytest.mark.timeout(180)
+def test_quick_lazy_scenario_runs(tmp_path):
+    """The lazy-read scenario (2 saving ranks, a small tensor, moto started by the suite) end to end."""
+    out = tmp_path / "latest.md"
+    cmd = [sys.executable, str(BENCH / "run.py"), "--quick", "--only", "lazy", "--lazy-ranks", "2"]
+    cmd += ["--lazy-shape", "8,64,64", "--lazy-index", "5", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=170)
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = out.read_text()
+    for title in TITLES:
+        assert title in text, f"{title!r} missing from the report"
+    assert text.count("_not run in this invocation") == 5  # sections 1, 2, 3, 5, 6
+    target = next(line for line in text.splitlines() if line.startswith("| lazy expert slice"))
+    assert target.rstrip(" |").endswith(("PASS", "MISS")), target
+    assert "| zarrckpt | open + [i] |" in text and "| dcp | dcp.load of the key |" in text
+    assert (tmp_path / "targets.png").stat().st_size > 1000
+
+
+def test_report_renders_every_section(tmp_path):
+    """Every scenario section, the targets and the charts, from made-up measurements."""
+    report = _import_report()
+    ops = ["save", "reshard", "s3_save", "s3_reshard", "async_first_call", "async_repeat_call"]
+    libs = ["zarrckpt", "dcp", "tensorstore", "raw", "raw8"]
+    meas = {"s": 1.0, "call_s": 0.1, "rss_peak": 2**30, "rss_extra": 2**20, "rchar": 1.05e9, "read_bytes": 0.0}
+    run: dict = {f"{op}/{lib}": dict(meas) for op in ops for lib in libs}
+    run |= {f"{op}/{lib}": {"blocked": 0.05, "total": 1.2} for op in ("async_first", "async_repeat") for lib in libs}
+    hits = {"requests": 10, "bytes_in": 10**9, "bytes_out": 10**9}
+    run |= {f"{op}/{lib}/s3": hits for op in ("s3_save", "s3_reshard") for lib in ("zarrckpt", "dcp")}
+    run["files"] = {"zarrckpt": (334, 10**9, 10**9)}
+    one = {"requests": 3, "bytes": 270_000, "kinds": {"GET": 3}, "s": 0.1}
+    lazy = {
+        "key": "model.layers.0.moe.experts.w1",
+        "shape": [64, 256, 256],
+        "index": 5,
+        "ranks": 8,
+        "tensors": 3,
+        "slice_bytes": 262_144,
+        "layout": {"shard": [8, 256, 256], "chunk": [8, 256, 256]},
+        "reps": 3,
+        **{k: dict(one) for k in ("zarrckpt", "zarrckpt_open", "zarrckpt_index", "dcp")},
+    }
+    info = {
+        "about": ["made up"],
+        "only": ["local", "s3", "lazy", "async"],
+        "state_bytes": 10**9,
+        "s3_state_bytes": 10**9,
+        "profile": None,
+        "gpu": "no GPU",
+    }
+    goals = report.targets([run], lazy, info)
+    assert all(t.ok is not None for t in goals)
+    text = report.render([run], lazy, info)
+    for title in TITLES:
+        assert title in text
+    assert "_not run" not in text
+    assert text.count("| PASS |") + text.count("| MISS |") == len(goals)
