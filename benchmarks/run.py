@@ -251,7 +251,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-charts", action="store_true", help="skip the PNG charts")
     p.add_argument("--json", type=Path, default=None, help="also write every measurement to this JSON file")
     p.add_argument("--profile", type=Path, default=None, help="profile rank 0 in an extra, untimed repetition")
+    p.add_argument("--from-json", type=Path, default=None, help="only re-render the report of a --json file")
     args = p.parse_args(argv)
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        write_report(args, saved["runs"], saved["lazy"], saved["info"])
+        return 0
     args.only = [x for x in args.only.split(",") if x]
     if unknown := set(args.only) - set(PARTS):
         p.error(f"--only: unknown {sorted(unknown)}; choose from {', '.join(PARTS)}")
@@ -291,6 +296,13 @@ def main(argv: list[str] | None = None) -> int:
         f"load average at the end: {' / '.join(f'{x:.2f}' for x in os.getloadavg())}; "
         f"suite wall time {time.perf_counter() - start:.0f} s"
     )
+    if args.json:
+        args.json.write_text(json.dumps({"runs": runs, "lazy": lazy, "info": info}, indent=1))
+    write_report(args, runs, lazy, info)
+    return 0
+
+
+def write_report(args: argparse.Namespace, runs: list[dict[str, Any]], lazy: Any, info: dict[str, Any]) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if not args.no_charts:
         from charts import draw_all
@@ -298,10 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         info["charts"] = draw_all(runs, targets(runs, lazy, info), info, args.out.parent)
     text = render(runs, lazy, info)
     args.out.write_text(text)
-    if args.json:
-        args.json.write_text(json.dumps({"runs": runs, "lazy": lazy, "info": info}, indent=1))
     print(text)
-    return 0
 
 
 if __name__ == "__main__":
