@@ -12,17 +12,18 @@ import json
 import os
 import shutil
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from common import build_specs_state, build_state, disk_usage, evict_page_cache, measure, tensor_specs, verify
+from common import build_specs_state, build_state, disk_usage, evict_page_cache, leaves, measure, verify
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 import zarrckpt
 
@@ -57,8 +58,7 @@ def loader(lib: str, state: dict[str, Any], url: str, opts: dict[str, Any] | Non
     return lambda: dcp.load(state, storage_reader=FsspecReader(url, **opts))
 
 
-BLOCK = 4 << 20  # raw writes go in blocks of this size (as ``dd bs=4M``): much faster here than one
-# write() per tensor (tens of MB), see benchmarks/README.md
+BLOCK = 4 << 20  # raw writes go in blocks of this size (as ``dd bs=4M``; zarrckpt writes 4 MiB chunks too)
 
 
 def _write_blocks(f: Any, t: Any) -> None:
@@ -69,7 +69,6 @@ def _write_blocks(f: Any, t: Any) -> None:
 
 def raw_writer(state: dict[str, Any], root: Path) -> Callable[[], None]:
     """Each rank writes the bytes of its local shards to one file, sequentially, then fsyncs it."""
-    from common import leaves
 
     def write() -> None:
         root.mkdir(parents=True, exist_ok=True)
@@ -85,9 +84,6 @@ def raw_writer(state: dict[str, Any], root: Path) -> Callable[[], None]:
 def raw_parallel_writer(state: dict[str, Any], root: Path, threads: int = 8) -> Callable[[], None]:
     """Each rank writes each local shard to its own file, ``threads`` at a time, each fsync'd
     (zarrckpt's write pattern without the encoding and metadata: more I/O in flight)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from common import leaves
 
     def one(item: tuple[int, Any]) -> None:
         i, t = item
@@ -153,8 +149,6 @@ def _flat(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _offset(value: DTensor) -> int:
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     _, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
     return int(offset[0])
 
@@ -326,4 +320,4 @@ def lazy_phase(rank: int, world: int, cfg: dict[str, Any]) -> None:
     ph.finish()
 
 
-__all__ = ["lazy_phase", "lazy_specs", "load_phase", "save_phase", "tensor_specs"]
+__all__ = ["lazy_phase", "lazy_specs", "load_phase", "save_phase"]
