@@ -31,6 +31,7 @@ from .shard import EMPTY, chunk_indices, chunks_per_shard, decode_chunk, decode_
 from .storage import Storage
 
 MAX_REQUEST_BYTES = 8 * 1024 * 1024  # one GET fetches at most this much (bounds read buffers)
+SMALL_OBJECT_BYTES = 1024 * 1024  # object stores: a shard this small is read whole, in one GET
 RANGE_MERGE_GAP = 256 * 1024  # partial reads: a gap this small is read through (about one request's cost)
 MAX_RANGES_PER_CHUNK = 64  # partial reads: more ranges than this in one chunk -> read the chunk whole
 
@@ -138,9 +139,8 @@ def _read_chunks(storage: Storage, task: _ShardTask) -> int:
     stored = _stored_chunks(meta, task.index)
     # chunks sit back to back after the index, in index order (FORMAT.md §5): anything else is corrupt
     layout = {k: head + i * size for i, k in enumerate(stored)}
-    whole = head + size * len(needed)
-    if not storage.local and whole <= MAX_REQUEST_BYTES and needed == stored:
-        # the whole object in one request; an open range (start=0) spares s3fs a HEAD for its size
+    if not storage.local and reads_whole(head, size, needed, stored):
+        # an open range (start=0) spares s3fs a HEAD for the object's size
         with storage.reading(path, 0) as blob:
             index = decode_index(bytes(blob[:head]), n_chunks, storage.where(path), meta.key)
             for k in needed:
@@ -164,6 +164,16 @@ def _read_chunks(storage: Storage, task: _ShardTask) -> int:
                 offset = int(index[k][0]) - start
                 _copy_chunk(task, k, blob[offset : offset + size], path)
     return fetched
+
+
+def reads_whole(head: int, size: int, needed: list[int], stored: list[int]) -> bool:
+    """Object stores: whether a shard is fetched whole in one GET rather than index + ranged GETs.
+
+    When every stored chunk is needed, or the object is small (one request costs more than the
+    extra bytes), and it fits one request. Pure: the scale model counts requests with it.
+    """
+    whole = head + size * len(stored)
+    return whole <= MAX_REQUEST_BYTES and (needed == stored or whole <= SMALL_OBJECT_BYTES)
 
 
 def _chunk_origin(meta: ArrayMeta, sidx: Shape, k: int) -> tuple[Shape, Shape]:
