@@ -52,7 +52,7 @@ from zarrckpt.keys import flat_key, iter_leaves
 from zarrckpt.layout import Box, Shape, cell_box
 from zarrckpt.localstate import collect, tensor_box
 from zarrckpt.plan import SavePlan, build_save_plan
-from zarrckpt.reader import MAX_REQUEST_BYTES, Request, _runs, _stored_chunks, plan_reads
+from zarrckpt.reader import Request, _runs, _stored_chunks, plan_reads, reads_whole
 from zarrckpt.shard import chunks_per_shard, index_nbytes
 
 GB = 1e9
@@ -380,7 +380,7 @@ def gets_of(task: Any) -> tuple[int, int]:
     head = index_nbytes(math.prod(chunks_per_shard(meta.shard_shape, meta.chunk_shape)))
     size = meta.chunk_nbytes + 4
     needed, stored = sorted(task.needs), _stored_chunks(meta, task.index)
-    if head + size * len(needed) <= MAX_REQUEST_BYTES and needed == stored:
+    if reads_whole(head, size, needed, stored):
         return 1, head + size * len(stored)  # the whole object in one GET
     runs = _runs(needed, {k: head + i * size for i, k in enumerate(stored)}, size)
     return 1 + len(runs), head + size * sum(len(r) for r in runs)  # the index, then one GET per run
@@ -674,8 +674,8 @@ def render(r: Results) -> str:
         "",
         "Each target rank builds its read requests from the manifest (as `zarrckpt.load` does) and plans them "
         "with the real `zarrckpt.reader.plan_reads`; GETs and bytes follow the reader's object-store rules (the "
-        "whole object in one GET when all of it is needed and it is <= 8 MiB, else its index plus one ranged GET "
-        "per run of adjacent needed inner chunks, <= 8 MiB each).",
+        "whole object in one GET when it is <= 8 MiB and all of it is needed, or when it is <= 1 MiB; else its "
+        "index plus one ranged GET per run of adjacent needed inner chunks, <= 8 MiB each).",
         "",
         *_table(
             ["", *r.loads],
@@ -697,7 +697,10 @@ def render(r: Results) -> str:
                     "`plan_reads` on one rank (the slowest of the first, middle and last)",
                     *(str(x.plan_reads) for x in r.loads.values()),
                 ],
-                ["parse the manifest (`Manifest.loads`), every rank, twice", *(str(r.manifest_parse) for _ in r.loads)],
+                [
+                    "parse the manifest (`Manifest.loads`), every rank (the end-of-load check reads only the save id)",
+                    *(str(r.manifest_parse) for _ in r.loads),
+                ],
                 ["RNG keys of the target not in the checkpoint", *(f"{x.missing_rng:,}" for x in r.loads.values())],
             ],
         ),
@@ -770,7 +773,7 @@ def _prediction_table(r: Results) -> list[str]:
         ]
     ]
     for name, x in r.loads.items():
-        gets = [g + 2 for g in x.per_rank_gets]  # + the manifest, twice
+        gets = [g + 2 for g in x.per_rank_gets]  # + the manifest, read twice (open, then the end-of-load check)
         nbytes = [b + 2 * c.manifest_bytes for b in x.per_rank_bytes]
         load = transfer(nbytes, gets, a.get_rate, a)
         plan = 2 * r.manifest_parse.wall + x.plan_reads.wall
