@@ -165,3 +165,14 @@ def test_train_command_resumes_on_another_world_size(tmp_path: Path) -> None:
     assert sorted(zarrckpt.list_checkpoints(root)) == ["step_0000000006"]
     bad = subprocess.run([*cmd, "--steps", "6", "--pp", "3"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "pp=3 must divide" in bad.stderr
+
+
+def test_layouts_that_do_not_fit_are_refused_before_any_collective() -> None:
+    from zarrckpt.example.trainer import Trainer
+
+    with pytest.raises(ValueError, match=r"the batch \(8\) must split evenly over the 3 DP ranks"):
+        Trainer(ModelConfig(), TrainConfig(), Topology(3))
+    with pytest.raises(ValueError, match=r"ep=3 must divide the experts \(8\)"):
+        Topology(6, ep=3).resolved(ModelConfig())
+    with pytest.raises(ValueError, match=r"pp=3 must divide the number of layers \(4\)"):
+        Topology(6, pp=3).resolved(ModelConfig())

@@ -78,10 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         rank, world = dist.get_rank(), dist.get_world_size()
         try:
             topo = Topology(world, args.pp, args.ep, args.expert_dp).resolved(ModelConfig())
+            trainer = Trainer(ModelConfig(), TrainConfig(seed=args.seed), topo)
         except ValueError as e:
             print(f"zarrckpt.example.train: bad topology for {world} ranks: {e}", file=sys.stderr)
             return 2
-        trainer = Trainer(ModelConfig(), TrainConfig(seed=args.seed), topo)
         manager = zarrckpt.CheckpointManager(
             args.ckpt, interval=args.save_every, keep_last=args.keep_last, storage_options=args.options
         )

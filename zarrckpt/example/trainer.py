@@ -26,6 +26,8 @@ from .parallel import EPComm, Groups, compute_weight, make_groups, reduce_gradie
 class Trainer:
     def __init__(self, cfg: ModelConfig, train: TrainConfig, topo: Topology) -> None:
         self.cfg, self.train, self.topo = cfg, train, topo.resolved(cfg)
+        if train.batch % self.topo.dp:
+            raise ValueError(f"the batch ({train.batch}) must split evenly over the {self.topo.dp} DP ranks of a stage")
         self.g: Groups = make_groups(self.topo)
         self.specs = {k: s for k, s in model.specs(cfg).items() if s.stage(self.topo, cfg.layers) == self.g.stage}
         self.params = {k: shard_of(model.init(k, s.shape, train.seed), self.g, s.expert) for k, s in self.specs.items()}
