@@ -166,6 +166,9 @@ class _Job:
 
     def _write_all(self) -> None:
         rank = self.group.rank
+        if self.budget is None:  # no bound: let the copy the caller waits on finish before writes compete with it
+            with self.cond:
+                self.cond.wait_for(lambda: bool(self.staged) and self.staged[-1] is None)
         while True:
             with self.cond:
                 self.cond.wait_for(lambda: bool(self.staged))
