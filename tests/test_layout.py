@@ -269,6 +269,9 @@ def test_inner_chunk_examples() -> None:
     assert inner_chunk_shape((1_048_583,), 4, 4 << 20) == (1_048_583,)  # prime: whole, not 1-element chunks
     assert inner_chunk_shape((8, 2_000_003), 4, 4 << 20) == (1, 2_000_003)
     assert inner_chunk_shape((8192, 4096), 4, 4 << 20) == (256, 4096)
+    # 17 is prime: one 10-byte row is more than 8x below the 82-byte target, so the rows stay
+    # whole and the columns split instead (hypothesis found this one in CI)
+    assert inner_chunk_shape((17, 10), 1, 82) == (17, 2)
 
 
 # -- shard codec ----------------------------------------------------------------------------------

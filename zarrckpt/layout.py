@@ -153,9 +153,11 @@ def inner_chunk_shape(shard: Shape, itemsize: int, target_bytes: int) -> Shape:
         nbytes = math.prod(chunk) * itemsize
         if nbytes <= target_bytes:
             break
-        want = max(1, target_bytes // max(nbytes // chunk[d], 1))
-        lower, upper = _divisors_around(shard[d], want)
-        chunk[d] = lower if lower * 8 >= want else upper
+        step = max(nbytes // chunk[d], 1)  # bytes per index along dimension d
+        lower, upper = _divisors_around(shard[d], max(1, target_bytes // step))
+        # the divisor below unless that makes chunks 8x smaller than the target (in bytes, not
+        # in rounded-down extents); then the one above, and the next dimension splits further
+        chunk[d] = lower if lower * step * 8 >= target_bytes else upper
     return tuple(chunk)
 
 
