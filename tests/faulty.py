@@ -9,8 +9,8 @@ module get it too. Options (``storage_options``; plain values, so they travel to
   process made that call), so runs repeat, whatever the thread interleaving.
 - ``anchor``: a path prefix left out of that function (a test's tmp dir, so runs repeat across tmp dirs).
 - ``fail_calls``: the first N calls of each (operation, path) fail, whatever ``rate`` says.
-- ``fail_paths``: a glob; requests on matching paths always fail (``fail_with``: "transient" or
-  "permission" for a PermissionError, which must not be retried).
+- ``fail_paths``: a glob; requests on matching paths always fail (``fail_with``: "transient",
+  "permission" for a PermissionError or "nospace" for a full disk's ENOSPC; neither is retried).
 - ``target_protocol`` / ``target_options``: the wrapped filesystem (default: local, auto_mkdir).
 
 Faults happen before the request, or (for writes and deletes, half the time) after it has taken
@@ -111,6 +111,8 @@ class FaultyFileSystem(AbstractFileSystem):
             fail, after = True, False
             if self.fail_with == "permission":
                 raise PermissionError(errno.EACCES, "Access Denied (injected)", path)
+            if self.fail_with == "nospace":
+                raise OSError(errno.ENOSPC, "No space left on device (injected)", path)
         if not fail:
             return fn()
         if after:

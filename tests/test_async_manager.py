@@ -150,6 +150,9 @@ def test_two_managers_same_step(tmp_path: Path) -> None:
     first.save(10, _state(1.0)).result(timeout=60)
     with pytest.raises(zarrckpt.CheckpointExistsError, match="already exists"):
         second.save(10, _state(2.0)).result(timeout=60)
+    with pytest.raises(zarrckpt.CheckpointSaveError, match="step 10") as err:  # the manager reports it too
+        second.save(15, _state(2.0))
+    assert isinstance(err.value.__cause__, zarrckpt.CheckpointExistsError)
     # a save of that step still in progress (its pending marker is there): refused as well
     (tmp_path / "run" / "step_0000000020").mkdir()
     (tmp_path / "run" / "step_0000000020" / ".zarrckpt-pending.json").write_text('{"save_id": "x"}')

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from . import errors
-from .api import delete, list_checkpoints, load, save
+from .api import load, save
 from .asyncsave import async_save
 from .checkpoint import Checkpoint, TensorView, open
 from .dcp import ZarrReader, ZarrWriter
 from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CheckpointSaveError,
     CorruptChunkError,
     IncompleteCheckpointError,
     InvalidCheckpointError,
@@ -21,6 +22,7 @@ from .errors import (
 )
 from .export import export_safetensors
 from .importer import import_checkpoint
+from .lifecycle import collect_garbage, delete, list_checkpoints
 from .localstate import LocalShard
 from .manager import CheckpointManager
 from .zarr_dtypes import register_zarr_dtypes
@@ -34,6 +36,7 @@ __all__ = [
     "CheckpointManager",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
+    "CheckpointSaveError",
     "CorruptChunkError",
     "IncompleteCheckpointError",
     "InvalidCheckpointError",
@@ -48,6 +51,7 @@ __all__ = [
     "ZarrckptError",
     "__version__",
     "async_save",
+    "collect_garbage",
     "delete",
     "list_checkpoints",
     "errors",

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as torch_dist
 
 from . import commit as protocol
+from . import replicas
 from .dist import Group
 from .errors import ZarrckptError
 from .format import Manifest, library_name
@@ -56,12 +57,15 @@ def async_save(
     overwrite: bool = False,
     staging_budget_bytes: int | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    check_replicas: bool = True,
 ) -> Future[None]:
     """Start saving ``state_dict`` to ``url`` and return once it is staged; every rank calls it.
 
     The returned future completes when the checkpoint is committed, or carries the error. One
     save is in flight at a time: a call first waits for the previous one to finish.
     ``staging_budget_bytes`` bounds the host memory holding staged copies (default: no bound).
+    ``overwrite`` and ``check_replicas`` are as for :func:`zarrckpt.save`; layout and replica
+    problems raise here, before the call returns.
     """
     global _last
     with _lock:
@@ -70,6 +74,8 @@ def async_save(
         group = Group(process_group)
         local = group.run_together(lambda: collect(state_dict), "collecting the state dict")
         plan = build_save_plan(group.all_gather_json(local.describe()), chunk_bytes)
+        if check_replicas:
+            replicas.check(group, plan, local)
         background = Group(_background_group(process_group)) if group.active else group
         job = _Job(Storage(url, storage_options), plan, background, overwrite, staging_budget_bytes)
         future = _executor.submit(job.run)

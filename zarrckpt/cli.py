@@ -1,4 +1,5 @@
-"""The ``zarrckpt`` command line: ``ls|info|show|verify|diff`` to inspect, ``export|import`` to convert.
+"""The ``zarrckpt`` command line: ``ls|info|show|verify|diff`` to inspect, ``gc`` to collect leftovers,
+``export|import`` to convert.
 
 Only the public API is used (``zarrckpt.open``, ``zarrckpt.export``, ``zarrckpt.importer``).
 Exit codes: 0 ok, 1 differences or verify problems, 2 usage errors, 3 zarrckpt errors (bad URL,
@@ -250,6 +251,41 @@ def cmd_diff(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
     return 1 if differ else 0
 
 
+def parse_duration(text: str) -> float:
+    """``'3600'``, ``'90s'``, ``'30m'``, ``'1h'``, ``'2d'`` -> seconds."""
+    scale = {"s": 1, "m": 60, "h": 3600, "d": 86400}.get(text[-1:].lower(), 0)
+    number = text[:-1] if scale else text
+    try:
+        value = float(number) * (scale or 1)
+    except ValueError:
+        raise CliError(f"bad duration {text!r}: use seconds or a number with s, m, h or d (e.g. 30m)") from None
+    if not math.isfinite(value) or value < 0:
+        raise CliError(f"bad duration {text!r}: it must be a non-negative number")
+    return value
+
+
+def cmd_gc(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
+    grace = parse_duration(args.grace)
+    found = zarrckpt.collect_garbage(args.root, grace_seconds=grace, dry_run=args.dry_run, storage_options=opts)
+    if args.json:
+        removed = [
+            {k: getattr(e, k) for k in ("name", "url", "state", "age_seconds", "objects", "nbytes")} for e in found
+        ]
+        emit_json({"root": args.root, "dry_run": args.dry_run, "grace_seconds": grace, "removed": removed})
+        return 0
+    verb = "would remove" if args.dry_run else "removed"
+    for e in found:
+        age = "age unknown" if e.age_seconds is None else f"started {e.age_seconds / 3600:.1f} h ago"
+        print(f"{verb} {e.name}: {e.state}, {age}, {e.objects} objects, {human(e.nbytes)}")
+    total = sum(e.nbytes for e in found)
+    print(
+        f"{verb} {len(found)} leftovers ({human(total)}) under {args.root}"
+        if found
+        else f"nothing to collect under {args.root}"
+    )
+    return 0
+
+
 def cmd_export(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
     summary = export_safetensors(
         args.url,
@@ -321,6 +357,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("url_a")
     p.add_argument("url_b")
     p.set_defaults(func=cmd_diff)
+    p = sub.add_parser(
+        "gc", parents=[common], help="remove leftovers of died saves and deletions under a root of checkpoints"
+    )
+    p.add_argument("root")
+    p.add_argument(
+        "--grace",
+        default="1h",
+        metavar="DURATION",
+        help="keep incomplete checkpoints whose save started less than this long ago (default 1h; 30m, 90s, 2d)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="list what would be removed, with sizes; remove nothing")
+    p.set_defaults(func=cmd_gc)
     p = sub.add_parser("export", parents=[common], help="write tensors as (sharded) Hugging Face safetensors")
     p.add_argument("url")
     p.add_argument("out", help="local output directory (must be empty or absent unless --overwrite)")

@@ -1,14 +1,22 @@
 """The commit protocol: a checkpoint exists only once its manifest (the root zarr.json) exists.
 
-save:  prepare (refuse or un-commit an old checkpoint, mark the prefix pending) -> every rank
-       writes its shards and its share of zarr.json documents -> commit (the manifest, last).
-load:  read the manifest (one GET) -> read data -> read the manifest again: a different save_id
-       means the checkpoint was overwritten meanwhile, and the load fails instead of mixing.
+save:   prepare (refuse, or un-commit and remove an old checkpoint; create the pending marker,
+        create-only, so of two racing saves one goes on) -> every rank writes its shards and its
+        share of zarr.json documents, create-only -> commit (the manifest, create-only, last, after
+        checking that the pending marker is still this save's).
+load:   read the manifest (one GET) -> read data -> read the manifest again: a different save_id
+        means the checkpoint was overwritten meanwhile, and the load fails instead of mixing.
+delete: write the deleting marker -> remove the manifest -> remove the rest -> remove the marker.
+        A deletion that dies half-way leaves the marker, which says what the leftover is.
+
+Markers carry the save id, the start time and the writer (host, pid), so leftovers have an age.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import uuid
 from datetime import UTC, datetime
 from typing import Any
@@ -17,11 +25,12 @@ from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     IncompleteCheckpointError,
-    InvalidCheckpointError,
     ZarrckptError,
 )
-from .format import MANIFEST, PENDING, Manifest
+from .format import DELETING, MANIFEST, PENDING, Manifest
 from .storage import Storage
+
+COMMITTED, INCOMPLETE, DELETING_STATE = "committed", "incomplete", "deleting"
 
 
 def read_manifest(storage: Storage) -> Manifest:
@@ -31,6 +40,11 @@ def read_manifest(storage: Storage) -> Manifest:
     except FileNotFoundError:
         if storage.is_empty():
             raise CheckpointNotFoundError(f"no checkpoint at {storage.url!r}: nothing is stored there") from None
+        if storage.exists(DELETING):
+            raise IncompleteCheckpointError(
+                f"the checkpoint at {storage.url!r} is being deleted, or its deletion died half-way "
+                f"({marker(storage, DELETING)}); `zarrckpt gc` finishes interrupted deletions"
+            ) from None
         raise IncompleteCheckpointError(
             f"{storage.url!r} holds a checkpoint that was never committed (no {MANIFEST} manifest): its save "
             "failed or is still running. Load an earlier checkpoint, or save again with overwrite=True."
@@ -39,66 +53,138 @@ def read_manifest(storage: Storage) -> Manifest:
 
 
 def prepare(storage: Storage, overwrite: bool) -> str:
-    """Make the prefix ready for a new save and mark it pending; returns the new save id."""
-    if storage.exists(MANIFEST):
-        try:
-            read_manifest(storage)
-        except InvalidCheckpointError as e:
-            raise ZarrckptError(f"refusing to write to {storage.url!r}: it holds something else ({e})") from None
+    """Make the prefix ready for a new save and mark it pending; returns the new save id.
+
+    The pending marker is created create-only: of two saves starting at one location, exactly
+    one goes on and the other gets CheckpointExistsError before it has written anything.
+    """
+    names = storage.names()
+    if DELETING in names:
+        if not overwrite:
+            raise IncompleteCheckpointError(
+                f"the checkpoint at {storage.url!r} is being deleted, or its deletion died half-way "
+                f"({marker(storage, DELETING)}); pass overwrite=True to finish that and save here"
+            )
+        remove(storage)
+    elif MANIFEST in names:
+        if not is_zarrckpt_manifest(storage):
+            raise ZarrckptError(f"refusing to write to {storage.url!r}: its zarr.json is not a zarrckpt checkpoint")
         if not overwrite:
             raise CheckpointExistsError(
                 f"a committed checkpoint already exists at {storage.url!r}; pass overwrite=True to replace it"
             )
-        storage.delete(MANIFEST)  # un-commit first: from here on readers see an incomplete checkpoint
-        storage.delete_all()
-    elif not storage.is_empty():
-        if not storage.exists(PENDING):
+        remove(storage)  # un-commit first: from here on readers see no checkpoint
+    elif names:
+        if not all(n.startswith(PENDING) for n in names):  # the marker, or another save's marker being created
+            shown = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
             raise ZarrckptError(
-                f"refusing to write to {storage.url!r}: it is not empty and holds no zarrckpt checkpoint"
+                f"refusing to write to {storage.url!r}: it is not empty ({shown}) and holds no zarrckpt checkpoint"
             )
         if not overwrite:
             raise IncompleteCheckpointError(
-                f"another save to {storage.url!r} is in progress or died before committing ({_pending(storage)}); "
-                "pass overwrite=True to replace it once no other save is running"
+                f"another save to {storage.url!r} is in progress or died before committing "
+                f"({marker(storage, PENDING)}); pass overwrite=True to replace it once no other save is running"
             )
-        storage.delete_all()  # leftovers of a save that never committed
+        remove(storage)  # leftovers of a save that never committed
     save_id = uuid.uuid4().hex
-    storage.write(PENDING, [json.dumps({"save_id": save_id, "started": now()}).encode()])
+    try:
+        storage.create(PENDING, [json.dumps(marker_doc(save_id)).encode()])
+    except FileExistsError:
+        raise CheckpointExistsError(
+            f"another save started writing to {storage.url!r} at the same time ({marker(storage, PENDING)}); "
+            "this one wrote nothing"
+        ) from None
     return save_id
 
 
 def commit(storage: Storage, manifest: Manifest) -> None:
-    """Write the manifest (the commit point), then drop the pending marker.
+    """Create the manifest (the commit point), then drop the pending marker.
 
-    Called once every rank has written its shards and ``zarr.json`` documents. Refuses when the
-    pending marker is no longer this save's: another save took the location over meanwhile.
+    Called once every rank has written its shards and ``zarr.json`` documents. Refuses
+    (CheckpointExistsError) when the pending marker is no longer this save's, or another
+    manifest is already there: another save took the location over meanwhile.
     """
-    marker = _pending(storage)
-    if marker.get("save_id") != manifest.save_id:
-        raise ZarrckptError(
+    mine = manifest.save_id
+    if _pending_id(storage) != mine:
+        raise CheckpointExistsError(
             f"not committing {storage.url!r}: another save took this location over while it was written "
-            f"(pending marker: {marker or 'missing'}); this save is abandoned"
+            f"(pending marker: {marker(storage, PENDING) or 'missing'}); this save is abandoned"
         )
-    storage.write(MANIFEST, [manifest.dumps()])
+    try:
+        storage.create(MANIFEST, [manifest.dumps()])
+    except FileExistsError:
+        raise CheckpointExistsError(
+            f"not committing {storage.url!r}: another save committed there first; this save is abandoned"
+        ) from None
+    if _pending_id(storage) != mine:  # taken over between the check and the create: take the commit back
+        if _manifest_id(storage) == mine:
+            storage.delete(MANIFEST)
+        raise CheckpointExistsError(
+            f"not committing {storage.url!r}: another save took this location over while it committed"
+        )
     storage.delete(PENDING)
 
 
-def _pending(storage: Storage) -> dict[str, Any]:
-    """The pending marker's content ({} when absent or unreadable)."""
+def remove(storage: Storage) -> None:
+    """Delete a checkpoint (committed or not) so that a deletion killed half-way stays visible.
+
+    The deleting marker goes first and last: a leftover always says what it is.
+    """
+    storage.write(DELETING, [json.dumps(marker_doc(_manifest_id(storage) or "")).encode()])
+    storage.delete(MANIFEST)  # readers now see no checkpoint
+    storage.delete_all(keep=[DELETING])
+    storage.delete(DELETING)
+    storage.prune()
+
+
+def state(names: set[str]) -> str | None:
+    """What a prefix holding the top-level entries ``names`` is: committed, incomplete, deleting, or None."""
+    if DELETING in names:
+        return DELETING_STATE
+    if MANIFEST in names:
+        return COMMITTED
+    if PENDING in names:
+        return INCOMPLETE
+    return None
+
+
+def is_zarrckpt_manifest(storage: Storage) -> bool:
+    """True when the root zarr.json is a zarrckpt manifest (even an invalid one): ours to replace or delete."""
     try:
-        doc = json.loads(storage.read(PENDING))
+        doc = json.loads(storage.read(MANIFEST, 0))
+    except (FileNotFoundError, ValueError):
+        return False
+    return isinstance(doc, dict) and isinstance(doc.get("attributes"), dict) and "zarrckpt" in doc["attributes"]
+
+
+def marker_doc(save_id: str) -> dict[str, Any]:
+    return {"save_id": save_id, "started": now(), "writer": {"host": socket.gethostname(), "pid": os.getpid()}}
+
+
+def marker(storage: Storage, name: str) -> dict[str, Any]:
+    """A marker's content ({} when absent or unreadable)."""
+    try:
+        doc = json.loads(storage.read(name))
     except (FileNotFoundError, ValueError):
         return {}
     return doc if isinstance(doc, dict) else {}
 
 
-def check_unchanged(storage: Storage, save_id: str) -> None:
-    """Fail if the checkpoint was overwritten or deleted since its manifest was read."""
+def _pending_id(storage: Storage) -> Any:
+    return marker(storage, PENDING).get("save_id")
+
+
+def _manifest_id(storage: Storage) -> str | None:
     try:  # only the save id matters: skip building every array's metadata (0.4 s for 4,000 arrays)
         current = json.loads(storage.read(MANIFEST, 0))["attributes"]["zarrckpt"]["save_id"]
     except (FileNotFoundError, ValueError, KeyError, TypeError):
-        current = None
-    if current != save_id:
+        return None
+    return current if isinstance(current, str) else None
+
+
+def check_unchanged(storage: Storage, save_id: str) -> None:
+    """Fail if the checkpoint was overwritten or deleted since its manifest was read."""
+    if _manifest_id(storage) != save_id:
         raise IncompleteCheckpointError(
             f"the checkpoint at {storage.url!r} was overwritten or deleted while it was being read; "
             "the data read may mix two saves and was discarded — load again"
@@ -107,3 +193,14 @@ def check_unchanged(storage: Storage, save_id: str) -> None:
 
 def now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def age_seconds(doc: dict[str, Any]) -> float | None:
+    """Seconds since a marker's ``started`` time (None when it has none)."""
+    try:
+        started = datetime.fromisoformat(doc["started"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    if started.tzinfo is None:
+        started = started.replace(tzinfo=UTC)
+    return (datetime.now(UTC) - started).total_seconds()

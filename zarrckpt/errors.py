@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "CheckpointExistsError",
     "CheckpointNotFoundError",
+    "CheckpointSaveError",
     "CorruptChunkError",
     "IncompleteCheckpointError",
     "InvalidCheckpointError",
@@ -32,6 +33,10 @@ class IncompleteCheckpointError(ZarrckptError):
 
 class CheckpointExistsError(ZarrckptError):
     """A committed checkpoint already exists at the URL and ``overwrite=False``."""
+
+
+class CheckpointSaveError(ZarrckptError):
+    """A save the CheckpointManager started failed; its cause is chained (``__cause__``)."""
 
 
 class InvalidCheckpointError(ZarrckptError):

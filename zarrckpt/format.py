@@ -19,7 +19,8 @@ from .layout import Shape
 
 FORMAT_VERSION = 1
 MANIFEST = "zarr.json"
-PENDING = ".zarrckpt-pending.json"
+PENDING = ".zarrckpt-pending.json"  # a save is writing here (or died doing so)
+DELETING = ".zarrckpt-deleting.json"  # a deletion is removing this checkpoint (or died doing so)
 KINDS = ("tensor", "bytes", "ndarray")
 MAX_ELEMENTS = 2**62
 MAX_RANK = 64  # numpy's limit

@@ -8,7 +8,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import crc32c
 import numpy as np
 import torch
 from torch.distributed.tensor import DTensor, Partial
@@ -17,8 +16,6 @@ from . import dtypes
 from .errors import UnsupportedValueError
 from .keys import Path, flat_key, iter_leaves
 from .layout import Box, Shape
-
-DIGEST_MAX_BYTES = 64 * 1024  # replicas of small plain tensors (RNG states, counters) are compared
 
 
 @dataclass
@@ -35,16 +32,13 @@ class LocalTensor:
     topology: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> dict[str, Any]:
-        desc: dict[str, Any] = {
+        return {
             "shape": list(self.shape),
             "dtype": self.dtype,
             "kind": self.kind,
             "box": [list(self.box.offsets), list(self.box.sizes)],
             "topology": self.topology,
         }
-        if not self.topology.get("placements") and self.data.nbytes <= DIGEST_MAX_BYTES:
-            desc["digest"] = crc32c.crc32c(dtypes.as_numpy(self.data.detach().cpu()).tobytes())
-        return desc
 
 
 @dataclass
@@ -56,7 +50,7 @@ class LocalState:
     def describe(self) -> dict[str, Any]:
         """What this rank holds, as JSON for :func:`zarrckpt.plan.build_save_plan`.
 
-        Compact: each distinct tensor description (shape, dtype, kind, box, topology, digest) is
+        Compact: each distinct tensor description (shape, dtype, kind, box, topology) is
         listed once in ``specs`` and ``tensors`` maps each key to its index there. A weight and
         its Adam moments, or the same shard of every layer, share one entry, so the gathered
         descriptions stay small and cheap to decode at thousands of ranks.

@@ -1,7 +1,10 @@
 """CheckpointManager: periodic (async) saves under one root, retention, resume from the latest.
 
 Built only on the public API. Checkpoints live at ``<root>/step_<10-digit step>``; only
-committed ones count for ``steps()``, ``latest()`` and ``load_latest()``.
+committed ones count for ``steps()``, ``latest()`` and ``load_latest()``. A failed save is never
+silent: it is logged at ERROR when it fails and raised as CheckpointSaveError by the next
+``save()``, ``wait()`` or ``close()``; retention runs only after a successful save, so the newest
+committed checkpoint survives every failed or running save. The manager never overwrites.
 """
 
 from __future__ import annotations
@@ -14,12 +17,11 @@ from concurrent.futures import wait as wait_for
 from functools import partial
 from typing import Any
 
-import torch.distributed as torch_dist
-
-from .api import delete, list_checkpoints, load, save
+from .api import load, save
 from .asyncsave import async_save
 from .dist import Group
-from .errors import ZarrckptError
+from .errors import CheckpointSaveError, ZarrckptError
+from .lifecycle import DEFAULT_GRACE_SECONDS, collect_garbage, delete, list_checkpoints
 
 log = logging.getLogger("zarrckpt")
 _STEP = re.compile(r"^step_(\d{10})$")
@@ -30,6 +32,9 @@ class CheckpointManager:
     checkpoints plus every ``keep_every``-th step; delete the rest in the background.
 
     Every rank calls ``save``/``load_latest``; listing and deletion run on rank 0 only.
+    ``grace_seconds``: incomplete checkpoints whose save started longer ago than this are removed
+    by ``cleanup()`` even when they are newer than the latest commit (a failed series of saves
+    cannot pile up); younger ones may still be being written and are kept.
     """
 
     def __init__(
@@ -43,6 +48,7 @@ class CheckpointManager:
         storage_options: dict[str, Any] | None = None,
         process_group: Any = None,
         delete_workers: int = 8,
+        grace_seconds: float = DEFAULT_GRACE_SECONDS,
     ) -> None:
         if interval < 1 or keep_last < 1 or (keep_every is not None and keep_every < 1):
             raise ZarrckptError("CheckpointManager: interval and keep_last must be >= 1 (keep_every too, if given)")
@@ -51,8 +57,9 @@ class CheckpointManager:
         self.use_async = async_save
         self.storage_options = storage_options
         self.process_group = process_group
-        self.rank = torch_dist.get_rank(process_group) if torch_dist.is_initialized() else 0
-        self._saving: Future[None] | None = None
+        self.grace_seconds = grace_seconds
+        self.rank = Group(process_group).rank
+        self._saving: tuple[int, Future[None]] | None = None  # the last save started, until its outcome is seen
         self._deleter = ThreadPoolExecutor(max_workers=delete_workers, thread_name_prefix="zarrckpt-delete")
         self._deleting: list[Future[None]] = []  # background retention work (guarded by _lock)
         self._lock = threading.Lock()
@@ -64,20 +71,52 @@ class CheckpointManager:
         """Save when ``step`` is due (a multiple of ``interval``) or ``force``; else do nothing.
 
         Returns the save's future (already done for synchronous saves), or None when not due.
+
+        Raises:
+            CheckpointSaveError: this save failed (synchronous mode), or the previous
+                (asynchronous) one did; the cause is chained. Raised once per failed save.
         """
+        self._check_previous()
         if step < 0 or (not force and step % self.interval):
             return None
         url = self.url(step)
+        options = {"storage_options": self.storage_options, "process_group": self.process_group, "overwrite": False}
         if self.use_async:
-            future = async_save(state_dict, url, storage_options=self.storage_options, process_group=self.process_group)
+            future = async_save(state_dict, url, **options)
+            future.add_done_callback(partial(self._log_failure, step))
         else:
-            save(state_dict, url, storage_options=self.storage_options, process_group=self.process_group)
+            try:
+                save(state_dict, url, **options)
+            except Exception as e:
+                raise self._failure(step, e) from e
             future = Future()
             future.set_result(None)
-        self._saving = future
+        self._saving = (step, future)
         if self.rank == 0:  # queued now, so wait() / close() cannot miss it
             self._background(partial(self._retain_after, future))
         return future
+
+    def _failure(self, step: int, error: BaseException) -> CheckpointSaveError:
+        return CheckpointSaveError(
+            f"the save of step {step} to {self.url(step)} failed, nothing was committed for it: "
+            f"{type(error).__name__}: {error}"
+        )
+
+    def _log_failure(self, step: int, future: Future[None]) -> None:
+        error = future.exception()
+        if error is not None:
+            log.error("%s", self._failure(step, error))
+
+    def _check_previous(self) -> None:
+        """Wait for the save in flight; raise its failure (once)."""
+        if self._saving is None:
+            return
+        step, future = self._saving
+        wait_for([future])
+        self._saving = None
+        error = future.exception()
+        if error is not None:
+            raise self._failure(step, error) from error
 
     def steps(self) -> list[int]:
         """Committed steps, ascending."""
@@ -105,10 +144,11 @@ class CheckpointManager:
         return step
 
     def cleanup(self, *, all_incomplete: bool = False) -> list[int]:
-        """Delete uncommitted leftovers (rank 0); returns their steps.
+        """Delete leftovers (rank 0): finish interrupted deletions, and remove incomplete
+        checkpoints older than the latest committed step or whose save started more than
+        ``grace_seconds`` ago; returns their steps.
 
-        By default only those older than the latest committed step (a newer one may still be
-        being written). ``all_incomplete=True`` deletes every one: call it when no save can be
+        ``all_incomplete=True`` removes every incomplete one: call it when no save can be
         running, e.g. when a job restarts after a crash, before ``load_latest``.
         """
         if self.rank != 0:
@@ -116,10 +156,20 @@ class CheckpointManager:
         found = list_checkpoints(self.root, storage_options=self.storage_options)
         committed = [int(m.group(1)) for n, s in found.items() if s == "committed" and (m := _STEP.match(n))]
         newest = max(committed, default=-1)
-        stale = [int(m.group(1)) for n, s in found.items() if s == "incomplete" and (m := _STEP.match(n))]
-        stale = [s for s in stale if all_incomplete or s < newest]
-        self._delete(stale)
-        return stale
+        old = {
+            e.name
+            for e in collect_garbage(
+                self.root, grace_seconds=self.grace_seconds, dry_run=True, storage_options=self.storage_options
+            )
+        }
+        stale = [
+            int(m.group(1))
+            for n, s in found.items()
+            if (m := _STEP.match(n))
+            and (n in old or (s == "incomplete" and (all_incomplete or int(m.group(1)) < newest)))
+        ]
+        self._delete(sorted(stale))
+        return sorted(stale)
 
     def _background(self, fn: Any) -> None:
         with self._lock:
@@ -143,9 +193,17 @@ class CheckpointManager:
             self._background(partial(delete, self.url(step), storage_options=self.storage_options))
 
     def wait(self) -> None:
-        """Wait for the save in flight and for deletions; re-raise a failed save."""
-        if self._saving is not None:
-            self._saving.result()
+        """Wait for the save in flight and for deletions.
+
+        Raises:
+            CheckpointSaveError: the save in flight (or an earlier, unreported one) failed.
+        """
+        try:
+            self._check_previous()
+        finally:
+            self._wait_deletions()
+
+    def _wait_deletions(self) -> None:
         while True:
             with self._lock:
                 pending = list(self._deleting)
@@ -159,9 +217,12 @@ class CheckpointManager:
                     log.warning("deleting an old checkpoint failed: %s", f.exception())
 
     def close(self) -> None:
-        """Wait for the save in flight (its failure, if any, is on its future) and for deletions."""
-        if self._saving is not None:
-            wait_for([self._saving])
-            self._saving = None
-        self.wait()
-        self._deleter.shutdown(wait=True)
+        """Wait for the save in flight and for deletions, then stop the deleter.
+
+        Raises:
+            CheckpointSaveError: the last save failed (after everything else has finished).
+        """
+        try:
+            self.wait()
+        finally:
+            self._deleter.shutdown(wait=True)

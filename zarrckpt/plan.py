@@ -23,6 +23,7 @@ class SavePlan:
     owners: dict[str, dict[Shape, int]]  # key -> shard grid index -> the one rank that writes it
     values: dict[str, Any]
     world_size: int
+    replicated: frozenset[str] = frozenset()  # keys of which some block is held by several ranks
 
     def shards_of(self, rank: int) -> list[tuple[ArrayMeta, Shape]]:
         return [(self.arrays[k], idx) for k, owner in self.owners.items() for idx, r in owner.items() if r == rank]
@@ -47,6 +48,7 @@ class _Grid:
     chunk: Shape
     owners: dict[Shape, int]
     topology: dict[str, Any]
+    replicated: bool
 
 
 def build_save_plan(descriptions: Sequence[dict[str, Any]], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> SavePlan:
@@ -90,6 +92,7 @@ def _build(descriptions: Sequence[dict[str, Any]], chunk_bytes: int) -> SavePlan
 
     arrays: dict[str, ArrayMeta] = {}
     owners: dict[str, dict[Shape, int]] = {}
+    replicated: set[str] = set()
     grids: dict[tuple[tuple[int, ...], tuple[int, ...]], _Grid] = {}
     for key in sorted(tensors):
         ranks, specs = tensors[key]
@@ -117,12 +120,15 @@ def _build(descriptions: Sequence[dict[str, Any]], chunk_bytes: int) -> SavePlan
             topology=dict(grid.topology),
         )
         owners[key] = grid.owners
+        if grid.replicated:
+            replicated.add(key)
     if problems:
         raise SaveLayoutError(
             "nothing was written: the ranks' state does not describe each global tensor exactly once:\n  "
             + "\n  ".join(problems[:50])
         )
-    return SavePlan(arrays, owners, {k: v[1][0] for k, v in sorted(values.items())}, len(descriptions))
+    values_ = {k: v[1][0] for k, v in sorted(values.items())}
+    return SavePlan(arrays, owners, values_, len(descriptions), frozenset(replicated))
 
 
 def _check(key: str, ranks: list[int], specs: list[dict[str, Any]]) -> list[str]:
@@ -132,12 +138,6 @@ def _check(key: str, ranks: list[int], specs: list[dict[str, Any]]) -> list[str]
         if len({repr(t[field_]) for t in specs}) > 1 and len({json.dumps(t[field_]) for t in specs}) > 1:
             detail = ", ".join(f"rank {r}: {t[field_]}" for r, t in zip(ranks, specs, strict=True))
             problems.append(f"{key}: ranks disagree on {field_} ({detail})")
-    digests = {t["digest"] for t in specs if "digest" in t}
-    if len(digests) > 1:
-        problems.append(
-            f"{key}: held by ranks {ranks} as a plain tensor but with different contents; "
-            "per-rank state needs per-rank keys (or a DTensor)"
-        )
     claims = [Claim(r, Box(tuple(t["box"][0]), tuple(t["box"][1]))) for r, t in zip(ranks, specs, strict=True)]
     return problems + coverage_problems(key, tuple(specs[0]["shape"]), claims)
 
@@ -152,7 +152,8 @@ def _grid(ranks: list[int], specs: list[dict[str, Any]], world_size: int, chunk_
     topology = {k: v for k, v in first["topology"].items() if v is not None}
     topology.update(world_size=world_size, holders=len(specs))
     chunk = inner_chunk_shape(shard, itemsize, chunk_bytes)
-    return _Grid(shape, shard, chunk, owner_of_cells(shape, shard, claims), topology)
+    replicated = len({c.box for c in claims}) < len(claims)
+    return _Grid(shape, shard, chunk, owner_of_cells(shape, shard, claims), topology, replicated)
 
 
 def _hold(held: dict[str, tuple[list[int], list[Any]]], key: str, rank: int, item: Any) -> None:

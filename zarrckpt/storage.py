@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
@@ -39,6 +40,11 @@ def default_concurrency(local: bool, writing: bool) -> int:
 
 
 Buffer = bytes | memoryview
+# Filesystems whose ``pipe_file(..., mode="create")`` is an atomic create-only write on the server:
+# S3 ``If-None-Match: *`` (s3fs), GCS ``ifGenerationMatch=0`` (gcsfs). fsspec's memory store checks
+# when a file is opened and stores it when closed: not atomic between threads.
+_ATOMIC_CREATE_MODULES = ("s3fs", "gcsfs")
+_warned_no_create: set[str] = set()
 
 
 class Storage:
@@ -57,6 +63,7 @@ class Storage:
         retry: RetryPolicy | None = None,
     ) -> None:
         self.url = os.fspath(url)
+        self.storage_options = storage_options
         if not self.url:
             raise ZarrckptError("empty checkpoint URL")
         try:
@@ -65,6 +72,7 @@ class Storage:
             raise ZarrckptError(f"cannot open storage for {self.url!r}: {e}") from e
         self.root = root.rstrip("/")
         self.local = isinstance(self.fs, LocalFileSystem)
+        self.atomic_create = self.local or type(self.fs).__module__.split(".", 1)[0] in _ATOMIC_CREATE_MODULES
         self.concurrency = concurrency or default_concurrency(self.local, writing=False)
         self.write_concurrency = concurrency or default_concurrency(self.local, writing=True)
         self._made: set[str] = set()  # local directories known to exist
@@ -72,6 +80,10 @@ class Storage:
         self._lock = threading.Lock()
         self.retry = retry or current_policy()
         self._jitter = random.Random()  # private: never perturb the global RNG a trainer checkpoints
+
+    def child(self, name: str) -> Storage:
+        """The storage of the entry ``name`` directly under the root (same options)."""
+        return Storage(f"{self.url.rstrip('/')}/{name}", self.storage_options, retry=self.retry)
 
     def _abs(self, path: str) -> str:
         return f"{self.root}/{path}" if path else self.root
@@ -117,17 +129,96 @@ class Storage:
         raise AssertionError("unreachable")
 
     # -- single objects -------------------------------------------------------------------
-    def write(self, path: str, parts: Sequence[Buffer]) -> None:
+    def write(self, path: str, parts: Sequence[Buffer], *, create_only: bool = False) -> None:
         """Write one object from its parts; remote stores get exactly one PUT (per attempt).
 
         A retried write rewrites the whole object, so a write that failed after it landed is harmless.
+        ``create_only``: fail with FileExistsError when the object already exists with other
+        content, atomically on stores that can (local files, S3, GCS); elsewhere the check
+        and the write are two requests (see :meth:`create`).
         """
+        if create_only:
+            self.create(path, parts)
+            return
         full = self._abs(path)
         if self.local:
             self._request("writing", path, lambda: self._write_local(full, parts), missing_ok=False)
         else:
             data = b"".join(parts)
             self._request("writing", path, lambda: self.fs.pipe_file(full, data), missing_ok=False)
+
+    def create(self, path: str, parts: Sequence[Buffer]) -> None:
+        """Write a new object, or raise FileExistsError when another writer's object is already there.
+
+        Exactly one of several racing creators succeeds on stores with create-only writes (local
+        files: a hard link; S3: ``If-None-Match: *``; GCS: ``ifGenerationMatch=0``). A create that
+        finds the object already holding *these* bytes succeeds: it is a retry of a write that
+        landed. Elsewhere a logged warning says the check is not atomic.
+        """
+        full = self._abs(path)
+        if self.local:
+            if self._request("creating", path, lambda: self._create_local(full, parts), missing_ok=False):
+                return
+            data = b"".join(parts)
+        elif self.atomic_create:
+            data = b"".join(parts)
+            if self._request("creating", path, lambda: self._create_remote(full, data), missing_ok=False):
+                return
+        else:
+            data = b"".join(parts)
+            name = type(self.fs).__name__
+            if name not in _warned_no_create:
+                _warned_no_create.add(name)
+                log.warning(
+                    "%s has no create-only writes: two saves racing to one location are told apart by a check "
+                    "followed by a write, which is not atomic",
+                    name,
+                )
+            if not self.exists(path):
+                self._request("writing", path, lambda: self.fs.pipe_file(full, data), missing_ok=False)
+                return
+        if not self._holds(path, data):
+            raise FileExistsError(errno.EEXIST, "another writer created it first", self.where(path))
+
+    def _create_remote(self, full: str, data: bytes) -> bool:
+        """One create-only PUT; False when the store refused it because the object exists."""
+        try:
+            self.fs.pipe_file(full, data, mode="create")
+        except FileExistsError:
+            return False
+        except OSError as e:  # s3fs turns some servers' 412 (Ceph RGW) into OSError(EINVAL)
+            if e.errno == errno.EINVAL and self.fs.exists(full):
+                return False
+            raise
+        return True
+
+    def _create_local(self, full: str, parts: Sequence[Buffer]) -> bool:
+        """Write aside and flush, then hard-link into place: the link fails if the name exists."""
+        parent = os.path.dirname(full)
+        if parent not in self._made:
+            os.makedirs(parent, exist_ok=True)
+            self._made.add(parent)
+        tmp = f"{full}.{uuid.uuid4().hex[:12]}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                for p in parts:
+                    f.write(p)
+                f.flush()
+                os.fsync(f.fileno())
+            os.link(tmp, full)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+
+    def _holds(self, path: str, data: bytes) -> bool:
+        """True when the object at ``path`` holds exactly ``data``."""
+        try:
+            return self.read(path) == data
+        except FileNotFoundError:
+            return False
 
     def _write_local(self, full: str, parts: Sequence[Buffer]) -> None:
         """Write aside, flush to disk, then rename: never a half-written file."""
@@ -233,6 +324,10 @@ class Storage:
         except FileNotFoundError:
             return True
 
+    def names(self) -> set[str]:
+        """The entries directly under the root (one listing request)."""
+        return set(self.children())
+
     def children(self) -> list[str]:
         """Names of the entries directly under the root (sorted; empty when the root is absent)."""
         try:
@@ -241,12 +336,48 @@ class Storage:
             return []
         return sorted({str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries} - {""})
 
-    def delete_all(self) -> None:
-        """Delete everything under the root (the root itself may remain, empty)."""
-        with contextlib.suppress(FileNotFoundError):
-            self._request("deleting", "", lambda: self.fs.rm(self.root, recursive=True))
+    def delete_all(self, keep: Collection[str] = ()) -> None:
+        """Delete everything under the root but the objects ``keep`` names (the root may remain).
+
+        With ``keep``, the rest is listed and deleted in batches; the kept objects stay, so a
+        marker written first can say what the prefix is until the very end.
+        """
+        if keep:
+            kept = {self._abs(k) for k in keep}
+            try:
+                found = self._request("listing", "", lambda: self.fs.find(self.root, withdirs=False))
+            except FileNotFoundError:
+                found = []
+            doomed = sorted(set(map(str, found)) - kept)
+            if doomed:
+                with contextlib.suppress(FileNotFoundError):
+                    self._request("deleting", "", lambda: self.fs.rm(doomed))
+            self.prune()
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                self._request("deleting", "", lambda: self.fs.rm(self.root, recursive=True))
         self.fs.invalidate_cache()
         self._made.clear()
+
+    def prune(self) -> None:
+        """Local files: remove the directories left empty under the root, and the root if empty."""
+        if not self.local or not os.path.isdir(self.root):
+            return
+        for parent, dirs, _ in os.walk(self.root, topdown=False):
+            for d in dirs:
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.join(parent, d))
+        with contextlib.suppress(OSError):
+            os.rmdir(self.root)
+        self._made.clear()
+
+    def usage(self) -> tuple[int, int]:
+        """(objects, bytes) stored under the root."""
+        try:
+            found = self._request("listing", "", lambda: self.fs.find(self.root, withdirs=False, detail=True))
+        except FileNotFoundError:
+            return 0, 0
+        return len(found), sum(int(info.get("size") or 0) for info in found.values())
 
     # -- concurrency ----------------------------------------------------------------------
     def run_all(self, fn: Callable[[T], R], items: Iterable[T], *, writing: bool = False) -> list[R]:

@@ -9,6 +9,7 @@ from functools import partial
 from typing import Any
 
 from . import dtypes
+from .errors import CheckpointExistsError
 from .format import ArrayMeta
 from .layout import Shape, cell_box
 from .localstate import LocalState
@@ -39,17 +40,25 @@ def write_rank(
         if meta.key not in host:
             host[meta.key] = dtypes.as_numpy(local.tensors[meta.key].data.detach().cpu())
 
+    def put(path: str, parts: list[bytes] | list[Any]) -> int:
+        """Create one object; another writer's object already there means this save lost a race."""
+        try:
+            storage.write(path, parts, create_only=storage.atomic_create)
+        except FileExistsError:
+            raise CheckpointExistsError(
+                f"another save is writing to {storage.url!r}: {path} was created by another writer; "
+                "this save is abandoned uncommitted"
+            ) from None
+        return sum(len(p) for p in parts)
+
     def write_shard(job: tuple[ArrayMeta, Shape]) -> int:
         meta, idx = job
         cell = cell_box(idx, meta.shard_shape, meta.shape)
         data = host[meta.key][cell.relative_to(local.tensors[meta.key].box.offsets).slices()]
-        parts = encode_shard(data, meta.shard_shape, meta.chunk_shape)
-        storage.write(meta.shard_path(idx), parts)
-        return sum(len(p) for p in parts)
+        return put(meta.shard_path(idx), encode_shard(data, meta.shard_shape, meta.chunk_shape))
 
     def write_doc(job: tuple[str, bytes]) -> int:
-        storage.write(job[0], [job[1]])
-        return len(job[1])
+        return put(job[0], [job[1]])
 
     docs = plan.metadata_of(rank) if metadata else []
     jobs: list[Callable[[], int]] = [partial(write_shard, j) for j in shards]
