@@ -16,6 +16,21 @@ def s3_server():
 
 
 @pytest.fixture(scope="session")
+def rgw_server():
+    """A real S3 server (Ceph RADOS Gateway) where its packages are installed; the test skips elsewhere."""
+    why = servers.rgw_available()
+    if why:
+        pytest.skip(f"RADOS Gateway unavailable: {why}")
+    with servers.rgw_server() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture
+def rgw_url(rgw_server):
+    yield from _remote(servers.unique_url("s3"), servers.rgw_storage_options(rgw_server))
+
+
+@pytest.fixture(scope="session")
 def gcs_server():
     with servers.gcs_server() as endpoint:
         yield endpoint

@@ -117,7 +117,7 @@ def test_every_storage_request_is_retried(tmp_path: Path) -> None:
 def test_local_files_retry_transient_os_errors(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fast_retries: RetryPolicy
 ) -> None:
-    """The local fast paths (temp file + rename, pooled ``reading()``, vectored ``read_into()``) retry too."""
+    """The local fast paths (temp file + link, pooled ``reading()``, vectored ``read_into()``) retry too."""
     import os
 
     import zarrckpt.storage as storage_module
@@ -136,13 +136,13 @@ def test_local_files_retry_transient_os_errors(
             if n % 5 == 0:  # every 5th call of each thread, the first included (so never twice in a row)
                 with lock:
                     injected[name] += 1
-                raise errors[n % 2 + (name == "os.replace")]
+                raise errors[n % 2 + (name in ("os.replace", "os.link"))]
             return fn(*args, **kw)
 
         return call
 
     monkeypatch.setattr(storage_module, "open", flaky("open", open), raising=False)
-    for name in ("open", "replace", "preadv"):
+    for name in ("open", "replace", "link", "preadv"):
         monkeypatch.setattr(os, name, flaky(f"os.{name}", getattr(os, name)))
     url = str(tmp_path / "ck")
     want = _many_tensors(5)
@@ -156,7 +156,7 @@ def test_local_files_retry_transient_os_errors(
     _assert_same(got, want)
     assert torch.equal(part.data, want["model"]["layers"]["3"]["w"][25:45])
     print(f"\nlocal: {dict(injected)} injected, {log.retries} retries")
-    assert set(injected) == {"open", "os.open", "os.replace", "os.preadv"}, injected
+    assert set(injected) == {"open", "os.open", "os.link", "os.preadv"}, injected  # new objects are linked in
     assert log.retries == sum(injected.values())
     assert not list((tmp_path / "ck").rglob("*.tmp")), "failed attempts leave no temp files"
 
@@ -202,7 +202,7 @@ def test_storage_that_always_fails_gives_storage_error(tmp_path: Path, fast_retr
     assert fast_retries.attempts == 3
     url, opts = _url(tmp_path), _opts(tmp_path, rate=1.0)
     start = time.perf_counter()
-    with pytest.raises(zarrckpt.StorageError, match=r"ck/zarr\.json failed after 3 attempts") as err:
+    with pytest.raises(zarrckpt.StorageError, match=r"listing .*ck/ failed after 3 attempts") as err:  # prepare's
         zarrckpt.save({"w": torch.ones(100)}, url, storage_options=opts)
     assert time.perf_counter() - start < 2
     assert isinstance(err.value.__cause__, (OSError, faulty.ServerBusy))

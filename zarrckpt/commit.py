@@ -75,7 +75,7 @@ def prepare(storage: Storage, overwrite: bool) -> str:
             )
         remove(storage)  # un-commit first: from here on readers see no checkpoint
     elif names:
-        if not all(n.startswith(PENDING) for n in names):  # the marker, or another save's marker being created
+        if PENDING not in names and not all(n.startswith(PENDING) for n in names):  # (a marker being created)
             shown = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
             raise ZarrckptError(
                 f"refusing to write to {storage.url!r}: it is not empty ({shown}) and holds no zarrckpt checkpoint"
