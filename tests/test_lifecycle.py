@@ -209,6 +209,18 @@ def test_cleanup_removes_old_leftovers_even_newer_than_the_latest_commit(tmp_pat
     manager.close()
 
 
+def test_a_save_killed_while_creating_its_marker_is_listed_and_collected(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    (root / "step_0000000007").mkdir(parents=True)
+    stray = root / "step_0000000007" / f"{PENDING}.0123456789ab.tmp"  # the marker's temporary file, never linked
+    stray.write_text("{}")
+    assert zarrckpt.list_checkpoints(str(root)) == {"step_0000000007": "incomplete"}
+    assert zarrckpt.collect_garbage(str(root)) == [], "its age (the file's) is under the grace period"
+    os.utime(stray, (stray.stat().st_atime - 7200, stray.stat().st_mtime - 7200))
+    assert [e.name for e in zarrckpt.collect_garbage(str(root))] == ["step_0000000007"]
+    assert not (root / "step_0000000007").exists()
+
+
 def test_markers_carry_time_and_writer(tmp_path: Path) -> None:
     s = Storage(str(tmp_path / "ck"))
     save_id = protocol.prepare(s, overwrite=False)

@@ -49,7 +49,7 @@ def save(
             The old checkpoint is un-committed and deleted *before* the new one is written: if
             this save then fails, both are lost. Without it an existing checkpoint is an error.
         check_replicas: ranks holding the same block compare a crc32c digest of all its bytes
-            (about 0.15 s per GB per rank); ``False`` skips that for large DDP-style replicas.
+            (about 0.1 s per GiB per rank); ``False`` skips that for large DDP-style replicas.
 
     Raises:
         SaveLayoutError: the ranks' tensors do not cover every global tensor exactly once, or

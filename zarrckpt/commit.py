@@ -143,9 +143,19 @@ def state(names: set[str]) -> str | None:
         return DELETING_STATE
     if MANIFEST in names:
         return COMMITTED
-    if PENDING in names:
+    if any(n.startswith(PENDING) for n in names):  # the marker, or its temporary file (killed creating it)
         return INCOMPLETE
     return None
+
+
+def leftover_age(storage: Storage, names: set[str], name: str) -> float | None:
+    """Seconds since the save or deletion marked by the marker ``name`` started: its ``started``
+    time, else the marker's (or its temporary file's) modification time; None when unknown."""
+    age = age_seconds(marker(storage, name))
+    if age is None:
+        ages = [storage.age(n) for n in sorted(names) if n.startswith(name)]
+        age = min((a for a in ages if a is not None), default=None)
+    return age
 
 
 def is_zarrckpt_manifest(storage: Storage) -> bool:

@@ -64,11 +64,12 @@ def _entries(root: Storage) -> list[Entry]:
     out = []
     for name in root.children():
         child = root.child(name)
-        state = protocol.state(child.names())
+        names = child.names()
+        state = protocol.state(names)
         if state is None:
             continue
         marker = {protocol.INCOMPLETE: PENDING, protocol.DELETING_STATE: DELETING}.get(state)
-        age = protocol.age_seconds(protocol.marker(child, marker)) if marker else None
+        age = protocol.leftover_age(child, names, marker) if marker else None
         out.append(Entry(name, child.url, state, age))
     return out
 
@@ -85,7 +86,7 @@ def collect_garbage(
 
     Interrupted deletions are always finished. An incomplete checkpoint is removed once its save
     started more than ``grace_seconds`` ago (default one hour): a younger one may still be being
-    written; so may one whose marker has no readable start time, which is kept. Committed
+    written. The age comes from the marker's start time, else its modification time. Committed
     checkpoints and anything that is not a zarrckpt checkpoint are never touched.
     """
     if grace_seconds < 0:

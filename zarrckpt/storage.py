@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import fsspec
@@ -306,6 +307,17 @@ class Storage:
         """Read an object or the byte range ``[start, end)``; FileNotFoundError when absent."""
         full = self._abs(path)
         return bytes(self._request("reading", path, lambda: self.fs.cat_file(full, start=start, end=end)))
+
+    def age(self, path: str) -> float | None:
+        """Seconds since the object at ``path`` was last modified (None if absent or unknown)."""
+        full = self._abs(path)
+        try:
+            stamp = self._request("checking", path, lambda: self.fs.modified(full))
+        except (FileNotFoundError, NotImplementedError, StorageError):
+            return None
+        if stamp.tzinfo is None:
+            stamp = stamp.replace(tzinfo=UTC)
+        return (datetime.now(UTC) - stamp).total_seconds()
 
     def exists(self, path: str) -> bool:
         full = self._abs(path)
