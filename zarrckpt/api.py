@@ -13,13 +13,13 @@ import numpy as np
 import torch
 
 from . import commit as protocol
-from . import dtypes, replicas
+from . import dtypes, replicas, values
 from .dist import Group
 from .errors import LayoutMismatchError, ZarrckptError
 from .format import ArrayMeta, Manifest, library_name
 from .keys import Path, flat_key, iter_leaves, nest, set_leaf
 from .layout import Box
-from .localstate import LocalShard, collect, from_json_value, tensor_box
+from .localstate import BYTES_TYPES, LocalShard, collect, tensor_box
 from .plan import DEFAULT_CHUNK_BYTES, build_save_plan
 from .reader import Request, allocate, read_regions
 from .storage import Storage
@@ -38,6 +38,7 @@ def save(
     overwrite: bool = False,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     check_replicas: bool = True,
+    allow_pickle: bool = False,
 ) -> None:
     """Save ``state_dict`` as a Zarr v3 checkpoint at ``url``; every rank calls it.
 
@@ -50,6 +51,9 @@ def save(
             this save then fails, both are lost. Without it an existing checkpoint is an error.
         check_replicas: ranks holding the same block compare a crc32c digest of all its bytes
             (about 0.1 s per GiB per rank); ``False`` skips that for large DDP-style replicas.
+        allow_pickle: store values of other types (arbitrary classes) pickled, marked as such;
+            loading them needs ``load(..., allow_pickle=True)``. Without it they raise
+            ``UnsupportedValueError`` naming the key and type, before anything is written.
 
     Raises:
         SaveLayoutError: the ranks' tensors do not cover every global tensor exactly once, or
@@ -59,7 +63,7 @@ def save(
     """
     group = Group(process_group)
     start = time.perf_counter()
-    local = group.run_together(lambda: collect(state_dict), "collecting the state dict")
+    local = group.run_together(lambda: collect(state_dict, allow_pickle), "collecting the state dict")
     plan = build_save_plan(group.all_gather_json(local.describe()), chunk_bytes)
     if check_replicas:
         replicas.check(group, plan, local)
@@ -84,13 +88,23 @@ def load(
     storage_options: dict[str, Any] | None = None,
     process_group: Any = None,
     strict: bool = True,
+    cast: bool = False,
+    allow_pickle: bool = False,
 ) -> None:
     """Load the checkpoint at ``url`` into ``state_dict`` in place; every rank calls it.
 
     Tensors (plain or DTensor local shards, any sharding) are filled in place, reading only the
-    chunks they need; non-tensor values are replaced. Shape, dtype or kind differences always
-    raise ``LayoutMismatchError``; key-set differences raise unless ``strict=False``, which loads
-    the keys both sides have and logs the rest.
+    chunks they need; non-tensor values are replaced, restored to their saved Python type.
+    Shape or kind differences always raise ``LayoutMismatchError``; key-set differences raise
+    unless ``strict=False``, which loads the keys both sides have and logs the rest.
+
+    Args:
+        cast: a tensor of another dtype than the saved one receives the saved values converted
+            as ``target.copy_(saved)`` would (read in the stored dtype, then converted). Without
+            it a dtype difference is a ``LayoutMismatchError``.
+        allow_pickle: load values that were saved with ``save(..., allow_pickle=True)``. This runs
+            code from the checkpoint: only for checkpoints you trust. Without it such a value
+            raises ``UnsupportedValueError`` before anything is loaded.
     """
     group = Group(process_group)
     storage = Storage(url, storage_options)
@@ -99,7 +113,7 @@ def load(
     leaves = {flat_key(path): (path, value) for path, value in iter_leaves(state_dict)}
     saved = manifest.arrays.keys() | manifest.values.keys()
     subtrees = _value_subtrees(leaves, manifest)
-    mismatches = [d for key, (_, v) in leaves.items() if key in saved for d in _compare(key, v, manifest)]
+    mismatches = [d for key, (_, v) in leaves.items() if key in saved for d in _compare(key, v, manifest, cast)]
     requested = sorted((leaves.keys() - subtrees.keys()) | {k for keys in subtrees.values() for k in keys})
     views = group.all_gather_json({"keys": requested, "mismatches": mismatches})
     mismatches = sorted({m for v in views for m in v["mismatches"]})
@@ -119,6 +133,15 @@ def load(
     if (missing or unexpected) and group.rank == 0:
         log.warning("loaded with strict=False; not in the checkpoint: %s; not loaded: %s", missing, unexpected)
 
+    def decode_values() -> tuple[dict[str, Any], dict[str, Any]]:  # before anything changes: may refuse a pickle
+        def dec(key: str, like: Any = None) -> Any:
+            return values.decode(manifest.values[key], like, key=key, allow_pickle=allow_pickle)
+
+        plain = {key: dec(key, leaves[key][1]) for key in manifest.values if key in leaves}
+        nested = {key: nest({k[len(key) + 1 :]: dec(k) for k in keys}) for key, keys in subtrees.items()}
+        return plain, nested
+
+    plain, nested = group.run_together(decode_values, "decoding the saved values")
     requests, finish = _plan_targets(leaves, manifest, state_dict)
     try:
         nbytes = group.run_together(lambda: read_regions(storage, requests), "reading")
@@ -128,12 +151,8 @@ def load(
     protocol.check_unchanged(storage, manifest.save_id)
     for fn in finish:
         fn()
-    for key, value in manifest.values.items():
-        if key in leaves:
-            path, old = leaves[key]
-            set_leaf(state_dict, path, from_json_value(value, old))
-    for key, keys in subtrees.items():
-        set_leaf(state_dict, leaves[key][0], nest({k[len(key) + 1 :]: manifest.values[k] for k in keys}))
+    for key, value in (plain | nested).items():
+        set_leaf(state_dict, leaves[key][0], value)
     log.info("loaded %s: this rank read %.1f MB in %.2fs", storage.url, nbytes / 1e6, time.perf_counter() - start)
 
 
@@ -153,15 +172,15 @@ def _value_subtrees(leaves: dict[str, Any], manifest: Manifest) -> dict[str, lis
     return out
 
 
-def _compare(key: str, value: Any, manifest: Manifest) -> list[str]:
+def _compare(key: str, value: Any, manifest: Manifest, cast: bool = False) -> list[str]:
     """How a target leaf differs from what was saved under ``key`` (empty when it can be loaded)."""
     meta = manifest.arrays.get(key)
     if meta is None:  # saved as a plain value
-        if isinstance(value, (torch.Tensor, LocalShard, np.ndarray, bytes, bytearray)):
+        if isinstance(value, (torch.Tensor, LocalShard, np.ndarray, *BYTES_TYPES)):
             return [f"{key}: saved a plain value, expected a {type(value).__name__}"]
         return []
     if meta.kind == "bytes":
-        return [] if isinstance(value, (bytes, bytearray)) else [f"{key}: saved bytes, expected {type(value).__name__}"]
+        return [] if isinstance(value, BYTES_TYPES) else [f"{key}: saved bytes, expected {type(value).__name__}"]
     if meta.kind == "ndarray" and isinstance(value, np.ndarray):
         shape, dtype = tuple(value.shape), dtypes.zarr_name(torch.from_numpy(np.empty(0, value.dtype)).dtype)
     elif isinstance(value, (torch.Tensor, LocalShard)):
@@ -175,8 +194,8 @@ def _compare(key: str, value: Any, manifest: Manifest) -> list[str]:
     out = []
     if shape != meta.shape:
         out.append(f"{key}: shape {list(meta.shape)} saved vs {list(shape)} expected")
-    if dtype != meta.dtype:
-        out.append(f"{key}: dtype {meta.dtype} saved vs {dtype} expected")
+    if dtype != meta.dtype and not (cast and isinstance(value, (torch.Tensor, LocalShard))):
+        out.append(f"{key}: dtype {meta.dtype} saved vs {dtype} expected (load(..., cast=True) converts)")
     return out
 
 
@@ -207,8 +226,13 @@ def _set_bytes(state_dict: MutableMapping[str, Any], path: Path, buf: np.ndarray
 
 
 def _tensor_request(meta: ArrayMeta, box: Box, target: torch.Tensor, finish: list[Callable[[], Any]]) -> Request:
-    if target.device.type == "cpu":
+    """Read straight into a CPU target of the stored dtype; else into a staging buffer of the
+    stored dtype, copied (converted, moved to the GPU) once the data is in."""
+    stored = dtypes.torch_dtype(meta.dtype)
+    if target.device.type == "cpu" and target.dtype == stored:
         return Request(meta, box, dtypes.as_numpy(target.detach()))
-    staging = torch.empty(target.shape, dtype=target.dtype, pin_memory=torch.cuda.is_available())
+    staging = torch.empty(
+        target.shape, dtype=stored, pin_memory=target.device.type != "cpu" and torch.cuda.is_available()
+    )
     finish.append(lambda: target.detach().copy_(staging, non_blocking=False))
     return Request(meta, box, dtypes.as_numpy(staging))

@@ -58,13 +58,14 @@ def async_save(
     staging_budget_bytes: int | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     check_replicas: bool = True,
+    allow_pickle: bool = False,
 ) -> Future[None]:
     """Start saving ``state_dict`` to ``url`` and return once it is staged; every rank calls it.
 
     The returned future completes when the checkpoint is committed, or carries the error. One
     save is in flight at a time: a call first waits for the previous one to finish.
     ``staging_budget_bytes`` bounds the host memory holding staged copies (default: no bound).
-    ``overwrite`` and ``check_replicas`` are as for :func:`zarrckpt.save`; layout and replica
+    ``overwrite``, ``check_replicas`` and ``allow_pickle`` are as for :func:`zarrckpt.save`; layout and replica
     problems raise here, before the call returns.
     """
     global _last
@@ -72,7 +73,7 @@ def async_save(
         if _last is not None:
             wait_for([_last])
         group = Group(process_group)
-        local = group.run_together(lambda: collect(state_dict), "collecting the state dict")
+        local = group.run_together(lambda: collect(state_dict, allow_pickle), "collecting the state dict")
         plan = build_save_plan(group.all_gather_json(local.describe()), chunk_bytes)
         if check_replicas:
             replicas.check(group, plan, local)

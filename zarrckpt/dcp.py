@@ -9,14 +9,15 @@ stored as JSON and handed back without ``torch.load``: no pickle reaches storage
 from __future__ import annotations
 
 import dataclasses
+import io
 import itertools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint import StorageReader, StorageWriter
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -37,14 +38,14 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from . import commit as protocol
-from . import dtypes
-from .errors import ZarrckptError
-from .format import Manifest, library_name
-from .keys import validate_keys
+from . import dtypes, values
+from .dist import Group
+from .errors import SaveLayoutError, ZarrckptError
+from .format import ArrayMeta, Manifest, library_name
+from .keys import iter_leaves, nest, validate_keys
 from .layout import Box, Shape, cell_box, grid_shape
-from .localstate import LocalState, LocalTensor, collect, from_json_value
+from .localstate import BYTES_TYPES, LocalState, LocalTensor, collect
 from .plan import DEFAULT_CHUNK_BYTES, build_save_plan
-from .plan import SavePlan as ZSavePlan
 from .reader import Request, allocate, read_regions
 from .storage import Storage
 from .writer import write_rank
@@ -59,34 +60,46 @@ def _done(value: Any) -> Future[Any]:
 
 
 class ZarrWriter(StorageWriter):
-    """A DCP ``StorageWriter`` that writes a zarrckpt checkpoint."""
+    """A DCP ``StorageWriter`` that writes a zarrckpt checkpoint.
+
+    Like ``FileSystemWriter``, it replaces what is at ``url`` (``overwrite=False`` refuses an
+    existing checkpoint instead). Non-tensor items go through the planner's ``resolve_data`` and
+    are stored as typed JSON (:mod:`zarrckpt.values`), never pickled unless ``allow_pickle``.
+    """
 
     def __init__(
         self,
         url: URL,
         *,
         storage_options: dict[str, Any] | None = None,
-        overwrite: bool = False,
+        overwrite: bool = True,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        allow_pickle: bool = False,
     ) -> None:
         super().__init__()
         self.storage = Storage(url, storage_options)
         self.storage_options = storage_options
         self.overwrite = overwrite
         self.chunk_bytes = chunk_bytes
-        self._plan: ZSavePlan | None = None
+        self.allow_pickle = allow_pickle
         self._save_id = ""
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self.storage = Storage(checkpoint_id, self.storage_options)
+        self._save_id = ""
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return bool(os.fspath(checkpoint_id))
+        """True for a URL fsspec can open."""
+        return _opens(checkpoint_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        pass
+        if kwargs.get("use_collectives") is False and Group().size > 1:
+            raise ZarrckptError(
+                "ZarrWriter needs use_collectives=True with several ranks: one rank prepares and commits "
+                "the checkpoint for all of them"
+            )
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.storage.url)
@@ -95,86 +108,148 @@ class ZarrWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Coordinator: validate coverage, choose shard grids and writers, prepare the prefix."""
-        descriptions = []
-        for plan in plans:
-            tensors: dict[str, Any] = {}
-            for item in plan.items:
-                if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
-                    continue
-                key, chunk = item.index.fqn, item.tensor_data.chunk
-                if key in tensors:
-                    raise ZarrckptError(f"{key}: a rank holds several chunks of one tensor; ZarrWriter supports one")
-                tensors[key] = {
-                    "shape": list(item.tensor_data.size),
-                    "dtype": dtypes.zarr_name(item.tensor_data.properties.dtype),
-                    "kind": "tensor",
-                    "box": [list(chunk.offsets), list(chunk.sizes)],
-                    "topology": {},
-                }
-            descriptions.append({"tensors": tensors, "values": {}})
-        zplan = build_save_plan(descriptions, self.chunk_bytes)
-        self._plan = zplan
+        """Coordinator: validate coverage, choose shard grids and writers, prepare the prefix.
+
+        With DCP's plan caching, the plans of a repeated save are empty and unusable: DCP then
+        hands ``write_data`` the cached plans, which carry the grids chosen the first time.
+        """
+        zplan = build_save_plan([_describe(plan) for plan in plans], self.chunk_bytes)
         self._save_id = protocol.prepare(self.storage, self.overwrite)
         return [dataclasses.replace(p, storage_data=(zplan, rank)) for rank, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         zplan, rank = plan.storage_data
         local = LocalState({}, {}, {})
-        others: dict[str, Any] = {}
+        objects: dict[str, Any] = {}
         results = []
         for item in plan.items:
             key = item.index.fqn
-            if item.type == WriteItemType.BYTE_IO:
-                others[key] = planner.lookup_object(item.index)  # type: ignore[attr-defined]
-                continue
             data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                objects[key] = _unpack(data, key)
+                continue
             if not isinstance(data, torch.Tensor) or item.tensor_data is None:
                 raise ZarrckptError(f"{key}: DCP resolved a tensor write item to {type(data).__name__}")
             chunk = item.tensor_data.chunk
             meta = zplan.arrays[key]
             box = Box(tuple(chunk.offsets), tuple(chunk.sizes))
             local.tensors[key] = LocalTensor(key, (key,), data, meta.shape, box, meta.dtype)
-            results.append(WriteResult(index=item.index, size_in_bytes=data.nbytes, storage_data=None))
+            results.append(
+                WriteResult(index=item.index, size_in_bytes=data.nbytes, storage_data={"arrays": {key: meta}})
+            )
         write_rank(self.storage, zplan, local, rank)
-        # non-tensor items: bytes / numpy arrays become arrays this rank writes alone; the rest is JSON
-        extra = collect(others)
-        own = build_save_plan([extra.describe()], self.chunk_bytes)
-        write_rank(self.storage, own, extra, 0)
-        for item in plan.items:
-            key = item.index.fqn
-            if key in own.arrays:
-                results.append(WriteResult(item.index, extra.tensors[key].data.nbytes, {"array": own.arrays[key]}))
-            elif key in extra.values:
-                results.append(WriteResult(item.index, 0, {"value": extra.values[key]}))
+        if objects:
+            results += self._write_objects(objects, {item.index.fqn: item.index for item in plan.items})
         return _done(results)
 
+    def _write_objects(self, objects: dict[str, Any], indexes: dict[str, Any]) -> list[WriteResult]:
+        """Non-tensor items (this rank alone writes each), as ``zarrckpt.save`` stores them: bytes and
+        numpy arrays as arrays, the rest as typed JSON values; a dict holding tensors
+        (``flatten_state_dict=False``) becomes arrays and values under its key, listed as an object."""
+        flat: dict[str, Any] = {}
+        values_: dict[str, Any] = {}
+        for key, obj in objects.items():
+            if isinstance(obj, (*BYTES_TYPES, np.ndarray)) or (isinstance(obj, Mapping) and _holds_tensors(obj)):
+                flat[key] = obj
+            else:
+                values_[key] = values.encode(obj, key, self.allow_pickle)
+        extra = collect(flat, self.allow_pickle)
+        own = build_save_plan([extra.describe()], self.chunk_bytes)
+        write_rank(self.storage, own, extra, 0)
+        results = []
+        for key in objects:
+            if key in own.arrays:
+                nbytes = own.arrays[key].nbytes
+                results.append(WriteResult(indexes[key], nbytes, {"arrays": {key: own.arrays[key]}}))
+            elif key in flat:
+                under = {k: v for k, v in own.arrays.items() if k.startswith(key + ".")}
+                data = {"arrays": under, "values": {k: v for k, v in own.values.items() if k.startswith(key + ".")}}
+                results.append(
+                    WriteResult(indexes[key], sum(m.nbytes for m in under.values()), {**data, "object": key})
+                )
+            else:
+                results.append(WriteResult(indexes[key], 0, {"values": {key: values_[key]}}))
+        return results
+
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Coordinator: gather values and byte arrays, then commit the manifest."""
-        if self._plan is None:
+        """Coordinator: gather what every rank wrote, then commit the manifest."""
+        if not self._save_id:
             raise ZarrckptError("ZarrWriter.finish called before prepare_global_plan on the coordinator")
-        arrays = dict(self._plan.arrays)
-        values: dict[str, Any] = {}
+        arrays: dict[str, ArrayMeta] = {}
+        values_: dict[str, Any] = {}
+        objects: list[str] = []
         for result in (r for rank in results for r in rank):
             extra = result.storage_data or {}
-            if "value" in extra:
-                values[result.index.fqn] = extra["value"]
-            elif "array" in extra:
-                arrays[result.index.fqn] = extra["array"]
-        validate_keys(sorted(arrays.keys() | values.keys()))
+            arrays.update(extra.get("arrays", {}))
+            values_.update(extra.get("values", {}))
+            objects += [extra["object"]] if "object" in extra else []
+        validate_keys(sorted(arrays.keys() | values_.keys()))
+        dcp: dict[str, Any] = {"objects": sorted(objects)} if objects else {}
+        if metadata.planner_data is not None:
+            dcp["planner_data"] = values.encode(metadata.planner_data, "Metadata.planner_data", self.allow_pickle)
         manifest = Manifest(
-            self._save_id, arrays, dict(sorted(values.items())), len(results), protocol.now(), library_name() + " (dcp)"
+            self._save_id,
+            dict(sorted(arrays.items())),
+            dict(sorted(values_.items())),
+            len(results),
+            protocol.now(),
+            library_name() + " (dcp)",
+            dcp,
         )
         protocol.commit(self.storage, manifest)
 
 
-class ZarrReader(StorageReader):
-    """A DCP ``StorageReader`` that reads a zarrckpt checkpoint (saved by either path)."""
+def _describe(plan: SavePlan) -> dict[str, Any]:
+    """A rank's tensor chunks as :func:`zarrckpt.plan.build_save_plan` reads them."""
+    tensors: dict[str, Any] = {}
+    for item in plan.items:
+        if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+            continue
+        key, chunk = item.index.fqn, item.tensor_data.chunk
+        if key in tensors:
+            raise SaveLayoutError(f"{key}: a rank holds several chunks of one tensor; ZarrWriter supports one")
+        tensors[key] = {
+            "shape": list(item.tensor_data.size),
+            "dtype": dtypes.zarr_name(item.tensor_data.properties.dtype),
+            "kind": "tensor",
+            "box": [list(chunk.offsets), list(chunk.sizes)],
+            "topology": {},
+        }
+    return {"tensors": tensors, "values": {}}
 
-    def __init__(self, url: URL, *, storage_options: dict[str, Any] | None = None) -> None:
+
+def _unpack(data: Any, key: str) -> Any:
+    """The object behind a BYTE_IO item: the planner's ``torch.save`` bytes, made in this process."""
+    if isinstance(data, torch.Tensor) or not hasattr(data, "read"):
+        raise ZarrckptError(f"{key}: DCP resolved a byte item to {type(data).__name__}, not a byte stream")
+    data.seek(0)
+    return torch.load(data, weights_only=False)
+
+
+def _holds_tensors(obj: Any) -> bool:
+    return any(isinstance(v, torch.Tensor) for _, v in iter_leaves(obj))
+
+
+def _opens(checkpoint_id: str | os.PathLike[str]) -> bool:
+    try:
+        Storage(checkpoint_id)
+    except (ZarrckptError, TypeError, ValueError):
+        return False
+    return True
+
+
+class ZarrReader(StorageReader):
+    """A DCP ``StorageReader`` that reads a zarrckpt checkpoint (saved by either path).
+
+    A tensor target of another dtype receives the saved values converted, as with
+    ``FileSystemReader``. Values saved pickled need ``allow_pickle=True``.
+    """
+
+    def __init__(self, url: URL, *, storage_options: dict[str, Any] | None = None, allow_pickle: bool = False) -> None:
         super().__init__()
         self.storage = Storage(url, storage_options)
         self.storage_options = storage_options
+        self.allow_pickle = allow_pickle
         self.manifest: Manifest | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -184,12 +259,20 @@ class ZarrReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return bool(os.fspath(checkpoint_id))
+        """True when ``checkpoint_id`` holds a zarrckpt checkpoint."""
+        try:
+            return protocol.is_zarrckpt_manifest(Storage(checkpoint_id))
+        except (ZarrckptError, TypeError, ValueError):
+            return False
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        self.manifest = protocol.read_manifest(self.storage)
+        self.manifest = manifest = protocol.read_manifest(self.storage)
+        objects = manifest.dcp.get("objects", [])
+        inside = tuple(o + "." for o in objects)
         md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
-        for key, meta in self.manifest.arrays.items():
+        for key, meta in manifest.arrays.items():
+            if key.startswith(inside):
+                continue
             if meta.kind != "tensor":
                 md[key] = BytesStorageMetadata()
                 continue
@@ -199,8 +282,17 @@ class ZarrReader(StorageReader):
             ]
             props = TensorProperties(dtype=dtypes.torch_dtype(meta.dtype))
             md[key] = TensorStorageMetadata(properties=props, size=torch.Size(meta.shape), chunks=chunks)
-        md.update({key: BytesStorageMetadata() for key in self.manifest.values})
-        return Metadata(state_dict_metadata=md, storage_meta=StorageMeta(checkpoint_id=self.storage.url))
+        md.update({key: BytesStorageMetadata() for key in manifest.values if not key.startswith(inside)})
+        md.update({key: BytesStorageMetadata() for key in objects})
+        planner_data = manifest.dcp.get("planner_data")
+        return Metadata(
+            state_dict_metadata=md,
+            planner_data=None if planner_data is None else self._decode(planner_data, "Metadata.planner_data"),
+            storage_meta=StorageMeta(checkpoint_id=self.storage.url),
+        )
+
+    def _decode(self, doc: Any, key: str, like: Any = None) -> Any:
+        return values.decode(doc, like, key=key, allow_pickle=self.allow_pickle)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self.manifest is None:
@@ -218,23 +310,20 @@ class ZarrReader(StorageReader):
             raise ZarrckptError("ZarrReader.read_data called before read_metadata")
         requests: list[Request] = []
         commits: list[tuple[Any, torch.Tensor, torch.Tensor | None]] = []
-        values: list[tuple[Any, Any]] = []
+        objects: list[tuple[Any, Callable[[], Any]]] = []
         for item in plan.items:
             key = item.storage_index.fqn
             if item.type == LoadItemType.BYTE_IO:
-                if key in manifest.values:
-                    values.append((item, manifest.values[key]))
-                else:
-                    meta = manifest.arrays[key]
-                    buf = allocate(meta)
-                    requests.append(Request(meta, Box.full(meta.shape), buf))
-                    values.append((item, buf))
+                objects.append((item, self._object(key, planner, requests)))
                 continue
             meta = manifest.arrays[key]
             origin = tuple(item.storage_index.offset or (0,) * len(meta.shape))
             box = Box(tuple(o + s for o, s in zip(origin, item.storage_offsets, strict=True)), tuple(item.lengths))
             target = planner.resolve_tensor(item).detach()
-            staging = None if target.device.type == "cpu" else torch.empty(target.shape, dtype=target.dtype)
+            stored = dtypes.torch_dtype(meta.dtype)
+            staging = None  # read in the stored dtype, then convert as FileSystemReader's copy_ does
+            if target.device.type != "cpu" or target.dtype != stored:
+                staging = torch.empty(tuple(item.lengths), dtype=stored)
             requests.append(Request(meta, box, dtypes.as_numpy(target if staging is None else staging)))
             commits.append((item, target, staging))
         read_regions(self.storage, requests)
@@ -243,24 +332,50 @@ class ZarrReader(StorageReader):
             if staging is not None:
                 target.copy_(staging)
             planner.commit_tensor(item, target)
-        for item, value in values:
-            stored = manifest.arrays.get(item.storage_index.fqn)
-            if stored is not None and stored.kind == "bytes":
-                value = value.tobytes()
-            _set_value(planner, item.dest_index.fqn, value)
+        for item, build in objects:  # handed over as the planner expects them: torch.save bytes
+            stream = io.BytesIO()
+            torch.save(build(), stream)
+            stream.seek(0)
+            planner.load_bytes(item, stream)
         return _done(None)
 
+    def _object(self, key: str, planner: LoadPlanner, requests: list[Request]) -> Callable[[], Any]:
+        """How to build the object a BYTE_IO item stands for, once ``requests`` are read."""
+        manifest = self.manifest
+        assert manifest is not None
+        if key in manifest.values:
+            value = self._decode(manifest.values[key], key, getattr(planner, "state_dict", {}).get(key))
+            return lambda: value
+        if key in manifest.arrays:
+            meta = manifest.arrays[key]
+            buf = allocate(meta)
+            requests.append(Request(meta, Box.full(meta.shape), buf))
+            like = getattr(planner, "state_dict", {}).get(key)
+            make = type(like) if isinstance(like, BYTES_TYPES) else bytes  # the target's bytes type
+            return lambda: make(buf.tobytes()) if meta.kind == "bytes" else buf
+        prefix = key + "."
+        if key not in manifest.dcp.get("objects", []):
+            raise ZarrckptError(f"{key}: not in the checkpoint at {self.storage.url!r}")
+        flat = {k[len(prefix) :]: self._decode(v, k) for k, v in manifest.values.items() if k.startswith(prefix)}
+        bufs = {}
+        for k, meta in manifest.arrays.items():
+            if k.startswith(prefix):
+                bufs[k[len(prefix) :]] = (meta, allocate(meta))
+                requests.append(Request(meta, Box.full(meta.shape), bufs[k[len(prefix) :]][1]))
 
-def _set_value(planner: LoadPlanner, fqn: str, value: Any) -> None:
-    """What DefaultLoadPlanner.load_bytes does, minus torch.load (no pickle)."""
-    old = getattr(planner, "state_dict", {}).get(fqn)
-    value = from_json_value(value, old)
-    if getattr(planner, "flatten_state_dict", False) and hasattr(planner, "mappings"):
-        set_element(planner.original_state_dict, planner.mappings[fqn], value)  # type: ignore[attr-defined]
-    elif hasattr(planner, "state_dict"):
-        planner.state_dict[fqn] = value
-    else:
-        raise ZarrckptError(f"{fqn}: cannot hand a non-tensor value to planner {type(planner).__name__}")
+        def build() -> Any:
+            arrays = {k: _as_value(meta, buf) for k, (meta, buf) in bufs.items()}
+            return nest({**flat, **arrays})
+
+        return build
+
+
+def _as_value(meta: ArrayMeta, buf: np.ndarray) -> Any:
+    if meta.kind == "bytes":
+        return buf.tobytes()
+    if meta.kind == "ndarray":
+        return buf
+    return torch.from_numpy(buf).view(dtypes.torch_dtype(meta.dtype)) if buf.dtype.itemsize else torch.from_numpy(buf)
 
 
 def _cells(shape: Shape, shard: Shape) -> Iterator[Shape]:

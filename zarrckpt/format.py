@@ -224,6 +224,7 @@ class Manifest:
     world_size: int
     created: str = ""
     library: str = ""
+    dcp: dict[str, Any] = field(default_factory=dict)  # DCP adapter: "objects", "planner_data" (both optional)
 
     def to_json(self) -> dict[str, Any]:
         arrays = list(self.arrays.values())
@@ -240,6 +241,7 @@ class Manifest:
                     "library": self.library,
                     "world_size": self.world_size,
                     "values": self.values,
+                    **({"dcp": self.dcp} if self.dcp else {}),
                 }
             },
             "consolidated_metadata": {"kind": "inline", "must_understand": False, "metadata": nodes},
@@ -271,6 +273,10 @@ class Manifest:
             raise bad(f"field {info + 'world_size'!r} must be a positive integer, not {world}")
         values = _get(doc, info + "values", dict, bad)
         created, library = _get(doc, info + "created", str, bad, ""), _get(doc, info + "library", str, bad, "")
+        dcp = _get(doc, info + "dcp", dict, bad, {})
+        objects = dcp.get("objects", [])
+        if not isinstance(objects, list) or not all(isinstance(o, str) for o in objects):
+            raise bad(f"field {info + 'dcp.objects'!r} must be a list of keys, not {_short(objects)}")
         nodes = _get(doc, "consolidated_metadata.metadata", dict, bad)
         arrays = {}
         for path, node in nodes.items():
@@ -288,4 +294,4 @@ class Manifest:
             raise bad(str(e)) from None
         if both := sorted(arrays.keys() & values.keys()):
             raise bad(f"keys stored both as an array and as a value: {_short(both)}")
-        return cls(save_id, arrays, values, world, created, library)
+        return cls(save_id, arrays, values, world, created, library, dcp)

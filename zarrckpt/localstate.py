@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import io
 import json
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +16,9 @@ from . import dtypes
 from .errors import UnsupportedValueError
 from .keys import Path, flat_key, iter_leaves
 from .layout import Box, Shape
+from .values import encode
+
+BYTES_TYPES = (bytes, bytearray, io.BytesIO)  # stored as 1-D uint8 arrays, restored as the target's type
 
 
 @dataclass
@@ -111,44 +114,14 @@ def tensor_box(value: torch.Tensor | LocalShard) -> tuple[torch.Tensor, Shape, B
     return local, tuple(value.shape), Box(tuple(offset), tuple(local_shape)), topology
 
 
-def to_json_value(value: Any, key: str) -> Any:
-    """``value`` as plain JSON (tuples become lists), or UnsupportedValueError naming the key."""
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise UnsupportedValueError(
-                f"{key!r}: non-finite float {value!r} cannot be stored as JSON; store it in a tensor"
-            )
-        return value
-    if isinstance(value, np.generic):
-        return to_json_value(value.item(), key)
-    if isinstance(value, (list, tuple)):
-        return [to_json_value(v, key) for v in value]
-    if isinstance(value, Mapping):
-        if not all(isinstance(k, str) for k in value):
-            raise UnsupportedValueError(f"{key!r}: dict keys inside a value must be strings")
-        return {k: to_json_value(v, key) for k, v in value.items()}
-    raise UnsupportedValueError(
-        f"{key!r}: a {type(value).__name__} cannot be stored without pickle; use tensors, bytes, numpy arrays, "
-        "or int/float/str/bool/None and lists/dicts of them"
-    )
-
-
-def from_json_value(value: Any, like: Any) -> Any:
-    """A loaded JSON value, given back the tuple-ness of ``like`` (the value it replaces)."""
-    if isinstance(like, (tuple, list)) and isinstance(value, list):
-        items = [from_json_value(v, like[i] if i < len(like) else None) for i, v in enumerate(value)]
-        return tuple(items) if isinstance(like, tuple) else items
-    return value
-
-
-def collect(state_dict: Mapping[str, Any]) -> LocalState:
-    """Split a (nested) state dict into this rank's tensor parts and JSON values."""
+def collect(state_dict: Mapping[str, Any], allow_pickle: bool = False) -> LocalState:
+    """Split a (nested) state dict into this rank's tensor parts and JSON values (:mod:`zarrckpt.values`)."""
     state = LocalState({}, {}, {})
     for path, value in iter_leaves(state_dict):
         key = flat_key(path)
         state.paths[key] = path
+        if isinstance(value, io.BytesIO):
+            value = value.getvalue()
         if isinstance(value, (bytes, bytearray)):
             data = torch.frombuffer(bytearray(value), dtype=torch.uint8) if value else torch.zeros(0, dtype=torch.uint8)
             state.tensors[key] = LocalTensor(key, path, data, (len(value),), Box.full((len(value),)), "uint8", "bytes")
@@ -163,5 +136,5 @@ def collect(state_dict: Mapping[str, Any]) -> LocalState:
                 key, path, data, shape, box, dtypes.zarr_name(data.dtype), "tensor", topology
             )
         else:
-            state.values[key] = to_json_value(value, key)
+            state.values[key] = encode(value, key, allow_pickle)
     return state

@@ -23,7 +23,7 @@ import crc32c
 import numpy as np
 
 from . import dtypes
-from .errors import CorruptChunkError, InvalidCheckpointError
+from .errors import CorruptChunkError, InvalidCheckpointError, ZarrckptError
 from .format import ArrayMeta
 from .layout import Box, Shape, cell_box, cells_in
 from .partial import Range, chunk_ranges, coalesce
@@ -43,6 +43,15 @@ class Request:
     meta: ArrayMeta
     box: Box
     dest: np.ndarray
+
+    def __post_init__(self) -> None:  # a buffer of another dtype would be filled with reinterpreted bytes
+        stored = dtypes.storage_dtype(self.meta.dtype)
+        if self.dest.dtype != stored or tuple(self.dest.shape) != tuple(self.box.sizes):
+            raise ZarrckptError(
+                f"{self.meta.key!r}: a read into a {self.dest.dtype} buffer of shape {list(self.dest.shape)} cannot "
+                f"receive {list(self.box.sizes)} elements stored as {self.meta.dtype}: read into the stored dtype, "
+                "then convert"
+            )
 
 
 @dataclass

@@ -74,6 +74,7 @@ class Storage:
         self.root = root.rstrip("/")
         self.local = isinstance(self.fs, LocalFileSystem)
         self.atomic_create = self.local or type(self.fs).__module__.split(".", 1)[0] in _ATOMIC_CREATE_MODULES
+        self._concurrency = concurrency
         self.concurrency = concurrency or default_concurrency(self.local, writing=False)
         self.write_concurrency = concurrency or default_concurrency(self.local, writing=True)
         self._made: set[str] = set()  # local directories known to exist
@@ -81,6 +82,9 @@ class Storage:
         self._lock = threading.Lock()
         self.retry = retry or current_policy()
         self._jitter = random.Random()  # private: never perturb the global RNG a trainer checkpoints
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickles as its URL and options (DCP's async PROCESS mode)
+        return (_rebuild, (self.url, self.storage_options, self._concurrency, self.retry))
 
     def child(self, name: str) -> Storage:
         """The storage of the entry ``name`` directly under the root (same options)."""
@@ -408,3 +412,7 @@ class Storage:
             if error is not None:
                 raise error
         return [f.result() for f in futures]
+
+
+def _rebuild(url: str, options: dict[str, Any] | None, concurrency: int, retry: RetryPolicy) -> Storage:
+    return Storage(url, options, concurrency=concurrency, retry=retry)
