@@ -18,6 +18,7 @@ from .errors import (
     LayoutMismatchError,
     SaveLayoutError,
     StorageError,
+    UnsupportedValueError,
     ZarrckptError,
 )
 from .export import export_safetensors
@@ -46,6 +47,7 @@ __all__ = [
     "SaveLayoutError",
     "StorageError",
     "TensorView",
+    "UnsupportedValueError",
     "ZarrReader",
     "ZarrWriter",
     "ZarrckptError",

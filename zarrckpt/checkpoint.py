@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from . import commit as protocol
-from . import dtypes
+from . import dtypes, values
 from .display import Progress, VerifySummary, checkpoint_html, tensor_html
 from .errors import KeyNotFoundError, ZarrckptError
 from .format import ArrayMeta, Manifest
@@ -67,8 +67,9 @@ class Checkpoint:
 
     @property
     def metadata(self) -> dict[str, Any]:
-        """The non-tensor state (step, config, ...), nested as it was saved."""
-        return nest(self.manifest.values)
+        """The non-tensor state (step, config, ...), nested as it was saved, each value of its saved
+        type; a value saved pickled shows as a placeholder (``open()`` never unpickles)."""
+        return nest({k: values.describe(v) for k, v in self.manifest.values.items()})
 
     @property
     def topology(self) -> dict[str, Any]:

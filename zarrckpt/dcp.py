@@ -350,9 +350,7 @@ class ZarrReader(StorageReader):
             meta = manifest.arrays[key]
             buf = allocate(meta)
             requests.append(Request(meta, Box.full(meta.shape), buf))
-            like = getattr(planner, "state_dict", {}).get(key)
-            make = type(like) if isinstance(like, BYTES_TYPES) else bytes  # the target's bytes type
-            return lambda: make(buf.tobytes()) if meta.kind == "bytes" else buf
+            return lambda: _as_value(meta, buf)
         prefix = key + "."
         if key not in manifest.dcp.get("objects", []):
             raise ZarrckptError(f"{key}: not in the checkpoint at {self.storage.url!r}")
@@ -372,7 +370,7 @@ class ZarrReader(StorageReader):
 
 def _as_value(meta: ArrayMeta, buf: np.ndarray) -> Any:
     if meta.kind == "bytes":
-        return buf.tobytes()
+        return {"bytearray": bytearray, "BytesIO": io.BytesIO}.get(meta.python_type, bytes)(buf.tobytes())
     if meta.kind == "ndarray":
         return buf
     return torch.from_numpy(buf).view(dtypes.torch_dtype(meta.dtype)) if buf.dtype.itemsize else torch.from_numpy(buf)

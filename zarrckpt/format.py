@@ -22,6 +22,7 @@ MANIFEST = "zarr.json"
 PENDING = ".zarrckpt-pending.json"  # a save is writing here (or died doing so)
 DELETING = ".zarrckpt-deleting.json"  # a deletion is removing this checkpoint (or died doing so)
 KINDS = ("tensor", "bytes", "ndarray")
+BYTES_TYPE_NAMES = ("bytes", "bytearray", "BytesIO")
 MAX_ELEMENTS = 2**62
 MAX_RANK = 64  # numpy's limit
 
@@ -40,6 +41,7 @@ class ArrayMeta:
     role: str = "other"
     kind: str = "tensor"
     topology: dict[str, Any] = field(default_factory=dict, compare=False)
+    python_type: str = ""  # kind "bytes": the saved value's type when not bytes ("bytearray" or "BytesIO")
 
     @property
     def path(self) -> str:
@@ -90,6 +92,7 @@ class ArrayMeta:
                     "kind": self.kind,
                     "order": "C",
                     "topology": self.topology,
+                    **({"python_type": self.python_type} if self.python_type else {}),
                 }
             },
         }
@@ -120,6 +123,9 @@ class ArrayMeta:
         role = _get(doc, attrs + "role", str, bad, "other")
         kind = _get(doc, attrs + "kind", str, bad, "tensor")
         topology = _get(doc, attrs + "topology", dict, bad, {})
+        python_type = _get(doc, attrs + "python_type", str, bad, "")
+        if python_type not in ("", *BYTES_TYPE_NAMES) or (python_type and kind != "bytes"):
+            raise bad(f"python_type {_short(python_type)} is not one of {BYTES_TYPE_NAMES} on a bytes array")
         if not (len(shape) == len(shard) == len(chunk)):
             raise bad("shape, shard shape and chunk shape have different ranks")
         if math.prod(max(n, 1) for n in shape) > MAX_ELEMENTS:
@@ -136,7 +142,7 @@ class ArrayMeta:
             raise bad(f"a bytes value must be stored as 1-D uint8, not {len(shape)}-D {dtype}")
         if _get(doc, attrs + "order", str, bad, "C") != "C" or doc.get("storage_transformers"):
             raise bad("only C order and no storage transformers are supported")
-        meta = cls(key, shape, dtype, shard, chunk, role, kind, topology)
+        meta = cls(key, shape, dtype, shard, chunk, role, kind, topology, python_type)
         expected = meta.to_json()
         for name in ("zarr_format", "node_type", "chunk_grid", "chunk_key_encoding", "fill_value", "codecs"):
             if doc.get(name) != expected[name]:

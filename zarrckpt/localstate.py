@@ -33,6 +33,7 @@ class LocalTensor:
     dtype: str
     kind: str = "tensor"  # tensor | bytes | ndarray
     topology: dict[str, Any] = field(default_factory=dict)
+    python_type: str = ""  # bytes values: "bytearray" or "BytesIO" when not plain bytes
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -41,6 +42,7 @@ class LocalTensor:
             "kind": self.kind,
             "box": [list(self.box.offsets), list(self.box.sizes)],
             "topology": self.topology,
+            **({"python_type": self.python_type} if self.python_type else {}),
         }
 
 
@@ -120,11 +122,12 @@ def collect(state_dict: Mapping[str, Any], allow_pickle: bool = False) -> LocalS
     for path, value in iter_leaves(state_dict):
         key = flat_key(path)
         state.paths[key] = path
-        if isinstance(value, io.BytesIO):
-            value = value.getvalue()
-        if isinstance(value, (bytes, bytearray)):
-            data = torch.frombuffer(bytearray(value), dtype=torch.uint8) if value else torch.zeros(0, dtype=torch.uint8)
-            state.tensors[key] = LocalTensor(key, path, data, (len(value),), Box.full((len(value),)), "uint8", "bytes")
+        if isinstance(value, BYTES_TYPES):
+            raw = value.getvalue() if isinstance(value, io.BytesIO) else value
+            data = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
+            python_type = "" if isinstance(value, bytes) else type(value).__name__
+            box = Box.full((len(raw),))
+            state.tensors[key] = LocalTensor(key, path, data, (len(raw),), box, "uint8", "bytes", {}, python_type)
         elif isinstance(value, np.ndarray):
             data = torch.from_numpy(np.ascontiguousarray(value))
             state.tensors[key] = LocalTensor(

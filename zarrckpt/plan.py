@@ -118,6 +118,7 @@ def _build(descriptions: Sequence[dict[str, Any]], chunk_bytes: int) -> SavePlan
             else "other",
             kind=first["kind"],
             topology=dict(grid.topology),
+            python_type=first.get("python_type", ""),
         )
         owners[key] = grid.owners
         if grid.replicated:
