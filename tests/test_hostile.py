@@ -599,10 +599,12 @@ def _dotted(node: ast.expr) -> str:
 def test_package_never_unpickles() -> None:
     """Static check over zarrckpt's own sources: no pickle-family import, no torch.load, eval or exec.
 
-    One exception, checked separately below: ``importer.py`` reads *foreign* formats (DCP,
-    ``torch.save``) that are pickles by design, and does so only in restricted ways.
+    Two exceptions, checked separately below: ``importer.py`` reads *foreign* formats (DCP,
+    ``torch.save``) that are pickles by design, and does so only in restricted ways; ``pickling.py``
+    is the one place for opt-in pickled values (``allow_pickle=True``) and DCP's in-memory
+    planner bytes.
     """
-    sources = sorted(p for p in PACKAGE.rglob("*.py") if p.name != "importer.py")
+    sources = sorted(p for p in PACKAGE.rglob("*.py") if p.name not in ("importer.py", "pickling.py"))
     assert len(sources) > 10
     problems = []
     for source in sources:
@@ -618,11 +620,30 @@ def test_package_never_unpickles() -> None:
             if isinstance(node, ast.Call):
                 if _dotted(node.func) in FORBIDDEN_CALLS:
                     problems.append(f"{source.name}:{node.lineno} calls {_dotted(node.func)}")
-                if any(k.arg in ("allow_pickle", "weights_only") for k in node.keywords):
+                if any(k.arg == "weights_only" for k in node.keywords) or (
+                    _dotted(node.func).endswith(("np.load", "numpy.load"))
+                    and any(k.arg == "allow_pickle" for k in node.keywords)
+                ):
                     problems.append(f"{source.name}:{node.lineno} passes allow_pickle/weights_only")
     assert not problems, problems
     text = "\n".join(s.read_text() for s in sources)
     assert "import pickle" not in text and "torch.load(" not in text
+
+
+def test_pickled_values_need_the_loaders_consent() -> None:
+    """``pickling.py``: a pickled value is refused unless the loader passes allow_pickle=True; it is
+    the only module besides importer.py that may call pickle.loads or torch.load."""
+    from zarrckpt import pickling
+
+    text = pickling.dumps({"x": 1})
+    with pytest.raises(zarrckpt.UnsupportedValueError, match="saved pickled"):
+        pickling.loads(text, "k", allow_pickle=False)
+    assert pickling.loads(text, "k", allow_pickle=True) == {"x": 1}
+    tree = ast.parse((PACKAGE / "pickling.py").read_text())
+    calls = sorted({_dotted(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)} & FORBIDDEN_CALLS)
+    assert calls == ["pickle.loads", "torch.load"], calls
+    loads = next(f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "loads")
+    assert isinstance(loads.body[1], ast.If), "loads() checks allow_pickle before anything else"
 
 
 def test_importer_unpickles_only_in_restricted_ways() -> None:

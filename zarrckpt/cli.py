@@ -12,22 +12,17 @@ import argparse
 import fnmatch
 import json
 import math
-import re
 import sys
 from typing import Any
 
 import torch
 
 import zarrckpt
+from zarrckpt.cliargs import CliError, parse_duration, parse_storage_options, parse_target
 from zarrckpt.export import DEFAULT_MAX_SHARD_BYTES, ROLES, export_safetensors
 from zarrckpt.importer import KINDS, import_checkpoint
 
 BLOCK_BYTES = 64 << 20  # tensors larger than this are compared in row blocks
-_INT = re.compile(r"^[+-]?\d+$")
-
-
-class CliError(Exception):
-    """A user error the CLI reports as ``error: ...`` with exit code 3."""
 
 
 def human(n: float) -> str:
@@ -36,49 +31,6 @@ def human(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError  # unreachable
-
-
-def parse_storage_options(items: list[str]) -> dict[str, Any] | None:
-    opts: dict[str, Any] = {}
-    for item in items:
-        name, sep, raw = item.partition("=")
-        if not sep or not name:
-            raise CliError(f"--storage-option expects key=value, got {item!r}")
-        try:
-            opts[name] = json.loads(raw)
-        except ValueError:
-            opts[name] = raw
-    return opts or None
-
-
-def parse_target(text: str) -> tuple[str, str | None, Any]:
-    """``'key[5, :4, ::-1, ...]'`` -> (key, bracket text or None, index) without eval."""
-    at = text.find("[")
-    if at < 0:
-        return text.strip(), None, Ellipsis
-    key, inner = text[:at].strip(), text[at:]
-    if not inner.endswith("]") or inner.count("[") != 1 or inner.count("]") != 1:
-        raise CliError(f"bad slice {inner!r}: expected one [...] at the end of the key")
-    body = inner[1:-1].strip()
-    if not body:
-        return key, inner, ()
-    items: list[Any] = []
-    for part in (p.strip() for p in body.split(",")):
-        if part == "...":
-            items.append(Ellipsis)
-        elif ":" in part:
-            fields = [f.strip() for f in part.split(":")]
-            if len(fields) > 3 or any(f and not _INT.match(f) for f in fields):
-                raise CliError(f"bad slice {inner!r}: cannot parse {part!r} (use start:stop:step of ints)")
-            nums = [int(f) if f else None for f in fields]
-            if len(nums) == 3 and nums[2] == 0:
-                raise CliError(f"bad slice {inner!r}: slice step cannot be zero")
-            items.append(slice(*nums))
-        elif _INT.match(part):
-            items.append(int(part))
-        else:
-            raise CliError(f"bad slice {inner!r}: cannot parse {part!r} (use ints, start:stop:step and ...)")
-    return key, inner, tuple(items)
 
 
 def to_jsonable(t: torch.Tensor) -> Any:
@@ -249,19 +201,6 @@ def cmd_diff(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
         print(f"metadata:  {d['key']}: A {json.dumps(d['a'], default=str)} vs B {json.dumps(d['b'], default=str)}")
     print("checkpoints differ" if differ else f"identical ({len(ka)} tensors, metadata equal)")
     return 1 if differ else 0
-
-
-def parse_duration(text: str) -> float:
-    """``'3600'``, ``'90s'``, ``'30m'``, ``'1h'``, ``'2d'`` -> seconds."""
-    scale = {"s": 1, "m": 60, "h": 3600, "d": 86400}.get(text[-1:].lower(), 0)
-    number = text[:-1] if scale else text
-    try:
-        value = float(number) * (scale or 1)
-    except ValueError:
-        raise CliError(f"bad duration {text!r}: use seconds or a number with s, m, h or d (e.g. 30m)") from None
-    if not math.isfinite(value) or value < 0:
-        raise CliError(f"bad duration {text!r}: it must be a non-negative number")
-    return value
 
 
 def cmd_gc(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:

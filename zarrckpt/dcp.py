@@ -2,8 +2,10 @@
 
 ``dcp.save(sd, storage_writer=ZarrWriter(url))`` and ``dcp.load(sd, storage_reader=ZarrReader(url))``
 write and read exactly what ``zarrckpt.save`` / ``zarrckpt.load`` do. DCP plans (and dedups
-replicas); zarrckpt chooses shard grids, writes shards, and commits. Non-tensor values are
-stored as JSON and handed back without ``torch.load``: no pickle reaches storage.
+replicas); zarrckpt chooses shard grids, writes shards, and commits. Non-tensor items pass
+through the planner's hooks as the ``torch.save`` bytes DCP uses in memory
+(:mod:`zarrckpt.pickling`) and are stored as typed JSON: no pickle reaches storage unless
+``allow_pickle=True``.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from . import commit as protocol
-from . import dtypes, values
+from . import dtypes, pickling, values
 from .dist import Group
 from .errors import SaveLayoutError, ZarrckptError
 from .format import ArrayMeta, Manifest, library_name
@@ -126,7 +128,7 @@ class ZarrWriter(StorageWriter):
             key = item.index.fqn
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
-                objects[key] = _unpack(data, key)
+                objects[key] = pickling.from_planner(data, key)
                 continue
             if not isinstance(data, torch.Tensor) or item.tensor_data is None:
                 raise ZarrckptError(f"{key}: DCP resolved a tensor write item to {type(data).__name__}")
@@ -216,14 +218,6 @@ def _describe(plan: SavePlan) -> dict[str, Any]:
             "topology": {},
         }
     return {"tensors": tensors, "values": {}}
-
-
-def _unpack(data: Any, key: str) -> Any:
-    """The object behind a BYTE_IO item: the planner's ``torch.save`` bytes, made in this process."""
-    if isinstance(data, torch.Tensor) or not hasattr(data, "read"):
-        raise ZarrckptError(f"{key}: DCP resolved a byte item to {type(data).__name__}, not a byte stream")
-    data.seek(0)
-    return torch.load(data, weights_only=False)
 
 
 def _holds_tensors(obj: Any) -> bool:
@@ -333,10 +327,7 @@ class ZarrReader(StorageReader):
                 target.copy_(staging)
             planner.commit_tensor(item, target)
         for item, build in objects:  # handed over as the planner expects them: torch.save bytes
-            stream = io.BytesIO()
-            torch.save(build(), stream)
-            stream.seek(0)
-            planner.load_bytes(item, stream)
+            planner.load_bytes(item, pickling.to_planner(build()))
         return _done(None)
 
     def _object(self, key: str, planner: LoadPlanner, requests: list[Request]) -> Callable[[], Any]:

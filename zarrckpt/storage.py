@@ -147,7 +147,7 @@ class Storage:
             return
         full = self._abs(path)
         if self.local:
-            self._request("writing", path, lambda: self._write_local(full, parts), missing_ok=False)
+            self._request("writing", path, lambda: self._publish_local(full, parts, False), missing_ok=False)
         else:
             data = b"".join(parts)
             self._request("writing", path, lambda: self.fs.pipe_file(full, data), missing_ok=False)
@@ -162,7 +162,7 @@ class Storage:
         """
         full = self._abs(path)
         if self.local:
-            if self._request("creating", path, lambda: self._create_local(full, parts), missing_ok=False):
+            if self._request("creating", path, lambda: self._publish_local(full, parts, True), missing_ok=False):
                 return
             data = b"".join(parts)
         elif self.atomic_create:
@@ -197,8 +197,9 @@ class Storage:
             raise
         return True
 
-    def _create_local(self, full: str, parts: Sequence[Buffer]) -> bool:
-        """Write aside and flush, then hard-link into place: the link fails if the name exists."""
+    def _publish_local(self, full: str, parts: Sequence[Buffer], exclusive: bool) -> bool:
+        """Write aside and flush to disk, then rename into place (never a half-written file) or,
+        ``exclusive``, hard-link into place: False when the name exists."""
         parent = os.path.dirname(full)
         if parent not in self._made:
             os.makedirs(parent, exist_ok=True)
@@ -210,9 +211,11 @@ class Storage:
                     f.write(p)
                 f.flush()
                 os.fsync(f.fileno())
-            os.link(tmp, full)
+            (os.link if exclusive else os.replace)(tmp, full)
             return True
         except FileExistsError:
+            if not exclusive:
+                raise
             return False
         finally:
             with contextlib.suppress(OSError):
@@ -224,25 +227,6 @@ class Storage:
             return self.read(path) == data
         except FileNotFoundError:
             return False
-
-    def _write_local(self, full: str, parts: Sequence[Buffer]) -> None:
-        """Write aside, flush to disk, then rename: never a half-written file."""
-        parent = os.path.dirname(full)
-        if parent not in self._made:
-            os.makedirs(parent, exist_ok=True)
-            self._made.add(parent)
-        tmp = f"{full}.{uuid.uuid4().hex[:12]}.tmp"
-        try:
-            with open(tmp, "wb") as f:
-                for p in parts:
-                    f.write(p)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, full)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
-            raise
 
     @contextlib.contextmanager
     def reading(self, path: str, start: int | None = None, end: int | None = None) -> Iterator[memoryview]:

@@ -16,13 +16,13 @@ import base64
 import datetime as dt
 import io
 import math
-import pickle
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
+from . import pickling
 from .errors import InvalidCheckpointError, UnsupportedValueError
 
 TAG = "__zarrckpt__"
@@ -76,7 +76,7 @@ def encode(value: Any, key: str, allow_pickle: bool = False) -> Any:
         if isinstance(v, dt.timedelta):
             return {TAG: ["timedelta", [v.days, v.seconds, v.microseconds]]}
         if allow_pickle:
-            return {TAG: ["pickle", _b64(pickle.dumps(v))]}
+            return {TAG: ["pickle", pickling.dumps(v)]}
         raise UnsupportedValueError(
             f"{key!r}: a {type(v).__module__}.{type(v).__qualname__} cannot be stored without pickle. Store "
             "tensors, numpy arrays, bytes, or JSON-like values (also tuples, sets, BytesIO, numpy and datetime "
@@ -115,12 +115,7 @@ def decode(doc: Any, like: Any = None, *, key: str = "", allow_pickle: bool = Fa
 
     def _typed(kind: str, p: Any, dec: Any) -> Any:
         if kind == "pickle":
-            if not allow_pickle:
-                raise UnsupportedValueError(
-                    f"{key!r} was saved pickled (allow_pickle=True); loading it runs code from the checkpoint, "
-                    "so it needs load(..., allow_pickle=True) from a checkpoint you trust"
-                )
-            return pickle.loads(base64.b64decode(p))
+            return pickling.loads(p, key, allow_pickle)
         simple: dict[str, Any] = {
             "int": lambda: int(p),
             "float": lambda: _FLOATS[p],
