@@ -47,6 +47,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+from zarrckpt.dtypes import storage_dtype
 from zarrckpt.format import ArrayMeta, Manifest, group_paths
 from zarrckpt.keys import flat_key, iter_leaves
 from zarrckpt.layout import Box, Shape, cell_box
@@ -354,7 +355,11 @@ def save_counts(plan: SavePlan, manifest: bytes) -> SaveCounts:
 
 # -- load: a different layout plans its reads from the manifest ----------------------------------------------
 
-_NOWHERE = np.empty(0, dtype=np.uint8)  # plan_reads never touches a request's destination
+
+def _nowhere(meta: ArrayMeta, box: Box) -> np.ndarray:
+    """A destination of the right dtype and shape that takes no memory (plan_reads never touches it)."""
+    one = np.empty(1, dtype=storage_dtype(meta.dtype))
+    return np.lib.stride_tricks.as_strided(one, shape=box.sizes, strides=(0,) * len(box.sizes))
 
 
 def load_requests(state: dict[str, Any], manifest: Manifest) -> tuple[list[Request], list[str]]:
@@ -367,10 +372,10 @@ def load_requests(state: dict[str, Any], manifest: Manifest) -> tuple[list[Reque
         if meta is None:
             continue
         if meta.kind == "bytes":
-            requests.append(Request(meta, Box.full(meta.shape), _NOWHERE))
+            requests.append(Request(meta, Box.full(meta.shape), _nowhere(meta, Box.full(meta.shape))))
         else:
             _, _, box, _ = tensor_box(value)
-            requests.append(Request(meta, box, _NOWHERE))
+            requests.append(Request(meta, box, _nowhere(meta, box)))
     return requests, sorted(keys)
 
 

@@ -122,22 +122,27 @@ def collect(state_dict: Mapping[str, Any], allow_pickle: bool = False) -> LocalS
     for path, value in iter_leaves(state_dict):
         key = flat_key(path)
         state.paths[key] = path
-        if isinstance(value, BYTES_TYPES):
-            raw = value.getvalue() if isinstance(value, io.BytesIO) else value
-            data = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
-            python_type = "" if isinstance(value, bytes) else type(value).__name__
-            box = Box.full((len(raw),))
-            state.tensors[key] = LocalTensor(key, path, data, (len(raw),), box, "uint8", "bytes", {}, python_type)
-        elif isinstance(value, np.ndarray):
-            data = torch.from_numpy(np.ascontiguousarray(value))
-            state.tensors[key] = LocalTensor(
-                key, path, data, value.shape, Box.full(value.shape), dtypes.zarr_name(data.dtype), "ndarray"
-            )
-        elif isinstance(value, (torch.Tensor, LocalShard)):
-            data, shape, box, topology = tensor_box(value)
-            state.tensors[key] = LocalTensor(
-                key, path, data, shape, box, dtypes.zarr_name(data.dtype), "tensor", topology
-            )
-        else:
-            state.values[key] = encode(value, key, allow_pickle)
+        try:
+            _collect_leaf(state, key, path, value, allow_pickle)
+        except UnsupportedValueError as e:
+            raise e if str(e).startswith(repr(key)) else UnsupportedValueError(f"{key!r}: {e}") from None
     return state
+
+
+def _collect_leaf(state: LocalState, key: str, path: Path, value: Any, allow_pickle: bool) -> None:
+    if isinstance(value, BYTES_TYPES):
+        raw = value.getvalue() if isinstance(value, io.BytesIO) else value
+        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
+        python_type = "" if isinstance(value, bytes) else type(value).__name__
+        box = Box.full((len(raw),))
+        state.tensors[key] = LocalTensor(key, path, data, (len(raw),), box, "uint8", "bytes", {}, python_type)
+    elif isinstance(value, np.ndarray):
+        data = torch.from_numpy(np.ascontiguousarray(value))
+        state.tensors[key] = LocalTensor(
+            key, path, data, value.shape, Box.full(value.shape), dtypes.zarr_name(data.dtype), "ndarray"
+        )
+    elif isinstance(value, (torch.Tensor, LocalShard)):
+        data, shape, box, topology = tensor_box(value)
+        state.tensors[key] = LocalTensor(key, path, data, shape, box, dtypes.zarr_name(data.dtype), "tensor", topology)
+    else:
+        state.values[key] = encode(value, key, allow_pickle)
