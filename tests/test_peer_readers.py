@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -319,4 +321,35 @@ def test_edge_all_zero_tensor_has_every_shard(saved_by_ranks: Path) -> None:
         "1/0": _expected_shard_bytes(meta, 3),
         "2/0": _expected_shard_bytes(meta, 3),
         "3/0": _expected_shard_bytes(meta, 1),
+    }
+
+
+def test_zarr_opens_the_root_group_whatever_the_key_order(tmp_path: Path) -> None:
+    """zarr-python groups the consolidated metadata's keys with itertools.groupby: unsorted keys (groups
+    first, then arrays) made `a/w`, `a/g/w`, `b/g/w` or `model.pos_embed` beside `model.layers.*` and
+    `optim.*` interleave, and open_group failed with GroupNotFoundError. Read in a process without zarrckpt."""
+    url = str(tmp_path / "ck")
+    state = {
+        "a": {"w": torch.ones(2), "g": {"w": torch.full((2,), 2.0)}},
+        "b": {"g": {"w": torch.full((3,), 3.0)}},
+        "model": {"pos_embed": torch.arange(4.0), "layers": {"0": {"w": torch.ones(2, 2)}}},
+        "optim": {"state": {"model.pos_embed": {"exp_avg": torch.full((4,), 0.5)}}},
+    }
+    zarrckpt.save(state, url)
+    code = (
+        "import json, sys, zarr\n"
+        f"g = zarr.open_group({url!r}, mode='r', zarr_format=3)\n"
+        "print(json.dumps({p: a[...].tolist() for p, a in sorted(g.members(max_depth=None)) if hasattr(a, 'dtype')}))\n"
+        "assert 'zarrckpt' not in sys.modules\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout)
+    assert got == {
+        "a/g/w": [2.0, 2.0],
+        "a/w": [1.0, 1.0],
+        "b/g/w": [3.0, 3.0, 3.0],
+        "model/layers/0/w": [[1.0, 1.0], [1.0, 1.0]],
+        "model/pos_embed": [0.0, 1.0, 2.0, 3.0],
+        "optim/state/model/pos_embed/exp_avg": [0.5] * 4,
     }

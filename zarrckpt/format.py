@@ -236,6 +236,7 @@ class Manifest:
         arrays = list(self.arrays.values())
         nodes: dict[str, Any] = {p: group_json() for p in group_paths(arrays)}
         nodes.update({a.path: a.to_json() for a in arrays})
+        nodes = dict(sorted(nodes.items()))  # zarr-python rebuilds the tree by grouping sorted keys
         return {
             "zarr_format": 3,
             "node_type": "group",
