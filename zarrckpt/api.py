@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping, Sequence, Set
 from functools import partial
 from typing import Any
 
@@ -88,6 +89,7 @@ def load(
     storage_options: dict[str, Any] | None = None,
     process_group: Any = None,
     strict: bool = True,
+    keys: Sequence[str] | None = None,
     cast: bool = False,
     allow_pickle: bool = False,
 ) -> None:
@@ -95,10 +97,19 @@ def load(
 
     Tensors (plain or DTensor local shards, any sharding) are filled in place, reading only the
     chunks they need; non-tensor values are replaced, restored to their saved Python type.
-    Shape or kind differences always raise ``LayoutMismatchError``; key-set differences raise
-    unless ``strict=False``, which loads the keys both sides have and logs the rest.
+    Shape or kind differences always raise ``LayoutMismatchError``.
+
+    Which keys must match: the target may leave out whole top-level subtrees of the checkpoint
+    (``{"model": ...}`` from a checkpoint of ``model``, ``optim`` and ``trainer``: they are
+    skipped, logged at INFO); inside every top-level subtree the target holds, and for top-level
+    leaves, key sets must match exactly, so a model with fewer layers or experts is refused as a
+    model conversion. A target entry that is an empty dict where the checkpoint holds tensors (a
+    fresh optimizer's ``state``) is always an error: it would load nothing.
 
     Args:
+        strict: ``False`` loads the keys both sides have and logs the rest.
+        keys: fnmatch patterns (``["model.*"]``): only the target's and the checkpoint's keys
+            matching one of them take part; the rest of the target is left untouched.
         cast: a tensor of another dtype than the saved one receives the saved values converted
             as ``target.copy_(saved)`` would (read in the stored dtype, then converted). Without
             it a dtype difference is a ``LayoutMismatchError``.
@@ -111,14 +122,22 @@ def load(
     manifest = group.run_together(lambda: protocol.read_manifest(storage), "opening the checkpoint")
     start = time.perf_counter()
     leaves = {flat_key(path): (path, value) for path, value in iter_leaves(state_dict)}
+    if keys is not None:
+        leaves = {k: leaf for k, leaf in leaves.items() if _selected(k, keys)}
     saved = manifest.arrays.keys() | manifest.values.keys()
     subtrees = _value_subtrees(leaves, manifest)
     mismatches = [d for key, (_, v) in leaves.items() if key in saved for d in _compare(key, v, manifest, cast)]
-    requested = sorted((leaves.keys() - subtrees.keys()) | {k for keys in subtrees.values() for k in keys})
-    views = group.all_gather_json({"keys": requested, "mismatches": mismatches})
+    empty = _empty_targets(leaves, manifest)
+    requested = sorted((leaves.keys() - subtrees.keys()) | {k for ks in subtrees.values() for k in ks})
+    views = group.all_gather_json({"keys": requested, "mismatches": mismatches + list(empty.values())})
     mismatches = sorted({m for v in views for m in v["mismatches"]})
     wanted = {k for v in views for k in v["keys"]}
-    missing, unexpected = sorted(wanted - saved), sorted(saved - wanted)
+    considered = _considered(saved, wanted, keys)
+    missing, unexpected = sorted(wanted - saved - empty.keys()), sorted(considered - wanted)
+    unexpected = [k for k in unexpected if not k.startswith(tuple(e + "." for e in empty))]  # said once, above
+    if (skipped := saved - considered) and group.rank == 0:
+        tops = sorted({k.split(".")[0] for k in skipped})
+        log.info("not loading %d saved keys the target does not ask for (under %s)", len(skipped), ", ".join(tops))
     if mismatches or (strict and (missing or unexpected)):
         diffs = mismatches + [f"{k}: expected, not in the checkpoint" for k in missing]
         diffs += [f"{k}: in the checkpoint, not expected" for k in unexpected] if strict else []
@@ -154,6 +173,35 @@ def load(
     for key, value in (plain | nested).items():
         set_leaf(state_dict, leaves[key][0], value)
     log.info("loaded %s: this rank read %.1f MB in %.2fs", storage.url, nbytes / 1e6, time.perf_counter() - start)
+
+
+def _selected(key: str, patterns: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatchcase(key, p) for p in patterns)
+
+
+def _considered(saved: Set[str], wanted: Set[str], patterns: Sequence[str] | None) -> set[str]:
+    """The saved keys a load must account for: those matching ``patterns``; without patterns,
+    all but the top-level subtrees (``model``, ``optim``, ...) the target has no key in."""
+    if patterns is not None:
+        return {k for k in saved if _selected(k, patterns)}
+    tops = {k.split(".")[0] for k in wanted}
+    return {k for k in saved if "." not in k or k.split(".")[0] in tops}
+
+
+def _empty_targets(leaves: dict[str, Any], manifest: Manifest) -> dict[str, str]:
+    """Target entries that are empty dicts where the checkpoint holds tensors (they would load nothing): key -> why."""
+    out = {}
+    for key, (_, value) in leaves.items():
+        if isinstance(value, Mapping) and not value and key not in manifest.arrays:
+            under = sorted(k for k in manifest.arrays if k.startswith(key + "."))
+            if under:
+                out[key] = (
+                    f"{key}: the target is an empty dict, the checkpoint holds {len(under)} tensors under it "
+                    f"({', '.join(under[:2])}{', ...' if len(under) > 2 else ''}); build a target that holds them: "
+                    "for an optimizer, torch.distributed.checkpoint.state_dict.get_state_dict(model, optim) "
+                    "gives one with its state initialised (a fresh optimizer's state_dict() has none)"
+                )
+    return out
 
 
 def _value_subtrees(leaves: dict[str, Any], manifest: Manifest) -> dict[str, list[str]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -81,6 +82,7 @@ def _build(descriptions: Sequence[dict[str, Any]], chunk_bytes: int) -> SavePlan
         for key, v in desc["values"].items():
             _hold(values, key, rank, v)
 
+    _drop_empty_prefixes(values, tensors.keys() | values.keys())
     validate_keys(sorted(tensors.keys() | values.keys()))
     for key in sorted(tensors.keys() & values.keys()):
         problems.append(f"{key}: a tensor on ranks {tensors[key][0]} but a plain value on ranks {values[key][0]}")
@@ -155,6 +157,19 @@ def _grid(ranks: list[int], specs: list[dict[str, Any]], world_size: int, chunk_
     chunk = inner_chunk_shape(shard, itemsize, chunk_bytes)
     replicated = len({c.box for c in claims}) < len(claims)
     return _Grid(shape, shard, chunk, owner_of_cells(shape, shard, claims), topology, replicated)
+
+
+def _drop_empty_prefixes(values: dict[str, tuple[list[int], list[Any]]], keys: set[str]) -> None:
+    """An empty dict on some ranks where others hold keys under it (a full state dict kept by rank 0
+    only, ``{}`` elsewhere) contributes nothing."""
+    empty = [k for k, (_, copies) in values.items() if all(c == {} for c in copies)]
+    if not empty:
+        return
+    ordered = sorted(keys)
+    for key in empty:
+        at = bisect.bisect_right(ordered, key + ".")
+        if (at < len(ordered) and ordered[at].startswith(key + ".")) or (key + ".") in keys:
+            del values[key]
 
 
 def _hold(held: dict[str, tuple[list[int], list[Any]]], key: str, rank: int, item: Any) -> None:
