@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from . import commit as protocol
-from . import dtypes, replicas, values
+from . import dtypes, replicas, stateful, values
 from .dist import Group
 from .errors import LayoutMismatchError, ZarrckptError
 from .format import ArrayMeta, Manifest, library_name
@@ -64,7 +64,8 @@ def save(
     """
     group = Group(process_group)
     start = time.perf_counter()
-    local = group.run_together(lambda: collect(state_dict, allow_pickle), "collecting the state dict")
+    resolved, _ = stateful.resolve(state_dict)
+    local = group.run_together(lambda: collect(resolved, allow_pickle), "collecting the state dict")
     plan = build_save_plan(group.all_gather_json(local.describe()), chunk_bytes)
     if check_replicas:
         replicas.check(group, plan, local)
@@ -120,6 +121,7 @@ def load(
     group = Group(process_group)
     storage = Storage(url, storage_options)
     manifest = group.run_together(lambda: protocol.read_manifest(storage), "opening the checkpoint")
+    state_dict, after_load = stateful.resolve(state_dict)
     start = time.perf_counter()
     leaves = {flat_key(path): (path, value) for path, value in iter_leaves(state_dict)}
     if keys is not None:
@@ -172,6 +174,7 @@ def load(
         fn()
     for key, value in (plain | nested).items():
         set_leaf(state_dict, leaves[key][0], value)
+    after_load()
     log.info("loaded %s: this rank read %.1f MB in %.2fs", storage.url, nbytes / 1e6, time.perf_counter() - start)
 
 

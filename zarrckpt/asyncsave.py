@@ -27,7 +27,7 @@ import torch
 import torch.distributed as torch_dist
 
 from . import commit as protocol
-from . import replicas
+from . import replicas, stateful
 from .dist import Group
 from .errors import ZarrckptError
 from .format import Manifest, library_name
@@ -73,7 +73,8 @@ def async_save(
         if _last is not None:
             wait_for([_last])
         group = Group(process_group)
-        local = group.run_together(lambda: collect(state_dict, allow_pickle), "collecting the state dict")
+        resolved, _ = stateful.resolve(state_dict)
+        local = group.run_together(lambda: collect(resolved, allow_pickle), "collecting the state dict")
         plan = build_save_plan(group.all_gather_json(local.describe()), chunk_bytes)
         if check_replicas:
             replicas.check(group, plan, local)
