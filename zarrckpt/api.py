@@ -159,7 +159,7 @@ def load(
             return values.decode(manifest.values[key], like, key=key, allow_pickle=allow_pickle)
 
         plain = {key: dec(key, leaves[key][1]) for key in manifest.values if key in leaves}
-        nested = {key: nest({k[len(key) + 1 :]: dec(k) for k in keys}) for key, keys in subtrees.items()}
+        nested = {key: nest({k[len(key) + 1 :]: dec(k) for k in under}) for key, under in subtrees.items()}
         return plain, nested
 
     plain, nested = group.run_together(decode_values, "decoding the saved values")
