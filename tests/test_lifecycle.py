@@ -362,3 +362,21 @@ def _replicas(rank: int, world: int, url: str) -> None:
 
 def test_replicas_of_any_size_are_compared(tmp_path: Path) -> None:
     run_ranks(2, _replicas, str(tmp_path / "ck"))
+
+
+def test_array_metadata_is_written_after_every_shard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A generic Zarr reader of a half-written save must not find an array whose chunks are missing
+    (it would read Zarr's fill value, zeros): every zarr.json document comes after every shard."""
+    order: list[str] = []
+    real = Storage.create
+
+    def recording(self: Storage, path: str, parts: Any) -> None:  # every object a save writes is created
+        real(self, path, parts)
+        order.append(path)  # in the order they became visible
+
+    monkeypatch.setattr(Storage, "create", recording)
+    state = {f"w{i}": torch.randn(256, 256) for i in range(24)}  # more shards than write threads
+    zarrckpt.save(state, str(tmp_path / "ck"), chunk_bytes=4096)
+    docs = [i for i, p in enumerate(order) if p.endswith("zarr.json") and p != "zarr.json"]
+    shards = [i for i, p in enumerate(order) if "/c/" in p]
+    assert docs and shards and max(shards) < min(docs) and order[-1] == "zarr.json", order

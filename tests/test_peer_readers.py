@@ -24,7 +24,7 @@ from zarrckpt.keys import nest
 from zarrckpt.localstate import collect
 from zarrckpt.plan import build_save_plan
 from zarrckpt.storage import Storage
-from zarrckpt.writer import write_rank
+from zarrckpt.writer import write_metadata, write_rank
 
 zarr = pytest.importorskip("zarr")
 ts = pytest.importorskip("tensorstore")
@@ -244,6 +244,8 @@ def _save_as_ranks(states: list[dict[str, Any]], url: Path, chunk_bytes: int) ->
     save_id = protocol.prepare(storage, overwrite=False)
     for rank, loc in enumerate(local):
         write_rank(storage, plan, loc, rank)
+    for rank in range(len(local)):
+        write_metadata(storage, plan.metadata_of(rank))
     protocol.commit(storage, Manifest(save_id, plan.arrays, plan.values, plan.world_size, protocol.now(), "test"))
 
 
@@ -353,3 +355,24 @@ def test_zarr_opens_the_root_group_whatever_the_key_order(tmp_path: Path) -> Non
         "model/pos_embed": [0.0, 1.0, 2.0, 3.0],
         "optim/state/model/pos_embed/exp_avg": [0.5] * 4,
     }
+
+
+def test_unknown_fields_are_refused_unless_they_need_not_be_understood(tmp_path: Path) -> None:
+    """Zarr v3 core spec: a reader must fail on an unknown top-level field unless it says must_understand: false."""
+    url = tmp_path / "ck"
+    zarrckpt.save({"w": torch.ones(3)}, str(url))
+    manifest = url / "zarr.json"
+    doc = json.loads(manifest.read_text())
+    doc["an_extension"] = {"must_understand": False, "anything": 1}
+    doc["consolidated_metadata"]["metadata"]["w"]["another"] = {"must_understand": False}
+    manifest.write_text(json.dumps(doc))
+    target = {"w": torch.zeros(3)}
+    zarrckpt.load(target, str(url))
+    assert torch.equal(target["w"], torch.ones(3))
+    for where in ("root", "array"):
+        bad = json.loads(json.dumps(doc))
+        node = bad if where == "root" else bad["consolidated_metadata"]["metadata"]["w"]
+        node["strange"] = {"must_understand": True}
+        manifest.write_text(json.dumps(bad))
+        with pytest.raises(zarrckpt.InvalidCheckpointError, match="unknown field 'strange'"):
+            zarrckpt.open(str(url))

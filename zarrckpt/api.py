@@ -24,7 +24,7 @@ from .localstate import BYTES_TYPES, LocalShard, collect, tensor_box
 from .plan import DEFAULT_CHUNK_BYTES, build_save_plan
 from .reader import Request, allocate, read_regions
 from .storage import Storage
-from .writer import write_rank
+from .writer import write_metadata, write_rank
 
 log = logging.getLogger("zarrckpt")
 URL = str | os.PathLike[str]
@@ -72,6 +72,7 @@ def save(
     storage = Storage(url, storage_options)
     save_id = group.run_together(lambda: protocol.prepare(storage, overwrite) if group.rank == 0 else "", "preparing")
     nbytes = group.run_together(lambda: write_rank(storage, plan, local, group.rank), "writing shards")
+    group.run_together(lambda: write_metadata(storage, plan.metadata_of(group.rank)), "writing metadata")
     manifest = Manifest(save_id, plan.arrays, plan.values, plan.world_size, protocol.now(), library_name())
     group.run_together(lambda: protocol.commit(storage, manifest) if group.rank == 0 else None, "committing")
     log.info(

@@ -34,7 +34,7 @@ from .format import Manifest, library_name
 from .localstate import LocalState, LocalTensor, collect
 from .plan import DEFAULT_CHUNK_BYTES, SavePlan, build_save_plan
 from .storage import Storage
-from .writer import write_rank
+from .writer import write_metadata, write_rank
 
 log = logging.getLogger("zarrckpt")
 _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zarrckpt-async")
@@ -157,6 +157,8 @@ class _Job:
         try:
             save_id = self.group.run_together(self._prepare, "preparing")
             self.group.run_together(self._write_all, "writing shards")
+            docs = self.plan.metadata_of(self.group.rank)
+            self.group.run_together(lambda: write_metadata(self.storage, docs), "writing metadata")
             manifest = Manifest(
                 save_id, self.plan.arrays, self.plan.values, self.plan.world_size, protocol.now(), library_name()
             )
@@ -185,12 +187,11 @@ class _Job:
                 if self.stage_failed:
                     raise ZarrckptError("copying the state to host memory failed on this rank; nothing was committed")
                 break
-            write_rank(self.storage, self.plan, LocalState({tensor.key: tensor}, {}, {}), rank, {tensor.key}, False)
+            write_rank(self.storage, self.plan, LocalState({tensor.key: tensor}, {}, {}), rank, {tensor.key})
             _recycle(tensor.data)
             with self.cond:
                 self.in_flight -= tensor.data.nbytes
                 self.cond.notify_all()
-        write_rank(self.storage, self.plan, LocalState({}, {}, {}), rank, set(), True)
 
 
 def release_staging() -> None:

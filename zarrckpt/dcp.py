@@ -47,10 +47,10 @@ from .format import ArrayMeta, Manifest, library_name
 from .keys import iter_leaves, nest, validate_keys
 from .layout import Box, Shape, cell_box, grid_shape
 from .localstate import BYTES_TYPES, LocalState, LocalTensor, collect
-from .plan import DEFAULT_CHUNK_BYTES, build_save_plan
+from .plan import DEFAULT_CHUNK_BYTES, build_save_plan, metadata_docs
 from .reader import Request, allocate, read_regions
 from .storage import Storage
-from .writer import write_rank
+from .writer import write_metadata, write_rank
 
 URL = str | os.PathLike[str]
 
@@ -157,7 +157,7 @@ class ZarrWriter(StorageWriter):
                 values_[key] = values.encode(obj, key, self.allow_pickle)
         extra = collect(flat, self.allow_pickle)
         own = build_save_plan([extra.describe()], self.chunk_bytes)
-        write_rank(self.storage, own, extra, 0)
+        write_rank(self.storage, own, extra, 0)  # the zarr.json documents come in finish()
         results = []
         for key in objects:
             if key in own.arrays:
@@ -189,6 +189,7 @@ class ZarrWriter(StorageWriter):
         dcp: dict[str, Any] = {"objects": sorted(objects)} if objects else {}
         if metadata.planner_data is not None:
             dcp["planner_data"] = values.encode(metadata.planner_data, "Metadata.planner_data", self.allow_pickle)
+        write_metadata(self.storage, metadata_docs(list(arrays.values())))  # after every rank's shards
         manifest = Manifest(
             self._save_id,
             dict(sorted(arrays.items())),

@@ -105,6 +105,7 @@ class ArrayMeta:
             return InvalidCheckpointError(f"array metadata {path!r} in {where} is invalid: {why}")
 
         attrs = "attributes.zarrckpt."
+        _check_extensions(doc, ARRAY_FIELDS, bad)
         _check_version(doc, attrs + "format_version", bad)
         key = _get(doc, attrs + "key", str, bad)
         try:
@@ -193,6 +194,23 @@ def _check_version(doc: Any, path: str, bad: Bad) -> None:
         raise bad(f"field {path!r}: format version {version} does not exist")
 
 
+ARRAY_FIELDS = frozenset(
+    {"zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding", "fill_value", "codecs"}
+    | {"attributes", "storage_transformers", "dimension_names"}
+)
+GROUP_FIELDS = frozenset({"zarr_format", "node_type", "attributes", "consolidated_metadata"})
+
+
+def _check_extensions(doc: Any, known: frozenset[str], bad: Bad) -> None:
+    """Zarr v3: an unknown top-level field may be ignored only when it says ``"must_understand": false``."""
+    if not isinstance(doc, dict):
+        return
+    for name in sorted(doc.keys() - known):
+        value = doc[name]
+        if not (isinstance(value, dict) and value.get("must_understand") is False):
+            raise bad(f'unknown field {_short(name)} without "must_understand": false (a Zarr extension it needs)')
+
+
 def _finite(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
@@ -273,6 +291,7 @@ class Manifest:
         if not isinstance(doc.get("attributes"), dict) or not isinstance(doc["attributes"].get("zarrckpt"), dict):
             raise bad("it is a Zarr group but not a zarrckpt checkpoint (no 'zarrckpt' attribute)")
         info = "attributes.zarrckpt."
+        _check_extensions(doc, GROUP_FIELDS, bad)
         _check_version(doc, info + "format_version", bad)
         save_id = _get(doc, info + "save_id", str, bad)
         world = _get(doc, info + "world_size", int, bad)

@@ -31,13 +31,16 @@ class SavePlan:
 
     def metadata_of(self, rank: int) -> list[tuple[str, bytes]]:
         """The ``zarr.json`` documents (groups, then arrays) ``rank`` writes: spread round-robin."""
-        arrays = list(self.arrays.values())
-        groups = group_paths(arrays)
-        nodes = [(p, None) for p in groups] + [(a.path, a) for a in arrays]
-        return [
-            (f"{path}/zarr.json", json.dumps(group_json() if a is None else a.to_json(), allow_nan=False).encode())
-            for path, a in nodes[rank :: self.world_size]
-        ]
+        return metadata_docs(list(self.arrays.values()), rank, self.world_size)
+
+
+def metadata_docs(arrays: list[ArrayMeta], rank: int = 0, world_size: int = 1) -> list[tuple[str, bytes]]:
+    """Rank ``rank``'s round-robin share of the group and array ``zarr.json`` documents of ``arrays``."""
+    nodes = [(p, None) for p in group_paths(arrays)] + [(a.path, a) for a in arrays]
+    return [
+        (f"{path}/zarr.json", json.dumps(group_json() if a is None else a.to_json(), allow_nan=False).encode())
+        for path, a in nodes[rank::world_size]
+    ]
 
 
 @dataclass(frozen=True)

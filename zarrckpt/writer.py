@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection
-from functools import partial
+from collections.abc import Collection
 from typing import Any
 
 from . import dtypes
@@ -21,17 +20,12 @@ log = logging.getLogger("zarrckpt")
 
 
 def write_rank(
-    storage: Storage,
-    plan: SavePlan,
-    local: LocalState,
-    rank: int,
-    keys: Collection[str] | None = None,
-    metadata: bool = True,
+    storage: Storage, plan: SavePlan, local: LocalState, rank: int, keys: Collection[str] | None = None
 ) -> int:
-    """Write the shards ``rank`` owns (of ``keys`` only, when given) and, with ``metadata``, its
-    share of the ``zarr.json`` documents.
+    """Write the shards ``rank`` owns (of ``keys`` only, when given); returns the bytes written.
 
-    Returns the number of bytes written. Objects are written concurrently.
+    Objects are written concurrently, create-only. The ``zarr.json`` documents come later
+    (:func:`write_metadata`), once every rank's shards exist.
     """
     start = time.perf_counter()
     host: dict[str, Any] = {}  # key -> numpy view of the local part, on the host
@@ -40,29 +34,30 @@ def write_rank(
         if meta.key not in host:
             host[meta.key] = dtypes.as_numpy(local.tensors[meta.key].data.detach().cpu())
 
-    def put(path: str, parts: list[bytes] | list[Any]) -> int:
-        """Create one object; another writer's object already there means this save lost a race."""
-        try:
-            storage.write(path, parts, create_only=storage.atomic_create)
-        except FileExistsError:
-            raise CheckpointExistsError(
-                f"another save is writing to {storage.url!r}: {path} was created by another writer; "
-                "this save is abandoned uncommitted"
-            ) from None
-        return sum(len(p) for p in parts)
-
     def write_shard(job: tuple[ArrayMeta, Shape]) -> int:
         meta, idx = job
         cell = cell_box(idx, meta.shard_shape, meta.shape)
         data = host[meta.key][cell.relative_to(local.tensors[meta.key].box.offsets).slices()]
-        return put(meta.shard_path(idx), encode_shard(data, meta.shard_shape, meta.chunk_shape))
+        return _put(storage, meta.shard_path(idx), encode_shard(data, meta.shard_shape, meta.chunk_shape))
 
-    def write_doc(job: tuple[str, bytes]) -> int:
-        return put(job[0], [job[1]])
-
-    docs = plan.metadata_of(rank) if metadata else []
-    jobs: list[Callable[[], int]] = [partial(write_shard, j) for j in shards]
-    jobs += [partial(write_doc, d) for d in docs]
-    written = sum(storage.run_all(lambda job: job(), jobs, writing=True))
-    log.info("rank %d wrote %d objects, %.1f MB in %.2fs", rank, len(jobs), written / 1e6, time.perf_counter() - start)
+    written = sum(storage.run_all(write_shard, shards, writing=True))
+    log.info("rank %d wrote %d shards, %.1f MB in %.2fs", rank, len(shards), written / 1e6, time.perf_counter() - start)
     return written
+
+
+def write_metadata(storage: Storage, docs: list[tuple[str, bytes]]) -> int:
+    """Write group and array ``zarr.json`` documents (``plan.metadata_docs``): after every rank's
+    shards, so a generic Zarr reader never finds an array whose chunks are still missing."""
+    return sum(storage.run_all(lambda doc: _put(storage, doc[0], [doc[1]]), docs, writing=True))
+
+
+def _put(storage: Storage, path: str, parts: list[bytes] | list[Any]) -> int:
+    """Create one object; another writer's object already there means this save lost a race."""
+    try:
+        storage.write(path, parts, create_only=storage.atomic_create)
+    except FileExistsError:
+        raise CheckpointExistsError(
+            f"another save is writing to {storage.url!r}: {path} was created by another writer; "
+            "this save is abandoned uncommitted"
+        ) from None
+    return sum(len(p) for p in parts)
