@@ -45,7 +45,7 @@ def delete(url: URL, *, storage_options: dict[str, Any] | None = None) -> None:
 def list_checkpoints(root_url: URL, *, storage_options: dict[str, Any] | None = None) -> dict[str, str]:
     """The checkpoints directly under ``root_url``: name -> ``"committed"``, ``"incomplete"``
     (a save is writing it, or died) or ``"deleting"`` (a deletion is removing it, or died)."""
-    return {entry.name: entry.state for entry in _entries(Storage(root_url, storage_options))}
+    return {entry.name: entry.state for entry in scan(root_url, storage_options=storage_options)}
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,18 @@ class Entry:
     age_seconds: float | None  # since its pending / deleting marker was written (None: committed or unknown)
     objects: int = 0
     nbytes: int = 0
+
+
+def scan(root_url: URL, *, storage_options: dict[str, Any] | None = None) -> list[Entry]:
+    """Every checkpoint directly under ``root_url``, with its state and (leftovers) age; no sizes."""
+    return _entries(Storage(root_url, storage_options))
+
+
+def is_leftover(entry: Entry, grace_seconds: float) -> bool:
+    """What :func:`collect_garbage` removes: an interrupted deletion, or an incomplete checkpoint
+    whose save started at least ``grace_seconds`` ago."""
+    old = entry.age_seconds is not None and entry.age_seconds >= grace_seconds
+    return entry.state == protocol.DELETING_STATE or (entry.state == protocol.INCOMPLETE and old)
 
 
 def _entries(root: Storage) -> list[Entry]:
@@ -94,8 +106,7 @@ def collect_garbage(
     root = Storage(root_url, storage_options)
     doomed = []
     for entry in _entries(root):
-        old = entry.age_seconds is not None and entry.age_seconds >= grace_seconds
-        if entry.state == protocol.DELETING_STATE or (entry.state == protocol.INCOMPLETE and old):
+        if is_leftover(entry, grace_seconds):
             child = root.child(entry.name)
             objects, nbytes = child.usage()
             doomed.append(Entry(entry.name, entry.url, entry.state, entry.age_seconds, objects, nbytes))

@@ -21,7 +21,7 @@ from .api import load, save
 from .asyncsave import async_save
 from .dist import Group
 from .errors import CheckpointSaveError, ZarrckptError
-from .lifecycle import DEFAULT_GRACE_SECONDS, collect_garbage, delete, list_checkpoints
+from .lifecycle import DEFAULT_GRACE_SECONDS, delete, is_leftover, list_checkpoints, scan
 
 log = logging.getLogger("zarrckpt")
 _STEP = re.compile(r"^step_(\d{10})$")
@@ -153,20 +153,16 @@ class CheckpointManager:
         """
         if self.rank != 0:
             return []
-        found = list_checkpoints(self.root, storage_options=self.storage_options)
-        committed = [int(m.group(1)) for n, s in found.items() if s == "committed" and (m := _STEP.match(n))]
-        newest = max(committed, default=-1)
-        old = {
-            e.name
-            for e in collect_garbage(
-                self.root, grace_seconds=self.grace_seconds, dry_run=True, storage_options=self.storage_options
-            )
-        }
+        found = [
+            (e, int(m.group(1)))
+            for e in scan(self.root, storage_options=self.storage_options)
+            if (m := _STEP.match(e.name))
+        ]
+        newest = max((step for e, step in found if e.state == "committed"), default=-1)
         stale = [
-            int(m.group(1))
-            for n, s in found.items()
-            if (m := _STEP.match(n))
-            and (n in old or (s == "incomplete" and (all_incomplete or int(m.group(1)) < newest)))
+            step
+            for e, step in found
+            if is_leftover(e, self.grace_seconds) or (e.state == "incomplete" and (all_incomplete or step < newest))
         ]
         self._delete(sorted(stale))
         return sorted(stale)
