@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import zarrckpt
-from zarrckpt.errors import CorruptChunkError, InvalidCheckpointError, ZarrckptError
+from zarrckpt.errors import CorruptChunkError, InvalidCheckpointError, ModifiedCheckpointError, ZarrckptError
 from zarrckpt.format import MAX_RANK, ArrayMeta, Manifest
 from zarrckpt.storage import Storage
 
@@ -481,17 +481,28 @@ MISMATCHES: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
 _TARGET_DTYPES = {"float64": torch.float64, "int16": torch.int16, "uint8": torch.uint8}
 
 
+def _strip_commit_record(doc: dict[str, Any]) -> None:
+    """Make ``doc`` a manifest as written before commit records existed (no integrity, no digest)."""
+    del _info(doc)["integrity"], _info(doc)["attributes_crc32c"]
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["with-commit-record", "without-commit-record"])
 @pytest.mark.parametrize("name", MISMATCHES)
-def test_metadata_disagrees_with_shards(name: str, url: str) -> None:
+def test_metadata_disagrees_with_shards(name: str, recorded: bool, url: str) -> None:
+    """The commit record catches the edit first; without one (older checkpoints, or the record
+    edited away too) the shard objects still tell."""
     _save(url)
     doc = _manifest(url)
     mutate, match = MISMATCHES[name]
     mutate(doc)
+    if not recorded:
+        _strip_commit_record(doc)
     _put_manifest(url, doc)
-    metas = _parse(doc).arrays  # consistent in itself: only the objects can tell
+    metas = _parse(doc).arrays  # consistent in itself: only the record or the objects can tell
     zeros = {k: torch.zeros(m.shape, dtype=_TARGET_DTYPES.get(m.dtype, torch.float32)) for k, m in metas.items()}
     target = {"model": {"w": zeros["model.w"]}, "v": zeros["v"], "blob": b"", "step": 0}
-    with pytest.raises(CorruptChunkError, match=match):
+    error = ModifiedCheckpointError if recorded else CorruptChunkError
+    with pytest.raises(error, match="was committed as|not what was committed" if recorded else match):
         zarrckpt.load(target, url)
 
 
@@ -577,7 +588,9 @@ def test_no_code_executed(tmp_path: Path, audit: list[Any]) -> None:
         "cfg": {},
         "np": np.zeros(len(payload), np.uint8),
     }
-    zarrckpt.load(got, url)
+    with pytest.raises(ModifiedCheckpointError, match="attributes"):  # the edit is caught ...
+        zarrckpt.load(got, url)
+    zarrckpt.load(got, url, allow_modified=True)  # ... and read as it is now, still without running code
     assert not pwned.exists()
     assert not [e for e, _ in audit if e != "open"], audit  # no unpickling, no process started
     assert got["blob"] == payload and got["torch_blob"] == torch_payload.read_bytes()

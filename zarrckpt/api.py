@@ -14,17 +14,17 @@ import numpy as np
 import torch
 
 from . import commit as protocol
-from . import dtypes, replicas, stateful, values
+from . import dtypes, integrity, replicas, stateful, values
 from .dist import Group
 from .errors import LayoutMismatchError, ZarrckptError
-from .format import ArrayMeta, Manifest, library_name
+from .format import ArrayMeta, Manifest
 from .keys import Path, flat_key, iter_leaves, nest, set_leaf
 from .layout import Box
 from .localstate import BYTES_TYPES, LocalShard, collect, tensor_box
 from .plan import DEFAULT_CHUNK_BYTES, build_save_plan
 from .reader import Request, allocate, read_regions
 from .storage import Storage
-from .writer import write_metadata, write_rank
+from .writer import commit_save, write_rank
 
 log = logging.getLogger("zarrckpt")
 URL = str | os.PathLike[str]
@@ -71,10 +71,9 @@ def save(
         replicas.check(group, plan, local)
     storage = Storage(url, storage_options)
     save_id = group.run_together(lambda: protocol.prepare(storage, overwrite) if group.rank == 0 else "", "preparing")
-    nbytes = group.run_together(lambda: write_rank(storage, plan, local, group.rank), "writing shards")
-    group.run_together(lambda: write_metadata(storage, plan.metadata_of(group.rank)), "writing metadata")
-    manifest = Manifest(save_id, plan.arrays, plan.values, plan.world_size, protocol.now(), library_name())
-    group.run_together(lambda: protocol.commit(storage, manifest) if group.rank == 0 else None, "committing")
+    written: integrity.Written = {}
+    nbytes = group.run_together(lambda: write_rank(storage, plan, local, group.rank, None, written), "writing shards")
+    commit_save(storage, group, plan, save_id, written)
     log.info(
         "saved %s: %d tensors, this rank wrote %.1f MB in %.2fs",
         storage.url,
@@ -94,6 +93,7 @@ def load(
     keys: Sequence[str] | None = None,
     cast: bool = False,
     allow_pickle: bool = False,
+    allow_modified: bool = False,
 ) -> None:
     """Load the checkpoint at ``url`` into ``state_dict`` in place; every rank calls it.
 
@@ -118,10 +118,21 @@ def load(
         allow_pickle: load values that were saved with ``save(..., allow_pickle=True)``. This runs
             code from the checkpoint: only for checkpoints you trust. Without it such a value
             raises ``UnsupportedValueError`` before anything is loaded.
+        allow_modified: load a checkpoint that another tool changed after it was committed, as it
+            is now (chunks in any valid shard layout, each chunk's crc32c still checked). Without
+            it, loading a tensor or value that changed raises ``ModifiedCheckpointError``
+            before anything is loaded.
+
+    Raises:
+        LayoutMismatchError: the target does not match the checkpoint (keys, shapes, dtypes).
+        CorruptChunkError: a shard object is missing, truncated or fails a checksum.
+        ModifiedCheckpointError: chunks or metadata to load differ from what was committed.
+        IncompleteCheckpointError: nothing was committed at ``url``, or it was overwritten meanwhile.
     """
     group = Group(process_group)
     storage = Storage(url, storage_options)
     manifest = group.run_together(lambda: protocol.read_manifest(storage), "opening the checkpoint")
+    manifest = manifest.as_is() if allow_modified else manifest
     state_dict, after_load = stateful.resolve(state_dict)
     start = time.perf_counter()
     leaves = {flat_key(path): (path, value) for path, value in iter_leaves(state_dict)}
@@ -152,6 +163,7 @@ def load(
             "strict=False loads only the keys both sides have.",
             diffs,
         )
+    integrity.refuse_modified(manifest.modified, sorted(wanted & saved), storage.url)  # same on every rank
     if (missing or unexpected) and group.rank == 0:
         log.warning("loaded with strict=False; not in the checkpoint: %s; not loaded: %s", missing, unexpected)
 
@@ -166,7 +178,7 @@ def load(
     plain, nested = group.run_together(decode_values, "decoding the saved values")
     requests, finish = _plan_targets(leaves, manifest, state_dict)
     try:
-        nbytes = group.run_together(lambda: read_regions(storage, requests), "reading")
+        nbytes = group.run_together(lambda: read_regions(storage, requests, any_layout=allow_modified), "reading")
     except ZarrckptError:
         protocol.check_unchanged(storage, manifest.save_id)  # an overwrite explains it better
         raise

@@ -27,14 +27,13 @@ import torch
 import torch.distributed as torch_dist
 
 from . import commit as protocol
-from . import replicas, stateful
+from . import integrity, replicas, stateful
 from .dist import Group
 from .errors import ZarrckptError
-from .format import Manifest, library_name
 from .localstate import LocalState, LocalTensor, collect
 from .plan import DEFAULT_CHUNK_BYTES, SavePlan, build_save_plan
 from .storage import Storage
-from .writer import write_metadata, write_rank
+from .writer import commit_save, write_rank
 
 log = logging.getLogger("zarrckpt")
 _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zarrckpt-async")
@@ -108,6 +107,7 @@ class _Job:
     failed: bool = False
     stage_failed: bool = False
     cond: threading.Condition = field(default_factory=threading.Condition)
+    written: integrity.Written = field(default_factory=dict)  # chunk checksums, for the manifest
 
     def stage(self, local: LocalState) -> None:
         """Caller's thread: copy each local tensor to host memory, within the budget.
@@ -157,14 +157,7 @@ class _Job:
         try:
             save_id = self.group.run_together(self._prepare, "preparing")
             self.group.run_together(self._write_all, "writing shards")
-            docs = self.plan.metadata_of(self.group.rank)
-            self.group.run_together(lambda: write_metadata(self.storage, docs), "writing metadata")
-            manifest = Manifest(
-                save_id, self.plan.arrays, self.plan.values, self.plan.world_size, protocol.now(), library_name()
-            )
-            self.group.run_together(
-                lambda: protocol.commit(self.storage, manifest) if self.group.rank == 0 else None, "committing"
-            )
+            commit_save(self.storage, self.group, self.plan, save_id, self.written)
         except BaseException:
             with self.cond:
                 self.failed = True
@@ -187,7 +180,8 @@ class _Job:
                 if self.stage_failed:
                     raise ZarrckptError("copying the state to host memory failed on this rank; nothing was committed")
                 break
-            write_rank(self.storage, self.plan, LocalState({tensor.key: tensor}, {}, {}), rank, {tensor.key})
+            one = LocalState({tensor.key: tensor}, {}, {})
+            write_rank(self.storage, self.plan, one, rank, {tensor.key}, self.written)
             _recycle(tensor.data)
             with self.cond:
                 self.in_flight -= tensor.data.nbytes

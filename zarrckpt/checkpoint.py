@@ -7,6 +7,7 @@ index touches. No process group is needed.
 from __future__ import annotations
 
 import difflib
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,9 +18,9 @@ import numpy as np
 import torch
 
 from . import commit as protocol
-from . import dtypes, values
+from . import dtypes, integrity, values
 from .display import Progress, VerifySummary, checkpoint_html, tensor_html
-from .errors import KeyNotFoundError, ZarrckptError
+from .errors import InvalidCheckpointError, KeyNotFoundError, ModifiedCheckpointError, ZarrckptError
 from .format import ArrayMeta, Manifest
 from .keys import nest
 from .layout import Box
@@ -27,15 +28,22 @@ from .reader import Request, read_regions, verify_array
 from .storage import Storage
 
 
-def open(url: Any, *, storage_options: dict[str, Any] | None = None, partial_reads: bool = True) -> Checkpoint:
+def open(
+    url: Any, *, storage_options: dict[str, Any] | None = None, partial_reads: bool = True, allow_modified: bool = False
+) -> Checkpoint:
     """Open the committed checkpoint at ``url`` for reading (no process group needed).
 
     ``partial_reads``: when an index needs only a small part of an inner chunk, fetch just those
     bytes. Such reads cannot check the chunk's crc32c (it covers the whole chunk); pass False to
     always read and verify whole inner chunks. :meth:`Checkpoint.verify` always reads everything.
+
+    ``allow_modified``: read a checkpoint another tool changed after it was committed as it is
+    now (any valid shard layout; chunk checksums still checked). Without it, reading a tensor or
+    the values that changed raises ``ModifiedCheckpointError``.
     """
     storage = Storage(url, storage_options)
-    return Checkpoint(storage, protocol.read_manifest(storage), partial_reads)
+    manifest = protocol.read_manifest(storage)
+    return Checkpoint(storage, manifest.as_is() if allow_modified else manifest, partial_reads, allow_modified)
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,7 @@ class Checkpoint:
     storage: Storage
     manifest: Manifest
     partial_reads: bool = True
+    allow_modified: bool = False
 
     def keys(self) -> list[str]:
         """Tensor keys, sorted."""
@@ -69,6 +78,7 @@ class Checkpoint:
     def metadata(self) -> dict[str, Any]:
         """The non-tensor state (step, config, ...), nested as it was saved, each value of its saved
         type; a value saved pickled shows as a placeholder (``open()`` never unpickles)."""
+        integrity.refuse_modified(self.manifest.modified, [], self.storage.url)
         return nest({k: values.describe(v) for k, v in self.manifest.values.items()})
 
     @property
@@ -99,13 +109,14 @@ class Checkpoint:
         ``progress=True`` draws a progress bar on stderr meanwhile.
         """
         start = time.perf_counter()
-        problems: list[str] = []
+        problems = [f"modified after commit: {why}" for _, why in sorted(self.manifest.modified.items())]
         fetched = done = 0
         arrays = sorted(self.manifest.arrays.values(), key=lambda m: m.key)
         bar = Progress("verify", len(arrays), sum(m.nbytes for m in arrays)) if progress else None
         for i, meta in enumerate(arrays, 1):
             try:
-                fetched += verify_array(self.storage, meta)
+                fetched += self._verify_array_doc(meta)
+                fetched += verify_array(self.storage, meta, any_layout=self.allow_modified)
             except ZarrckptError as e:
                 problems.append(str(e))
             done += meta.nbytes
@@ -116,6 +127,35 @@ class Checkpoint:
         return VerifySummary(
             tensors=len(arrays), bytes_read=fetched, seconds=time.perf_counter() - start, problems=problems
         )
+
+    def _verify_array_doc(self, meta: ArrayMeta) -> int:
+        """Check that the array's own ``zarr.json`` (what generic Zarr readers go by) says what the
+        manifest says; returns the bytes read."""
+        path = f"{meta.path}/zarr.json"
+        try:
+            raw = self.storage.read(path, 0)
+        except FileNotFoundError:
+            raise InvalidCheckpointError(
+                f"{self.storage.where(path)} is missing: other Zarr readers cannot open {meta.key!r}"
+            ) from None
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            doc = None
+        own = ArrayMeta.from_json(meta.path, doc, self.storage.where(path))
+        if own != meta:
+            fields = ("shape", "dtype", "shard_shape", "chunk_shape", "role", "kind", "python_type")
+            changed = [
+                f"{f} {getattr(meta, f)} -> {getattr(own, f)}" for f in fields if getattr(own, f) != getattr(meta, f)
+            ]
+            changes = ", ".join(changed)
+            raise ModifiedCheckpointError(
+                f"{self.storage.where(path)} was modified after commit by another writer ({changes}); the "
+                "manifest, which zarrckpt reads by, still says what was committed",
+                key=meta.key,
+                chunk=path,
+            )
+        return len(raw)
 
     def _repr_html_(self) -> str:
         return checkpoint_html(self)
@@ -186,7 +226,13 @@ class TensorView:
         buf = np.empty(box.sizes, dtype=dtypes.storage_dtype(self.meta.dtype))
         if box.volume:
             ckpt = self.checkpoint
-            read_regions(ckpt.storage, [Request(self.meta, box, buf)], partial=ckpt.partial_reads)
+            integrity.refuse_modified(ckpt.manifest.modified, [self.key], ckpt.storage.url)
+            read_regions(
+                ckpt.storage,
+                [Request(self.meta, box, buf)],
+                partial=ckpt.partial_reads,
+                any_layout=ckpt.allow_modified,
+            )
         return np.array(buf[local])  # a C-contiguous copy; 0-d stays 0-d
 
 

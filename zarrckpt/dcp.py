@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from . import commit as protocol
-from . import dtypes, pickling, values
+from . import dtypes, integrity, pickling, values
 from .dist import Group
 from .errors import SaveLayoutError, ZarrckptError
 from .format import ArrayMeta, Manifest, library_name
@@ -124,6 +124,7 @@ class ZarrWriter(StorageWriter):
         local = LocalState({}, {}, {})
         objects: dict[str, Any] = {}
         results = []
+        tensors = []
         for item in plan.items:
             key = item.index.fqn
             data = planner.resolve_data(item)
@@ -136,10 +137,13 @@ class ZarrWriter(StorageWriter):
             meta = zplan.arrays[key]
             box = Box(tuple(chunk.offsets), tuple(chunk.sizes))
             local.tensors[key] = LocalTensor(key, (key,), data, meta.shape, box, meta.dtype)
-            results.append(
-                WriteResult(index=item.index, size_in_bytes=data.nbytes, storage_data={"arrays": {key: meta}})
-            )
-        write_rank(self.storage, zplan, local, rank)
+            tensors.append((item, data.nbytes))
+        written: integrity.Written = {}
+        write_rank(self.storage, zplan, local, rank, None, written)
+        for item, nbytes in tensors:
+            key = item.index.fqn
+            crcs = integrity.to_json({key: written.get(key, {})})
+            results.append(WriteResult(item.index, nbytes, {"arrays": {key: zplan.arrays[key]}, "crc32c": crcs}))
         if objects:
             results += self._write_objects(objects, {item.index.fqn: item.index for item in plan.items})
         return _done(results)
@@ -157,15 +161,18 @@ class ZarrWriter(StorageWriter):
                 values_[key] = values.encode(obj, key, self.allow_pickle)
         extra = collect(flat, self.allow_pickle)
         own = build_save_plan([extra.describe()], self.chunk_bytes)
-        write_rank(self.storage, own, extra, 0)  # the zarr.json documents come in finish()
+        written: integrity.Written = {}
+        write_rank(self.storage, own, extra, 0, None, written)  # the zarr.json documents come in finish()
         results = []
         for key in objects:
             if key in own.arrays:
                 nbytes = own.arrays[key].nbytes
-                results.append(WriteResult(indexes[key], nbytes, {"arrays": {key: own.arrays[key]}}))
+                crcs = integrity.to_json({key: written.get(key, {})})
+                results.append(WriteResult(indexes[key], nbytes, {"arrays": {key: own.arrays[key]}, "crc32c": crcs}))
             elif key in flat:
                 under = {k: v for k, v in own.arrays.items() if k.startswith(key + ".")}
                 data = {"arrays": under, "values": {k: v for k, v in own.values.items() if k.startswith(key + ".")}}
+                data["crc32c"] = integrity.to_json({k: written.get(k, {}) for k in under})
                 results.append(
                     WriteResult(indexes[key], sum(m.nbytes for m in under.values()), {**data, "object": key})
                 )
@@ -180,9 +187,11 @@ class ZarrWriter(StorageWriter):
         arrays: dict[str, ArrayMeta] = {}
         values_: dict[str, Any] = {}
         objects: list[str] = []
+        crcs = []
         for result in (r for rank in results for r in rank):
             extra = result.storage_data or {}
             arrays.update(extra.get("arrays", {}))
+            crcs.append(extra.get("crc32c", {}))
             values_.update(extra.get("values", {}))
             objects += [extra["object"]] if "object" in extra else []
         validate_keys(sorted(arrays.keys() | values_.keys()))
@@ -198,6 +207,7 @@ class ZarrWriter(StorageWriter):
             protocol.now(),
             library_name() + " (dcp)",
             dcp,
+            integrity.records(arrays, crcs),
         )
         protocol.commit(self.storage, manifest)
 
@@ -237,14 +247,23 @@ class ZarrReader(StorageReader):
     """A DCP ``StorageReader`` that reads a zarrckpt checkpoint (saved by either path).
 
     A tensor target of another dtype receives the saved values converted, as with
-    ``FileSystemReader``. Values saved pickled need ``allow_pickle=True``.
+    ``FileSystemReader``. Values saved pickled need ``allow_pickle=True``; a checkpoint changed
+    by another tool after its commit needs ``allow_modified=True`` (see ``zarrckpt.load``).
     """
 
-    def __init__(self, url: URL, *, storage_options: dict[str, Any] | None = None, allow_pickle: bool = False) -> None:
+    def __init__(
+        self,
+        url: URL,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        allow_pickle: bool = False,
+        allow_modified: bool = False,
+    ) -> None:
         super().__init__()
         self.storage = Storage(url, storage_options)
         self.storage_options = storage_options
         self.allow_pickle = allow_pickle
+        self.allow_modified = allow_modified
         self.manifest: Manifest | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -261,7 +280,11 @@ class ZarrReader(StorageReader):
             return False
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        self.manifest = manifest = protocol.read_manifest(self.storage)
+        manifest = protocol.read_manifest(self.storage)
+        if self.allow_modified:
+            manifest = manifest.as_is()
+        integrity.refuse_modified(manifest.modified, None, self.storage.url)
+        self.manifest = manifest
         objects = manifest.dcp.get("objects", [])
         inside = tuple(o + "." for o in objects)
         md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
@@ -321,7 +344,7 @@ class ZarrReader(StorageReader):
                 staging = torch.empty(tuple(item.lengths), dtype=stored)
             requests.append(Request(meta, box, dtypes.as_numpy(target if staging is None else staging)))
             commits.append((item, target, staging))
-        read_regions(self.storage, requests)
+        read_regions(self.storage, requests, any_layout=self.allow_modified)
         protocol.check_unchanged(self.storage, manifest.save_id)
         for item, target, staging in commits:
             if staging is not None:

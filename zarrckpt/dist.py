@@ -47,6 +47,21 @@ class Group:
         with gc_paused():
             return [json.loads(bytes(b[: int(n.item())].cpu().numpy())) for b, n in zip(bufs, lengths, strict=True)]
 
+    def gather_json(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (JSON-serialisable) in rank order on rank 0; ``[]`` on the others."""
+        if not self.active:
+            return self.all_gather_json(obj)
+        raw = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+        lengths = [int(n) for n in self.all_gather_json(len(raw))]
+        buf = torch.zeros(max(lengths), dtype=torch.uint8, device=self.device)
+        buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else buf[:0]
+        bufs = [torch.empty_like(buf) for _ in range(self.size)] if self.rank == 0 else None
+        torch_dist.gather(buf, bufs, group=self.pg, group_dst=0)
+        if bufs is None:
+            return []
+        with gc_paused():
+            return [json.loads(bytes(b[:n].cpu().numpy())) for b, n in zip(bufs, lengths, strict=True)]
+
     def barrier(self) -> None:
         if self.active:
             torch_dist.barrier(group=self.pg)

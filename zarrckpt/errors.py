@@ -71,6 +71,11 @@ class CorruptChunkError(ZarrckptError):
         self.chunk = chunk
 
 
+class ModifiedCheckpointError(CorruptChunkError):
+    """Chunks or metadata differ from what the commit recorded: another writer or tool changed the
+    checkpoint after it was committed. ``allow_modified=True`` reads it as it is now."""
+
+
 class StorageError(ZarrckptError):
     """The storage refused or failed a request (missing bucket, permissions, network)."""
 

@@ -9,10 +9,10 @@ import json
 import math
 import reprlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from . import dtypes
+from . import dtypes, integrity
 from .errors import InvalidCheckpointError, InvalidKeyError
 from .keys import ROLES, key_to_path, validate_keys
 from .layout import Shape
@@ -42,6 +42,7 @@ class ArrayMeta:
     kind: str = "tensor"
     topology: dict[str, Any] = field(default_factory=dict, compare=False)
     python_type: str = ""  # kind "bytes": the saved value's type when not bytes ("bytearray" or "BytesIO")
+    committed_crc32c: bytes = field(default=b"", compare=False, repr=False)  # integrity.py: the commit's record
 
     @property
     def path(self) -> str:
@@ -146,9 +147,52 @@ class ArrayMeta:
         meta = cls(key, shape, dtype, shard, chunk, role, kind, topology, python_type)
         expected = meta.to_json()
         for name in ("zarr_format", "node_type", "chunk_grid", "chunk_key_encoding", "fill_value", "codecs"):
-            if doc.get(name) != expected[name]:
+            if _meaning(name, doc.get(name), meta.itemsize) != _meaning(name, expected[name], meta.itemsize):
                 raise bad(f"field {name!r} is {_short(doc.get(name))}, zarrckpt writes {_short(expected[name])}")
         return meta
+
+
+def _meaning(field: str, value: Any, itemsize: int) -> Any:
+    """What a metadata field means, so that equal meanings compare equal however they are spelled:
+    defaults left out, ``endian`` of 1-byte types (zarr-python drops it), key order (dicts)."""
+    if field == "codecs":
+        return [_codec_meaning(c, itemsize) for c in value] if isinstance(value, list) else value
+    if field == "chunk_key_encoding" and isinstance(value, dict) and value.get("name") == "default":
+        conf = value.get("configuration", {})
+        return (
+            {**value, "configuration": {"separator": conf.get("separator", "/")}} if isinstance(conf, dict) else value
+        )
+    if field == "fill_value":
+        return _fill_meaning(value)
+    return value
+
+
+def _codec_meaning(codec: Any, itemsize: int) -> Any:
+    if not isinstance(codec, dict) or not isinstance(codec.get("configuration", {}), dict):
+        return codec
+    name, conf = codec.get("name"), dict(codec.get("configuration", {}))
+    if name == "bytes" and itemsize == 1:
+        conf["endian"] = "little"  # the byte order of 1-byte elements means nothing
+    elif name == "sharding_indexed":
+        for inner, size in (("codecs", itemsize), ("index_codecs", 8)):  # the index holds uint64
+            if isinstance(conf.get(inner), list):
+                conf[inner] = [_codec_meaning(c, size) for c in conf[inner]]
+        conf.setdefault("index_location", "end")  # the spec's default
+    return {**codec, "configuration": conf}
+
+
+def _fill_meaning(value: Any) -> Any:
+    """A fill value as a comparable number: 0, 0.0, false and a hex zero (``"0x0000"``) are the same."""
+    if isinstance(value, list):
+        return [_fill_meaning(v) for v in value]
+    if isinstance(value, str) and value.startswith("0x"):
+        try:
+            return int(value, 16)
+        except ValueError:
+            return value
+    if isinstance(value, (bool, int, float)) and value == 0 and str(value) != "-0.0":
+        return 0
+    return value
 
 
 _REQUIRED: Any = object()
@@ -249,6 +293,9 @@ class Manifest:
     created: str = ""
     library: str = ""
     dcp: dict[str, Any] = field(default_factory=dict)  # DCP adapter: "objects", "planner_data" (both optional)
+    integrity: dict[str, Any] | None = None  # array path -> record (integrity.records); None: not recorded
+    # loads(): key -> what changed since commit ("": the attributes); see integrity.refuse_modified
+    modified: dict[str, str] = field(default_factory=dict, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         arrays = list(self.arrays.values())
@@ -267,13 +314,22 @@ class Manifest:
                     "world_size": self.world_size,
                     "values": self.values,
                     **({"dcp": self.dcp} if self.dcp else {}),
+                    **({"integrity": {"arrays": self.integrity}} if self.integrity is not None else {}),
                 }
             },
             "consolidated_metadata": {"kind": "inline", "must_understand": False, "metadata": nodes},
         }
 
     def dumps(self) -> bytes:
-        return json.dumps(self.to_json(), allow_nan=False, separators=(",", ":")).encode()
+        doc = self.to_json()
+        attributes = doc["attributes"]["zarrckpt"]
+        attributes[integrity.ATTRIBUTES_DIGEST] = integrity.attributes_digest(attributes)
+        return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
+
+    def as_is(self) -> Manifest:
+        """This manifest without its commit record: reads accept the checkpoint as it is now."""
+        arrays = {k: replace(m, committed_crc32c=b"") for k, m in self.arrays.items()}
+        return replace(self, arrays=arrays, modified={})
 
     @classmethod
     def loads(cls, raw: bytes, where: str) -> Manifest:
@@ -320,4 +376,14 @@ class Manifest:
             raise bad(str(e)) from None
         if both := sorted(arrays.keys() & values.keys()):
             raise bad(f"keys stored both as an array and as a value: {_short(both)}")
-        return cls(save_id, arrays, values, world, created, library, dcp)
+        attributes = doc["attributes"]["zarrckpt"]
+        modified: dict[str, str] = {}
+        digest = attributes.get(integrity.ATTRIBUTES_DIGEST)
+        if digest is not None and digest != integrity.attributes_digest(attributes):
+            modified[""] = "its zarrckpt attributes (the saved values, the commit records) were edited"
+        record = _get(doc, info + "integrity", dict, bad, None)
+        if record is not None:
+            arrays, changed = integrity.compare(arrays, _get(record, "arrays", dict, bad, at="integrity."), bad)
+            modified |= changed
+        arrays_record = None if record is None else record.get("arrays")
+        return cls(save_id, arrays, values, world, created, library, dcp, arrays_record, modified)

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import crc32c
 import numpy as np
 
-from . import dtypes
-from .errors import CorruptChunkError, InvalidCheckpointError, ZarrckptError
+from . import dtypes, integrity
+from .errors import CorruptChunkError, InvalidCheckpointError, ModifiedCheckpointError, ZarrckptError
 from .format import ArrayMeta
 from .layout import Box, Shape, cell_box, cells_in
 from .partial import Range, chunk_ranges, coalesce
@@ -94,17 +94,21 @@ def allocate(meta: ArrayMeta) -> np.ndarray:
         ) from None
 
 
-def read_regions(storage: Storage, requests: Sequence[Request], *, partial: bool = False) -> int:
+def read_regions(
+    storage: Storage, requests: Sequence[Request], *, partial: bool = False, any_layout: bool = False
+) -> int:
     """Fill every request's ``dest``; returns the number of bytes fetched from storage.
 
     ``partial``: fetch only the needed byte ranges of inner chunks that are needed in small part,
     at the price of not checking those chunks' crc32c (see the module docstring).
+    ``any_layout``: read shards laid out by any Zarr writer (``allow_modified``), see :func:`_read_any`.
     """
-    return sum(storage.run_all(lambda t: _read_shard(storage, t, partial), plan_reads(requests)))
+    return sum(storage.run_all(lambda t: _read_shard(storage, t, partial, any_layout), plan_reads(requests)))
 
 
-def verify_array(storage: Storage, meta: ArrayMeta) -> int:
-    """Read every stored chunk of ``meta`` and check the shard indexes and every checksum.
+def verify_array(storage: Storage, meta: ArrayMeta, *, any_layout: bool = False) -> int:
+    """Read every stored chunk of ``meta`` and check the shard indexes and every checksum (and,
+    when the manifest has a commit record, that each chunk is the one committed).
 
     Returns the bytes fetched; raises CorruptChunkError for the first problem found.
     """
@@ -113,7 +117,7 @@ def verify_array(storage: Storage, meta: ArrayMeta) -> int:
         task = _ShardTask(meta, sidx)
         task.needs = {k: [] for k in _stored_chunks(meta, sidx)}  # checked, copied nowhere
         tasks.append(task)
-    return sum(storage.run_all(lambda t: _read_shard(storage, t), tasks))
+    return sum(storage.run_all(lambda t: _read_shard(storage, t, False, any_layout), tasks))
 
 
 def _stored_chunks(meta: ArrayMeta, sidx: Shape) -> list[int]:
@@ -126,8 +130,10 @@ def _stored_chunks(meta: ArrayMeta, sidx: Shape) -> list[int]:
     ]
 
 
-def _read_shard(storage: Storage, task: _ShardTask, partial: bool = False) -> int:
+def _read_shard(storage: Storage, task: _ShardTask, partial: bool = False, any_layout: bool = False) -> int:
     try:
+        if any_layout:
+            return _read_any(storage, task)
         plans = _partial_plans(task) if partial else {}
         return _read_ranges(storage, task, plans) if plans else _read_chunks(storage, task)
     except FileNotFoundError:
@@ -172,6 +178,50 @@ def _read_chunks(storage: Storage, task: _ShardTask) -> int:
             for k in run:
                 offset = int(index[k][0]) - start
                 _copy_chunk(task, k, blob[offset : offset + size], path)
+    return fetched
+
+
+def _read_any(storage: Storage, task: _ShardTask) -> int:
+    """Read one shard whatever its layout: chunks in any order, gaps between them, EMPTY entries
+    (read as the fill value). Still checked: the index crc32c, each chunk's size (uncompressed),
+    that it lies after the index and inside the object, and its crc32c."""
+    meta = task.meta
+    path = meta.shard_path(task.index)
+    n_chunks = math.prod(chunks_per_shard(meta.shard_shape, meta.chunk_shape))
+    head = index_nbytes(n_chunks)
+    size = meta.chunk_nbytes + 4
+    with storage.reading(path, 0, head) as raw_index:
+        index = decode_index(bytes(raw_index), n_chunks, storage.where(path), meta.key)
+    ranges: list[Range] = []
+    chunks: list[int] = []
+    for k in sorted(task.needs):
+        offset, nbytes = int(index[k][0]), int(index[k][1])
+        if offset == EMPTY and nbytes == EMPTY:  # never written: the fill value (zero bits)
+            _scatter(task, k, np.zeros(meta.chunk_shape, dtype=dtypes.storage_dtype(meta.dtype)))
+        elif nbytes != size or offset < head:
+            raise CorruptChunkError(
+                f"inner chunk {k} of {meta.key!r} in shard {path} has index entry ({offset}, {nbytes}); "
+                f"zarrckpt reads uncompressed chunks of {size} bytes stored after the {head}-byte index",
+                key=meta.key,
+                chunk=f"{path}#{k}",
+            )
+        else:
+            ranges.append((offset, offset + size))
+            chunks.append(k)
+    fetched = head
+    for start, end, members in coalesce(ranges, 0, MAX_REQUEST_BYTES):
+        with storage.reading(path, start, end) as blob:
+            fetched += len(blob)
+            if len(blob) < end - start:
+                raise CorruptChunkError(
+                    f"shard object {storage.where(path)} of {meta.key!r} is shorter than its index says: bytes "
+                    f"{start}..{end} hold {len(blob)} of {end - start} bytes (truncated)",
+                    key=meta.key,
+                    chunk=path,
+                )
+            for i in members:
+                lo, hi = ranges[i]
+                _copy_chunk(task, chunks[i], blob[lo - start : hi - start], path)
     return fetched
 
 
@@ -303,6 +353,7 @@ def _read_direct(
                 key=task.meta.key,
                 chunk=where,
             )
+        integrity.check_chunk(task.meta, task.index, k, crc, where)
     return sum(len(v) + 4 for v in views if v is not None)
 
 
@@ -310,7 +361,9 @@ def _copy_chunk(task: _ShardTask, k: int, raw: memoryview, path: str) -> None:
     """Verify inner chunk ``k`` and copy the parts the requests need into their destinations."""
     meta = task.meta
     cidx, _ = _chunk_origin(meta, task.index, k)
-    data = decode_chunk(raw, meta.chunk_nbytes, meta.key, f"{path} (inner chunk {list(cidx)})")
+    where = f"{path} (inner chunk {list(cidx)})"
+    data = decode_chunk(raw, meta.chunk_nbytes, meta.key, where)
+    integrity.check_chunk(meta, task.index, k, raw[-4:], where)
     _scatter(task, k, np.frombuffer(data, dtype=dtypes.storage_dtype(meta.dtype)).reshape(meta.chunk_shape))
 
 
@@ -330,7 +383,13 @@ def _check_entry(entry: np.ndarray, size: int, layout: dict[int, int], meta: Arr
         state = f"is stored at offset {offset}, not {layout.get(k)}, in"
     else:
         return offset
-    raise CorruptChunkError(f"inner chunk {k} of {meta.key!r} {state} shard {path}", key=meta.key, chunk=f"{path}#{k}")
+    # the index passed its crc32c: someone wrote this layout on purpose
+    raise ModifiedCheckpointError(
+        f"inner chunk {k} of {meta.key!r} {state} shard {path}: the shard is not laid out as zarrckpt wrote it, "
+        f"so it was modified after commit by another writer; {integrity.ALLOW_HINT}",
+        key=meta.key,
+        chunk=f"{path}#{k}",
+    )
 
 
 def _runs(needed: list[int], layout: dict[int, int], size: int) -> list[list[int]]:

@@ -94,3 +94,13 @@ def decode_chunk(raw: bytes | memoryview, chunk_nbytes: int, key: str, where: st
             f"chunk {where} of {key!r} fails its crc32c checksum: the stored bytes are corrupted", key=key, chunk=where
         )
     return view[:-4]
+
+
+def chunk_crcs(parts: list[bytes | memoryview], n_chunks: int) -> bytes:
+    """The crc32c of every inner chunk of a shard from :func:`encode_shard`'s parts: ``n_chunks``
+    little-endian uint32 slots in index order, 0 for chunks outside the array."""
+    index = np.frombuffer(bytes(parts[0][:-4]), dtype="<u8").reshape(n_chunks, 2)
+    out = bytearray(4 * n_chunks)
+    for j, k in enumerate(np.flatnonzero(index[:, 0] != EMPTY)):
+        out[4 * k : 4 * k + 4] = parts[2 + 2 * j]
+    return bytes(out)
