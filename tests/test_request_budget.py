@@ -106,14 +106,18 @@ def test_verified_reads_fetch_whole_chunks(experts_url: tuple[str, dict[str, Any
 
 
 def test_verify_reads_each_shard_once(experts_url: tuple[str, dict[str, Any]], s3_requests: RequestLog) -> None:
-    """verify(): one GET per shard object, all of it (no HEAD first), every chunk checked."""
+    """verify(): one GET per shard object, all of it (no HEAD first), every chunk checked; and one
+    GET of the array's own zarr.json (compared with the manifest)."""
     url, opts = experts_url
     ckpt = zarrckpt.open(url, storage_options=opts)
     s3_requests.clear()
     summary = ckpt.verify()
     whole = INDEX_BYTES + PER_RANK * ROWS * COLS * 4 + 4
-    assert summary["problems"] == [] and summary["bytes_read"] == WORLD * whole
-    got = sorted((r.kind, r.path.rsplit("/", 3)[-3], r.range, r.bytes_sent) for r in s3_requests.requests())
+    requests = s3_requests.requests()
+    docs = [r for r in requests if r.path.endswith("/zarr.json")]
+    assert [(r.kind, r.path, r.range) for r in docs] == [("GET", f"/{url[5:]}/model/experts/w1/zarr.json", "bytes=0-")]
+    assert summary["problems"] == [] and summary["bytes_read"] == WORLD * whole + docs[0].bytes_sent
+    got = sorted((r.kind, r.path.rsplit("/", 3)[-3], r.range, r.bytes_sent) for r in requests if r not in docs)
     assert got == [("GET", str(rank), "bytes=0-", whole) for rank in range(WORLD)]
 
 
