@@ -14,8 +14,8 @@ import pytest
 import tensorstore as ts
 import zarr
 
-from zarrckpt import zarr_dtypes
-from zarrckpt.zarr_dtypes import register_zarr_dtypes
+import zarrckpt_dtypes as zarr_dtypes
+from zarrckpt_dtypes import register_zarr_dtypes
 
 EMPTY = 2**64 - 1
 BYTES_LE = {"name": "bytes", "configuration": {"endian": "little"}}
