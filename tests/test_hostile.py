@@ -375,6 +375,18 @@ DOCS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
         lambda d: _node(d).update(data_type="float8_e4m3"),
         r"unsupported data_type 'float8_e4m3'",
     ),
+    "dimension_names too few": (
+        lambda d: _node(d).update(dimension_names=[]),
+        r"'dimension_names' must list one name .* \(2\), not \[\]",
+    ),
+    "dimension_names a string": (
+        lambda d: _node(d).update(dimension_names="v_dim_0"),
+        r"'dimension_names' must list one name",
+    ),
+    "dimension_names of ints": (
+        lambda d: _node(d).update(dimension_names=[0]),
+        r"'dimension_names' must list one name",
+    ),
     "data_type a list": (lambda d: _node(d).update(data_type=["float32"]), r"data_type' must be a string"),
     "role unknown": (lambda d: _node(d)["attributes"]["zarrckpt"].update(role="boss"), r"role 'boss'"),
     "kind unknown": (lambda d: _node(d)["attributes"]["zarrckpt"].update(kind="pickle"), r"kind 'pickle'"),
