@@ -17,6 +17,7 @@ __all__ = [
     "as_numpy",
     "fill_value",
     "is_known",
+    "numpy_name",
     "safetensors_name",
     "storage_dtype",
     "torch_dtype",
@@ -30,6 +31,9 @@ _STORAGE = {d.name: np.dtype(d.bits) for d in TABLE}
 # torch dtypes numpy has no type for: viewed as the unsigned integer of their width
 _VIEW_AS = {_TORCH[d.name]: getattr(torch, np.dtype(d.bits).name) for d in TABLE if d.bits != d.numpy}
 
+# numpy arrays (kind "ndarray"): the dtypes numpy itself has, in native (little-endian) byte order
+_BY_NUMPY = {np.dtype(d.numpy): d.name for d in TABLE if d.in_zarr_python}
+
 SUPPORTED = tuple(d.name for d in TABLE)
 
 
@@ -38,6 +42,17 @@ def zarr_name(dtype: torch.dtype) -> str:
         return _BY_TORCH[dtype]
     except KeyError:
         raise UnsupportedValueError(f"dtype {dtype} is not supported; supported: {', '.join(SUPPORTED)}") from None
+
+
+def numpy_name(dtype: np.dtype) -> str:
+    """The data_type name of a numpy array's dtype (UnsupportedValueError when there is none)."""
+    try:
+        return _BY_NUMPY[dtype]
+    except (KeyError, TypeError):
+        supported = ", ".join(str(d) for d in _BY_NUMPY)
+        raise UnsupportedValueError(
+            f"numpy dtype {dtype} is not supported; supported (little-endian): {supported}"
+        ) from None
 
 
 def torch_dtype(name: str) -> torch.dtype:
