@@ -257,3 +257,23 @@ def test_tensorstore_refuses_zarr_extensions_float8_e4m3(tmp_path: Path) -> None
     spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path)}}
     with pytest.raises(ValueError, match="float8_e4m3"):
         ts.open({**spec, "metadata": {"shape": [3], "data_type": "float8_e4m3", "fill_value": 0}}, create=True).result()
+
+
+def test_format_md_lists_exactly_the_table() -> None:
+    """docs/FORMAT.md's data type table says what zarrckpt_dtypes.TABLE says, row by row."""
+    text = (Path(__file__).parent.parent / "docs" / "FORMAT.md").read_text()
+    section = text[text.index("### Data types") : text.index("### Attributes")]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 7 and cells[0].startswith("`") and cells[0] != "`data_type`":
+            rows[cells[0].strip("`")] = cells
+    assert list(rows) == [d.name for d in zarr_dtypes.TABLE]
+    for row in zarr_dtypes.TABLE:
+        _, torch_name, size, defined_by, in_zarr, tensorstore, safetensors = rows[row.name]
+        assert torch_name == f"`torch.{row.torch}`" and int(size) == row.itemsize, row
+        expected = {"core": "core spec", "zarr-extensions": "[zarr-extensions]", "none": "**not registered**"}
+        assert defined_by.startswith(expected[row.defined_by]), row
+        assert in_zarr == ("built in" if row.in_zarr_python else "`zarrckpt_dtypes`"), row
+        assert tensorstore == "yes", row  # test_tensorstore_accepts_every_name
+        assert safetensors.startswith(f"`{row.safetensors}`" if row.safetensors else "none"), row
