@@ -18,9 +18,9 @@ demo: $(STAMP)
 	$(BIN)/python -m zarrckpt.demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check zarrckpt tests benchmarks
-	$(BIN)/ruff format --check zarrckpt tests benchmarks
-	$(BIN)/mypy zarrckpt
+	$(BIN)/ruff check zarrckpt zarrckpt_dtypes tests benchmarks
+	$(BIN)/ruff format --check zarrckpt zarrckpt_dtypes tests benchmarks
+	$(BIN)/mypy zarrckpt zarrckpt_dtypes
 
 test: lint
 	$(BIN)/python -m pytest -q

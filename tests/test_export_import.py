@@ -511,3 +511,36 @@ def test_export_from_s3(s3_url: tuple[str, dict[str, Any]], tmp_path: Path, caps
     assert s["tensors"] == len(FLAT)
     back = zarrckpt.open(u, storage_options=opts)
     assert back.metadata == {} and all(same(back[k].read(), FLAT[k]) for k in FLAT)
+
+
+def test_export_complex_and_unsigned_and_refuse_complex128(tmp_path: Path) -> None:
+    """safetensors has C64, U16, U32, U64 but no complex128: exported, and refused with a clear error."""
+    g = torch.Generator().manual_seed(11)
+    raw = torch.randint(0, 256, (4, 3, 8), generator=g, dtype=torch.uint8)
+    state = {
+        "c64": raw.view(torch.complex64).reshape(4, 3),
+        "u16": raw[:, :, :2].contiguous().view(torch.uint16).reshape(4, 3),
+        "u32": raw[:, :, :4].contiguous().view(torch.uint32).reshape(4, 3),
+        "u64": raw.view(torch.uint64).reshape(4, 3),
+        "c128": torch.zeros(2, dtype=torch.complex128),
+    }
+    u = str(tmp_path / "ck")
+    zarrckpt.save(state, u)
+    with pytest.raises(zarrckpt.UnsupportedValueError, match=r"'c128' is complex128, which safetensors cannot"):
+        export_safetensors(u, tmp_path / "all")
+    assert not (tmp_path / "all").exists() or not any((tmp_path / "all").iterdir())
+    export_safetensors(u, tmp_path / "st", include=["c64", "u*"])
+    got = load_file(tmp_path / "st" / "model.safetensors")
+    assert {k: header(tmp_path / "st" / "model.safetensors")[k]["dtype"] for k in got} == {
+        "c64": "C64",
+        "u16": "U16",
+        "u32": "U32",
+        "u64": "U64",
+    }
+    for key, t in got.items():
+        assert t.dtype == state[key].dtype and torch.equal(t.view(torch.uint8), state[key].view(torch.uint8)), key
+    import_checkpoint(tmp_path / "st", tmp_path / "back")
+    back = {k: torch.empty_like(state[k]) for k in got}
+    zarrckpt.load(back, str(tmp_path / "back"))
+    for key, t in back.items():
+        assert torch.equal(t.view(torch.uint8), state[key].view(torch.uint8)), key

@@ -369,7 +369,24 @@ DOCS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     ),
     "array key an int": (lambda d: _node(d)["attributes"]["zarrckpt"].update(key=3), r"key' must be a string"),
     "array key missing": (lambda d: _node(d)["attributes"]["zarrckpt"].pop("key"), r"key' is missing"),
-    "data_type unknown": (lambda d: _node(d).update(data_type="complex64"), r"unsupported data_type 'complex64'"),
+    "data_type unknown": (lambda d: _node(d).update(data_type="complex32"), r"unsupported data_type 'complex32'"),
+    # zarr-extensions' float8_e4m3 is another encoding than float8_e4m3fn: no alias
+    "data_type float8_e4m3": (
+        lambda d: _node(d).update(data_type="float8_e4m3"),
+        r"unsupported data_type 'float8_e4m3'",
+    ),
+    "dimension_names too few": (
+        lambda d: _node(d).update(dimension_names=[]),
+        r"'dimension_names' must list one name .* \(2\), not \[\]",
+    ),
+    "dimension_names a string": (
+        lambda d: _node(d).update(dimension_names="v_dim_0"),
+        r"'dimension_names' must list one name",
+    ),
+    "dimension_names of ints": (
+        lambda d: _node(d).update(dimension_names=[0]),
+        r"'dimension_names' must list one name",
+    ),
     "data_type a list": (lambda d: _node(d).update(data_type=["float32"]), r"data_type' must be a string"),
     "role unknown": (lambda d: _node(d)["attributes"]["zarrckpt"].update(role="boss"), r"role 'boss'"),
     "kind unknown": (lambda d: _node(d)["attributes"]["zarrckpt"].update(kind="pickle"), r"kind 'pickle'"),

@@ -52,9 +52,14 @@ DTYPES = [
     torch.int32,
     torch.int64,
     torch.uint8,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
     torch.bool,
     torch.float8_e4m3fn,
     torch.float8_e5m2,
+    torch.complex64,
+    torch.complex128,
 ]
 
 
@@ -75,12 +80,12 @@ def _tensors() -> dict[str, torch.Tensor]:
 
 
 def _bits(a: np.ndarray | torch.Tensor) -> np.ndarray:
-    """The raw element bits as unsigned integers (bool: uint8), so NaN payloads compare too."""
+    """The raw element bytes, shape (*shape, itemsize), so NaN payloads compare too."""
     if isinstance(a, torch.Tensor):
         flat = a.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-        return flat.view(f"u{a.element_size()}").reshape(tuple(a.shape))
-    a = np.ascontiguousarray(a)
-    return a.reshape(-1).view(f"u{a.dtype.itemsize}").reshape(a.shape)
+        return flat.reshape((*a.shape, a.element_size()))
+    shape = a.shape  # before ascontiguousarray, which makes a 0-d array 1-d
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8).reshape((*shape, a.dtype.itemsize))
 
 
 def _assert_same_bits(got: np.ndarray | torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -376,3 +381,162 @@ def test_unknown_fields_are_refused_unless_they_need_not_be_understood(tmp_path:
         manifest.write_text(json.dumps(bad))
         with pytest.raises(zarrckpt.InvalidCheckpointError, match="unknown field 'strange'"):
             zarrckpt.open(str(url))
+
+
+# -- without zarrckpt: zarr-python finds the bfloat16 / float8 types through entry points ----------
+
+_PLAIN_ZARR = """
+import json, sys
+import numpy as np
+import zarr
+
+root, out, consolidated = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+group = zarr.open_group(root, mode="r", zarr_format=3, use_consolidated=consolidated)
+assert (group.metadata.consolidated_metadata is not None) == consolidated
+tree = str(group.tree())
+got = {}
+for path, node in group.members(max_depth=None):
+    if isinstance(node, zarr.Array):
+        a = node[...]
+        got[path] = [str(node.dtype), list(a.shape), a.tobytes().hex()]
+alone = zarr.open_array(root + "/model/big/bfloat16", mode="r")
+assert str(alone.dtype) == "bfloat16" and alone[...].shape == (48, 3, 37)
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "zarrckpt", "zarrckpt_dtypes"))
+json.dump({"tree": tree, "arrays": got, "modules": loaded}, open(out, "w"))
+"""
+
+
+@pytest.mark.parametrize("consolidated", [True, False])
+def test_plain_zarr_reads_the_checkpoint_without_zarrckpt(saved, tmp_path: Path, consolidated: bool) -> None:
+    """A fresh process that imports zarr only (no zarrckpt, no torch) opens the root group, walks
+    the tree and reads every array, bf16 / fp8 included, bit for bit."""
+    root, flat = saved
+    out = tmp_path / "out.json"
+    args = [sys.executable, "-c", _PLAIN_ZARR, str(root), str(out), "1" if consolidated else "0"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["modules"] == ["zarrckpt_dtypes"]  # the entry point's module; no torch, no zarrckpt
+    assert set(report["arrays"]) == {_path(k) for k in flat}
+    for key, want in flat.items():
+        dtype, shape, hexbytes = report["arrays"][_path(key)]
+        assert dtype == _dtype_name(want.dtype), key
+        assert shape == list(want.shape), key
+        got = np.frombuffer(bytes.fromhex(hexbytes), np.uint8).reshape((*want.shape, want.element_size()))
+        np.testing.assert_array_equal(got, _bits(want), err_msg=key)
+    assert "bfloat16" in report["tree"] and "float8_e4m3fn" in report["tree"]
+
+
+def test_zarr_entry_points_are_declared_and_load_without_torch() -> None:
+    code = """
+import sys
+from importlib.metadata import entry_points
+types = {e.name: e.load() for e in entry_points(group="zarr.data_type") if e.value.startswith("zarrckpt_dtypes:")}
+assert sorted(types) == ["bfloat16", "float8_e4m3fn", "float8_e5m2"], types
+assert all(cls._zarr_v3_name == name for name, cls in types.items())
+(buffer,) = [e for e in entry_points(group="zarr.buffer") if e.value.startswith("zarrckpt_dtypes:")]
+from zarr.core.buffer.cpu import Buffer
+assert buffer.load() is Buffer  # registers nothing new as a buffer
+from zarr.dtype import data_type_registry
+assert all(data_type_registry.get(name) is cls for name, cls in types.items())
+assert not any(m.split(".")[0] in ("torch", "zarrckpt") for m in sys.modules)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+# -- dimension_names, xarray --------------------------------------------------------------------
+
+
+def test_every_array_has_unique_dimension_names(saved) -> None:
+    root, flat = saved
+    manifest = json.loads((root / "zarr.json").read_text())["consolidated_metadata"]["metadata"]
+    by_group: dict[str, list[str]] = {}
+    for key, t in flat.items():
+        path = _path(key)
+        leaf = path.rsplit("/", 1)[-1]
+        own = json.loads((root / path / "zarr.json").read_text())
+        assert own["dimension_names"] == [f"{leaf}_dim_{i}" for i in range(t.dim())], key
+        assert manifest[path]["dimension_names"] == own["dimension_names"]
+        assert zarr.open_array(str(root / path), mode="r").metadata.dimension_names == tuple(own["dimension_names"])
+        by_group.setdefault(path.rsplit("/", 1)[0], []).extend(own["dimension_names"])
+    for group, names in by_group.items():
+        assert len(names) == len(set(names)), group
+
+
+def test_xarray_opens_every_group_bit_exact(saved) -> None:
+    xr = pytest.importorskip("xarray")
+    root, flat = saved
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in flat.items():
+        group, _, name = _path(key).rpartition("/")
+        groups.setdefault(group, {})[name] = t
+    assert len(groups) >= 4 and any(len({t.shape for t in g.values()}) > 1 for g in groups.values())
+    for group, arrays in groups.items():
+        ds = xr.open_zarr(str(root), group=group, consolidated=False)
+        assert set(ds.data_vars) == set(arrays), group
+        for name, want in arrays.items():
+            got = ds[name].values
+            assert str(got.dtype) == _dtype_name(want.dtype), (group, name)
+            _assert_same_bits(got, want, f"xarray {group}/{name}")
+
+
+def test_a_checkpoint_without_dimension_names_still_loads(tmp_path: Path) -> None:
+    """Checkpoints written before dimension_names was added: no such field in any array document."""
+    url = tmp_path / "old"
+    state = {"w": _random((6, 5), torch.bfloat16, 1), "c": _random((3,), torch.complex128, 2), "s": torch.tensor(7)}
+    zarrckpt.save(state, str(url))
+    for meta in url.rglob("zarr.json"):
+        doc = json.loads(meta.read_text())
+        doc.pop("dimension_names", None)
+        for node in doc.get("consolidated_metadata", {}).get("metadata", {}).values():
+            node.pop("dimension_names", None)
+        meta.write_text(json.dumps(doc))
+    assert b"dimension_names" not in b"".join(p.read_bytes() for p in url.rglob("zarr.json"))
+    target = {k: torch.empty_like(v) for k, v in state.items()}
+    zarrckpt.load(target, str(url))
+    for key, want in state.items():
+        _assert_same_bits(target[key], want, f"load {key}")
+    ckpt = zarrckpt.open(str(url))
+    ckpt.verify()
+    _assert_same_bits(ckpt["w"].read(), state["w"], "open")
+    _assert_same_bits(zarr.open_group(str(url), mode="r")["c"][...], state["c"], "zarr")
+
+
+# -- complex and unsigned types through zarrckpt itself ---------------------------------------------
+
+
+def test_zarrckpt_load_and_open_every_dtype(saved) -> None:
+    root, flat = saved
+    target = {k: torch.empty_like(v) for k, v in flat.items()}
+    zarrckpt.load(target, str(root), strict=False)
+    ckpt = zarrckpt.open(str(root))
+    for key, want in flat.items():
+        assert target[key].dtype == want.dtype, key
+        _assert_same_bits(target[key], want, f"load {key}")
+        view = ckpt[key]
+        assert view.dtype == want.dtype, key
+        _assert_same_bits(view.read(), want, f"open {key}")
+        values = view.numpy()
+        assert str(values.dtype) == _dtype_name(want.dtype), key  # ml_dtypes' types for bf16 / fp8
+        _assert_same_bits(values, want, f"numpy {key}")
+
+
+def test_numpy_arrays_of_complex_and_unsigned_types_round_trip(tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+    state = {
+        "c64": (rng.standard_normal((4, 3)) + 1j * rng.standard_normal((4, 3))).astype(np.complex64),
+        "c128": np.array([complex("nan+infj"), -0.0 + 5e-324j], dtype=np.complex128),
+        "u64": np.array([0, 2**64 - 1, 2**63], dtype=np.uint64),
+        "u32": rng.integers(0, 2**32, size=(2, 2, 2), dtype=np.uint32),
+        "u16": np.array(65535, dtype=np.uint16),
+    }
+    zarrckpt.save(state, str(tmp_path / "ck"))
+    target = {k: np.zeros_like(v) for k, v in state.items()}
+    zarrckpt.load(target, str(tmp_path / "ck"))
+    for key, want in state.items():
+        assert target[key].dtype == want.dtype, key
+        np.testing.assert_array_equal(_bits(target[key]), _bits(want), err_msg=key)
+        doc = json.loads((tmp_path / "ck" / key / "zarr.json").read_text())
+        assert doc["data_type"] == str(want.dtype), key
+        assert doc["fill_value"] == ([0.0, 0.0] if want.dtype.kind == "c" else 0), key

@@ -8,6 +8,7 @@ import random
 from typing import Any
 
 import fsspec
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -131,7 +132,18 @@ def test_leaf_that_is_also_a_prefix(tmp_path: Any) -> None:
         zarrckpt.save({"a.b": torch.zeros(1), "a": {"b": {"c": torch.zeros(1)}}}, str(tmp_path / "ck"))
 
 
-@pytest.mark.parametrize("value", [object(), torch.zeros(2, dtype=torch.complex64), [object()]])
+@pytest.mark.parametrize(
+    "value",
+    [
+        object(),
+        torch.zeros(2, dtype=torch.float8_e4m3fnuz),
+        torch.zeros(2, dtype=torch.float8_e5m2fnuz),
+        [object()],
+        np.zeros(2, ">f4"),
+        np.zeros(2, "U3"),
+        np.zeros(2, ml_dtypes.bfloat16),
+    ],
+)
 def test_unsupported_values_are_refused(tmp_path: Any, value: Any) -> None:
     with pytest.raises(UnsupportedValueError, match="'v'"):
         zarrckpt.save({"v": value}, str(tmp_path / "ck"))

@@ -14,8 +14,8 @@ import pytest
 import tensorstore as ts
 import zarr
 
-from zarrckpt import zarr_dtypes
-from zarrckpt.zarr_dtypes import register_zarr_dtypes
+import zarrckpt_dtypes as zarr_dtypes
+from zarrckpt_dtypes import register_zarr_dtypes
 
 EMPTY = 2**64 - 1
 BYTES_LE = {"name": "bytes", "configuration": {"endian": "little"}}
@@ -191,3 +191,89 @@ def test_register_never_raises(monkeypatch: pytest.MonkeyPatch, caplog: pytest.L
     with caplog.at_level(logging.DEBUG, logger=zarr_dtypes.__name__):
         register_zarr_dtypes()
     assert "zarr too old" in caplog.text
+
+
+def test_one_table_agrees_with_torch_numpy_zarr_and_safetensors(tmp_path: Path) -> None:
+    """zarrckpt_dtypes.TABLE is the one dtype table: check every row against the libraries."""
+    import torch
+    from safetensors.torch import save_file
+    from zarr.dtype import data_type_registry, parse_data_type
+
+    from zarrckpt import dtypes
+    from zarrckpt.export import SAFETENSORS_DTYPES
+
+    assert tuple(d.name for d in zarr_dtypes.TABLE) == dtypes.SUPPORTED
+    assert len(set(dtypes.SUPPORTED)) == len(dtypes.SUPPORTED)
+    for row in zarr_dtypes.TABLE:
+        t = getattr(torch, row.torch)
+        values = zarr_dtypes.value_dtype(row.name)
+        assert torch.empty(0, dtype=t).element_size() == row.itemsize == values.itemsize, row
+        assert dtypes.zarr_name(t) == row.name and dtypes.torch_dtype(row.name) is t
+        assert dtypes.storage_dtype(row.name) == np.dtype(row.bits)
+        # zarr-python: the core names are built in, the others are this package's classes
+        assert row.in_zarr_python == (row.defined_by == "core"), row
+        assert (data_type_registry.get(row.name).__module__ == "zarrckpt_dtypes") != row.in_zarr_python
+        zdtype = parse_data_type(row.name, zarr_format=3)
+        assert zdtype.to_native_dtype() == values, row
+        zero = zdtype.from_json_scalar(zarr_dtypes.fill_value(row.name), zarr_format=3)
+        assert not np.asarray(zero).astype(np.float64 if row.kind != "complex" else np.complex128).any()
+        # safetensors: the name it writes for this torch dtype, or it has none
+        if row.safetensors is None:
+            assert t not in SAFETENSORS_DTYPES
+            with pytest.raises(Exception):  # noqa: B017 - whatever safetensors raises for a dtype it lacks
+                save_file({"x": torch.zeros(2, dtype=t)}, tmp_path / "x.safetensors")
+        else:
+            assert SAFETENSORS_DTYPES[t] == row.safetensors
+            save_file({"x": torch.zeros(2, dtype=t)}, tmp_path / "x.safetensors")
+            raw = (tmp_path / "x.safetensors").read_bytes()
+            header = json.loads(raw[8 : 8 + struct.unpack("<Q", raw[:8])[0]])
+            assert header["x"]["dtype"] == row.safetensors, row
+
+
+def test_float8_e4m3fn_is_not_an_alias_of_float8_e4m3() -> None:
+    """zarr-extensions' float8_e4m3 has infinities; float8_e4m3fn (torch, TensorStore) has none."""
+    from zarr.dtype import data_type_registry
+
+    assert zarr_dtypes.BY_NAME["float8_e4m3fn"].defined_by == "none"
+    assert "float8_e4m3" not in zarr_dtypes.BY_NAME
+    with pytest.raises(KeyError):
+        data_type_registry.get("float8_e4m3")
+    # the encodings differ: 0x78 is +inf in float8_e4m3, 256 in float8_e4m3fn
+    assert float(np.array(0x78, np.uint8).view(ml_dtypes.float8_e4m3fn)) == 256.0
+    assert np.isinf(float(np.array(0x78, np.uint8).view(ml_dtypes.float8_e4m3)))
+
+
+@pytest.mark.parametrize("name", [d.name for d in zarr_dtypes.TABLE])
+def test_tensorstore_accepts_every_name(tmp_path: Path, name: str) -> None:
+    """Each data_type zarrckpt writes opens in TensorStore's zarr3 driver (FORMAT.md says so)."""
+    fill = zarr_dtypes.fill_value(name)
+    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path)}}
+    store = ts.open({**spec, "metadata": {"shape": [3], "data_type": name, "fill_value": fill}}, create=True).result()
+    assert store.dtype.numpy_dtype == zarr_dtypes.value_dtype(name)
+
+
+def test_tensorstore_refuses_zarr_extensions_float8_e4m3(tmp_path: Path) -> None:
+    """Recorded in FORMAT.md: TensorStore (0.1.86) does not know zarr-extensions' float8_e4m3."""
+    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path)}}
+    with pytest.raises(ValueError, match="float8_e4m3"):
+        ts.open({**spec, "metadata": {"shape": [3], "data_type": "float8_e4m3", "fill_value": 0}}, create=True).result()
+
+
+def test_format_md_lists_exactly_the_table() -> None:
+    """docs/FORMAT.md's data type table says what zarrckpt_dtypes.TABLE says, row by row."""
+    text = (Path(__file__).parent.parent / "docs" / "FORMAT.md").read_text()
+    section = text[text.index("### Data types") : text.index("### Attributes")]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 7 and cells[0].startswith("`") and cells[0] != "`data_type`":
+            rows[cells[0].strip("`")] = cells
+    assert list(rows) == [d.name for d in zarr_dtypes.TABLE]
+    for row in zarr_dtypes.TABLE:
+        _, torch_name, size, defined_by, in_zarr, tensorstore, safetensors = rows[row.name]
+        assert torch_name == f"`torch.{row.torch}`" and int(size) == row.itemsize, row
+        expected = {"core": "core spec", "zarr-extensions": "[zarr-extensions]", "none": "**not registered**"}
+        assert defined_by.startswith(expected[row.defined_by]), row
+        assert in_zarr == ("built in" if row.in_zarr_python else "`zarrckpt_dtypes`"), row
+        assert tensorstore == "yes", row  # test_tensorstore_accepts_every_name
+        assert safetensors.startswith(f"`{row.safetensors}`" if row.safetensors else "none"), row

@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import torch
 
@@ -216,12 +215,8 @@ class TensorView:
     def numpy(self, index: Any = Ellipsis) -> np.ndarray:
         """As numpy (bfloat16 / float8 as ``ml_dtypes`` types, bit-exact)."""
         raw = self._raw(index)
-        exotic = {
-            "bfloat16": ml_dtypes.bfloat16,
-            "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
-            "float8_e5m2": ml_dtypes.float8_e5m2,
-        }.get(self.meta.dtype)
-        return raw.view(exotic) if exotic is not None else raw
+        values = dtypes.value_dtype(self.meta.dtype)
+        return raw.view(values) if raw.dtype != values else raw
 
     def _raw(self, index: Any) -> np.ndarray:
         box, local = _plan_index(index, self.shape)

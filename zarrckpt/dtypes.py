@@ -1,31 +1,40 @@
-"""Torch dtypes <-> Zarr v3 data type names <-> the numpy dtype used to move the raw bytes."""
+"""Torch dtypes <-> Zarr v3 data type names <-> the numpy dtype used to move the raw bytes.
+
+Derived from the one table, :data:`zarrckpt_dtypes.TABLE`.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from zarrckpt_dtypes import BY_NAME, TABLE, fill_value, value_dtype
+
 from .errors import UnsupportedValueError
 
-# name in zarr.json (TensorStore's zarr3 names) -> (torch dtype, numpy dtype holding the same bits)
-_TABLE: dict[str, tuple[torch.dtype, np.dtype]] = {
-    "float64": (torch.float64, np.dtype("<f8")),
-    "float32": (torch.float32, np.dtype("<f4")),
-    "float16": (torch.float16, np.dtype("<f2")),
-    "bfloat16": (torch.bfloat16, np.dtype("<u2")),
-    "float8_e4m3fn": (torch.float8_e4m3fn, np.dtype("u1")),
-    "float8_e5m2": (torch.float8_e5m2, np.dtype("u1")),
-    "int64": (torch.int64, np.dtype("<i8")),
-    "int32": (torch.int32, np.dtype("<i4")),
-    "int16": (torch.int16, np.dtype("<i2")),
-    "int8": (torch.int8, np.dtype("i1")),
-    "uint8": (torch.uint8, np.dtype("u1")),
-    "bool": (torch.bool, np.dtype("?")),
-}
-_BY_TORCH = {t: name for name, (t, _) in _TABLE.items()}
-_VIEW_AS = {torch.bfloat16: torch.uint16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
+__all__ = [
+    "SUPPORTED",
+    "as_numpy",
+    "fill_value",
+    "is_known",
+    "numpy_name",
+    "safetensors_name",
+    "storage_dtype",
+    "torch_dtype",
+    "value_dtype",
+    "zarr_name",
+]
 
-SUPPORTED = tuple(_TABLE)
+_TORCH: dict[str, torch.dtype] = {d.name: getattr(torch, d.torch) for d in TABLE}
+_BY_TORCH = {t: name for name, t in _TORCH.items()}
+_STORAGE = {d.name: np.dtype(d.bits) for d in TABLE}
+# torch dtypes numpy has no type for: viewed as the unsigned integer of their width
+_VIEW_AS = {_TORCH[d.name]: getattr(torch, np.dtype(d.bits).name) for d in TABLE if d.bits != d.numpy}
+
+# numpy arrays (kind "ndarray"): the dtypes numpy itself has, in native (little-endian) byte order
+_BY_NUMPY = {np.dtype(d.numpy): d.name for d in TABLE if d.in_zarr_python}
+
+SUPPORTED = tuple(d.name for d in TABLE)
 
 
 def zarr_name(dtype: torch.dtype) -> str:
@@ -35,25 +44,36 @@ def zarr_name(dtype: torch.dtype) -> str:
         raise UnsupportedValueError(f"dtype {dtype} is not supported; supported: {', '.join(SUPPORTED)}") from None
 
 
+def numpy_name(dtype: np.dtype) -> str:
+    """The data_type name of a numpy array's dtype (UnsupportedValueError when there is none)."""
+    try:
+        return _BY_NUMPY[dtype]
+    except (KeyError, TypeError):
+        supported = ", ".join(str(d) for d in _BY_NUMPY)
+        raise UnsupportedValueError(
+            f"numpy dtype {dtype} is not supported; supported (little-endian): {supported}"
+        ) from None
+
+
 def torch_dtype(name: str) -> torch.dtype:
-    return _TABLE[name][0]
+    return _TORCH[name]
 
 
 def storage_dtype(name: str) -> np.dtype:
     """The numpy dtype whose bytes equal the stored element bytes (bit pattern for bf16/fp8)."""
-    return _TABLE[name][1]
+    return _STORAGE[name]
+
+
+def safetensors_name(dtype: torch.dtype) -> str | None:
+    """The safetensors dtype name of a supported torch dtype (None: safetensors has none)."""
+    name = _BY_TORCH.get(dtype)
+    return None if name is None else BY_NAME[name].safetensors
 
 
 def is_known(name: object) -> bool:
-    return isinstance(name, str) and name in _TABLE
+    return isinstance(name, str) and name in _STORAGE
 
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:
     """A numpy view (no copy) of a CPU tensor's raw element bits."""
     return t.view(_VIEW_AS[t.dtype]).numpy() if t.dtype in _VIEW_AS else t.numpy()
-
-
-def fill_value(name: str) -> bool | float | int:
-    if name == "bool":
-        return False
-    return 0.0 if name.startswith(("float", "bfloat")) else 0

@@ -31,7 +31,7 @@ from . import commit as protocol
 from . import dtypes
 from .checkpoint import Checkpoint, TensorView
 from .checkpoint import open as open_checkpoint
-from .errors import ZarrckptError
+from .errors import UnsupportedValueError, ZarrckptError
 from .keys import ROLES
 
 __all__ = [
@@ -51,20 +51,11 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 _SHARD_NAME = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 
-# torch dtype <-> safetensors dtype name
+# torch dtype <-> safetensors dtype name, from the one dtype table (complex128: safetensors has none)
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
+    dtypes.torch_dtype(name): st
+    for name in dtypes.SUPPORTED
+    if (st := dtypes.safetensors_name(dtypes.torch_dtype(name)))
 }
 _CASTS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -223,6 +214,11 @@ def _select(
             )
         seen[name] = key
         out_dtype = cast if cast is not None and view.dtype.is_floating_point else view.dtype
+        if out_dtype not in SAFETENSORS_DTYPES:
+            raise UnsupportedValueError(
+                f"{key!r} is {str(out_dtype).removeprefix('torch.')}, which safetensors cannot hold; "
+                f"leave it out with include= or roles= (safetensors dtypes: {', '.join(SAFETENSORS_DTYPES.values())})"
+            )
         items.append(_Item(name, view, out_dtype))
     if not items:
         filters = [f"roles {sorted(wanted)}" if wanted is not None else "", f"include {patterns}" if patterns else ""]

@@ -74,6 +74,7 @@ class ArrayMeta:
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(self.shard_shape)}},
             "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
             "fill_value": dtypes.fill_value(self.dtype),
+            "dimension_names": dimension_names(self.path, len(self.shape)),
             "codecs": [
                 {
                     "name": "sharding_indexed",
@@ -138,6 +139,16 @@ class ArrayMeta:
             raise bad(f"inner chunks {_short(chunk)} do not evenly divide shards {_short(shard)}")
         if not dtypes.is_known(dtype):
             raise bad(f"unsupported data_type {_short(dtype)}")
+        names = doc.get("dimension_names", None)  # optional: checkpoints written before it was added lack it
+        if names is not None and (
+            not isinstance(names, list)
+            or len(names) != len(shape)
+            or not all(n is None or isinstance(n, str) for n in names)
+        ):
+            raise bad(
+                f"field 'dimension_names' must list one name (a string or null) per dimension "
+                f"({len(shape)}), not {_short(names)}"
+            )
         if role not in ROLES or kind not in KINDS:
             raise bad(f"unknown role {_short(role)} or kind {_short(kind)}")
         if kind == "bytes" and (dtype != "uint8" or len(shape) != 1):
@@ -193,6 +204,17 @@ def _fill_meaning(value: Any) -> Any:
     if isinstance(value, (bool, int, float)) and value == 0 and str(value) != "-0.0":
         return 0
     return value
+
+
+def dimension_names(path: str, rank: int) -> list[str]:
+    """An array's ``dimension_names``: ``NAME_dim_0``, ``NAME_dim_1``, ... (``[]`` for 0-d), NAME
+    being the last segment of its path (``model/fc/weight`` -> ``weight_dim_0``, ``weight_dim_1``).
+
+    Unique within the array's group, so xarray can open any group as a Dataset: plain ``dim_0``
+    names would be shared by sibling arrays, and xarray refuses shared names of different sizes
+    (``cls_token`` [1, 1, D] beside ``pos_embed`` [1, N, D])."""
+    name = path.rsplit("/", 1)[-1]
+    return [f"{name}_dim_{i}" for i in range(rank)]
 
 
 _REQUIRED: Any = object()

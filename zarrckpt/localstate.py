@@ -137,10 +137,9 @@ def _collect_leaf(state: LocalState, key: str, path: Path, value: Any, allow_pic
         box = Box.full((len(raw),))
         state.tensors[key] = LocalTensor(key, path, data, (len(raw),), box, "uint8", "bytes", {}, python_type)
     elif isinstance(value, np.ndarray):
-        data = torch.from_numpy(np.ascontiguousarray(value))
-        state.tensors[key] = LocalTensor(
-            key, path, data, value.shape, Box.full(value.shape), dtypes.zarr_name(data.dtype), "ndarray"
-        )
+        name = dtypes.numpy_name(value.dtype)
+        data = torch.from_numpy(np.ascontiguousarray(value).reshape(value.shape))  # 0-d stays 0-d
+        state.tensors[key] = LocalTensor(key, path, data, value.shape, Box.full(value.shape), name, "ndarray")
     elif isinstance(value, (torch.Tensor, LocalShard)):
         data, shape, box, topology = tensor_box(value)
         state.tensors[key] = LocalTensor(key, path, data, shape, box, dtypes.zarr_name(data.dtype), "tensor", topology)
