@@ -225,3 +225,74 @@ def test_module_entry_point(url: str) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert len(json.loads(proc.stdout)) == 4
+
+
+def python(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter that imports this checkout's zarrckpt."""
+    env = {**os.environ, "PYTHONPATH": str(Path(cli.__file__).parents[1])}
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_inspecting_commands_do_not_import_torch(url: str) -> None:
+    code = """
+import contextlib, io, sys
+from zarrckpt import cli
+url = sys.argv[1]
+with contextlib.redirect_stdout(io.StringIO()):
+    for argv in (["ls", url], ["ls", url, "--json"], ["info", url], ["verify", url], ["gc", url, "--dry-run"]):
+        assert cli.main(argv) == 0, argv
+    try:
+        cli.main(["--help"])
+    except SystemExit as e:
+        assert e.code == 0
+heavy = sorted(m for m in ("torch", "zarr", "ml_dtypes") if m in sys.modules)
+assert not heavy, f"imported: {heavy}"
+"""
+    proc = python(code, url)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_public_api_still_imports() -> None:
+    code = """
+import sys
+import zarrckpt
+assert "torch" not in sys.modules
+from zarrckpt import save, load, open, CheckpointManager, ZarrReader, LocalShard, register_zarr_dtypes
+assert "torch" in sys.modules
+assert set(zarrckpt.__all__) <= set(dir(zarrckpt))
+for name in zarrckpt.__all__:
+    getattr(zarrckpt, name)
+assert zarrckpt.open is open and zarrckpt.save is save
+try:
+    zarrckpt.nonexistent
+except AttributeError as e:
+    assert "nonexistent" in str(e)
+else:
+    raise AssertionError("no AttributeError")
+"""
+    proc = python(code)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_zarr_learns_our_dtypes_when_imported_after_zarrckpt(url: str) -> None:
+    code = """
+import sys
+import zarrckpt
+assert "zarr" not in sys.modules
+import zarr
+from zarr.dtype import data_type_registry
+assert data_type_registry.get("bfloat16").__module__ == "zarrckpt.zarr_dtypes"
+arr = zarr.open_array(sys.argv[1] + "/model/bf", mode="r", zarr_format=3)
+print(arr.dtype, arr.shape)
+"""
+    proc = python(code, url)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["bfloat16", "(7,", "5)"]
+
+
+def test_cli_constants_match_the_library() -> None:
+    from zarrckpt.export import DEFAULT_MAX_SHARD_BYTES, parse_size
+    from zarrckpt.importer import KINDS
+
+    assert cli.IMPORT_KINDS == KINDS
+    assert parse_size(cli.DEFAULT_SHARD_SIZE) == DEFAULT_MAX_SHARD_BYTES

@@ -1,7 +1,8 @@
 """Read-only, lazy access to a committed checkpoint: ``zarrckpt.open(url)``.
 
 Opening reads the manifest only (one GET); indexing a tensor reads just the inner chunks the
-index touches. No process group is needed.
+index touches. No process group is needed. torch is imported only to hand tensors out (indexing,
+``dtype``): listing and verifying a checkpoint never import it (``zarrckpt ls`` starts fast).
 """
 
 from __future__ import annotations
@@ -10,11 +11,9 @@ import difflib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import ml_dtypes
 import numpy as np
-import torch
 
 from . import commit as protocol
 from . import dtypes, values
@@ -25,6 +24,9 @@ from .keys import nest
 from .layout import Box
 from .reader import Request, read_regions, verify_array
 from .storage import Storage
+
+if TYPE_CHECKING:
+    import torch
 
 
 def open(url: Any, *, storage_options: dict[str, Any] | None = None, partial_reads: bool = True) -> Checkpoint:
@@ -164,6 +166,8 @@ class TensorView:
 
     def __getitem__(self, index: Any) -> torch.Tensor:
         """The indexed part as a tensor: ints (negative too), slices (with steps), ``...``."""
+        import torch
+
         out = torch.from_numpy(self._raw(index))
         return out.view(self.dtype) if out.dtype != self.dtype else out
 
@@ -173,6 +177,8 @@ class TensorView:
 
     def numpy(self, index: Any = Ellipsis) -> np.ndarray:
         """As numpy (bfloat16 / float8 as ``ml_dtypes`` types, bit-exact)."""
+        import ml_dtypes  # 0.5 s to import: only when asked for
+
         raw = self._raw(index)
         exotic = {
             "bfloat16": ml_dtypes.bfloat16,

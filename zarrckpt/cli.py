@@ -4,6 +4,9 @@
 Only the public API is used (``zarrckpt.open``, ``zarrckpt.export``, ``zarrckpt.importer``).
 Exit codes: 0 ok, 1 differences or verify problems, 2 usage errors, 3 zarrckpt errors (bad URL,
 missing checkpoint or source, unknown key or role, bad slice, existing output).
+
+torch is imported only by the commands that handle tensor values (show, diff, export, import):
+``--help``, ``ls``, ``info``, ``verify`` and ``gc`` start in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -13,27 +16,24 @@ import fnmatch
 import json
 import math
 import sys
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 import zarrckpt
 from zarrckpt.cliargs import CliError, parse_duration, parse_storage_options, parse_target
-from zarrckpt.export import DEFAULT_MAX_SHARD_BYTES, ROLES, export_safetensors
-from zarrckpt.importer import KINDS, import_checkpoint
+from zarrckpt.display import human
+from zarrckpt.keys import ROLES
+
+if TYPE_CHECKING:
+    import torch
 
 BLOCK_BYTES = 64 << 20  # tensors larger than this are compared in row blocks
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError  # unreachable
+IMPORT_KINDS = ("dcp", "torch", "safetensors")  # zarrckpt.importer.KINDS (a test keeps them equal)
+DEFAULT_SHARD_SIZE = "5GB"  # zarrckpt.export.DEFAULT_MAX_SHARD_BYTES (a test keeps them equal)
 
 
 def to_jsonable(t: torch.Tensor) -> Any:
+    import torch
+
     if t.is_floating_point() and t.dtype not in (torch.float32, torch.float64):
         t = t.float()  # bfloat16 / float16 / float8
     return t.tolist()
@@ -110,6 +110,8 @@ def cmd_show(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
         t = view[index]
     except zarrckpt.ZarrckptError as e:
         raise CliError(f"bad slice {text!r} for {key!r} of shape {list(view.shape)}: {e}") from None
+    import torch
+
     dtype = str(view.dtype).removeprefix("torch.")
     if args.json:
         emit_json({"key": key, "index": text, "shape": list(t.shape), "dtype": dtype, "values": to_jsonable(t)}, None)
@@ -141,6 +143,8 @@ def cmd_verify(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
 
 def compare(a: zarrckpt.TensorView, b: zarrckpt.TensorView) -> dict[str, Any]:
     """Max abs difference and relative L2 of two same-shape tensors, read in bounded row blocks."""
+    import torch
+
     rows = a.shape[0] if a.shape else 1
     biggest = max(a.nbytes, b.nbytes)
     step = max(1, rows if biggest <= BLOCK_BYTES else BLOCK_BYTES // max(biggest // max(rows, 1), 1))
@@ -226,6 +230,8 @@ def cmd_gc(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
 
 
 def cmd_export(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
+    from zarrckpt.export import export_safetensors
+
     summary = export_safetensors(
         args.url,
         args.out,
@@ -253,6 +259,8 @@ def cmd_export(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
 
 
 def cmd_import(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
+    from zarrckpt.importer import import_checkpoint
+
     summary = import_checkpoint(args.src, args.url, kind=args.kind, storage_options=opts, overwrite=args.overwrite)
     if args.json:
         emit_json(summary)
@@ -318,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strip-prefix", metavar="PREFIX", help="remove this prefix from tensor names, e.g. 'model.'")
     p.add_argument(
         "--max-shard-size",
-        default=f"{DEFAULT_MAX_SHARD_BYTES // 10**9}GB",
+        default=DEFAULT_SHARD_SIZE,
         metavar="SIZE",
         help="largest file, e.g. 500MB, 5GB, 2GiB (default 5GB)",
     )
@@ -328,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("import", parents=[common], help="convert a DCP, torch.save or safetensors checkpoint")
     p.add_argument("src", help="DCP directory, torch.save file, .safetensors file, or directory / index json")
     p.add_argument("url")
-    p.add_argument("--from", dest="kind", choices=KINDS, help="source kind (default: detected)")
+    p.add_argument("--from", dest="kind", choices=IMPORT_KINDS, help="source kind (default: detected)")
     p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at URL")
     p.set_defaults(func=cmd_import)
     return parser
