@@ -98,7 +98,8 @@ class Checkpoint:
         Returns a summary dict: ``{"tensors", "bytes_read", "seconds", "problems": [...]}``; an
         empty ``problems`` list means every shard object is present and every chunk verifies.
         It prints as one line (``print(ckpt.verify())``) and shows as a table in notebooks.
-        ``progress=True`` draws a progress bar on stderr meanwhile.
+        ``progress=True`` draws a progress bar on stderr meanwhile (redrawn in place on a terminal or
+        in a notebook; elsewhere a plain line every 30 s and at the end).
         """
         start = time.perf_counter()
         problems: list[str] = []
