@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
+import pty
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +18,11 @@ import pytest
 import torch
 
 import zarrckpt
-from zarrckpt import cli
+from zarrckpt import cli, clitensors, display, export
+from zarrckpt import commit as protocol
+from zarrckpt.display import human
+from zarrckpt.format import DELETING, MANIFEST
+from zarrckpt.storage import Storage
 
 G = torch.Generator().manual_seed(11)
 EXPERTS = torch.randn(8, 6, 10, generator=G)
@@ -143,8 +151,11 @@ def test_show_errors(url: str, capsys: pytest.CaptureFixture[str], target: str, 
 def test_verify_ok_then_corrupt(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     u = str(tmp_path / "ck")
     zarrckpt.save(state(), u)
-    rc, out, err = run(capsys, "verify", u)
+    rc, out, err = run(capsys, "verify", u, "--progress")
     assert rc == 0 and out.startswith("OK: 4 tensors") and "verify 4/4" in err
+    assert "\r" not in err, "stderr is no terminal: plain lines"
+    rc, out, err = run(capsys, "verify", u)
+    assert rc == 0 and out.startswith("OK: 4 tensors") and err == "", "no progress: stderr is no terminal"
 
     shard = next(p for p in (tmp_path / "ck" / "model" / "layers").rglob("*") if p.is_file() and p.name != "zarr.json")
     data = bytearray(shard.read_bytes())
@@ -186,7 +197,7 @@ def test_diff(url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
 def test_diff_in_row_blocks(
     url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(cli, "BLOCK_BYTES", 6 * 10 * 4)  # one expert per block
+    monkeypatch.setattr(clitensors, "BLOCK_BYTES", 6 * 10 * 4)  # one expert per block
     changed = EXPERTS.clone()
     changed[7, 0, 0] -= 2.0
     other = str(tmp_path / "blocks")
@@ -225,3 +236,278 @@ def test_module_entry_point(url: str) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert len(json.loads(proc.stdout)) == 4
+
+
+def python(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter that imports this checkout's zarrckpt."""
+    env = {**os.environ, "PYTHONPATH": str(Path(cli.__file__).parents[1])}
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_inspecting_commands_do_not_import_torch(url: str) -> None:
+    code = """
+import contextlib, io, sys
+from zarrckpt import cli
+url = sys.argv[1]
+with contextlib.redirect_stdout(io.StringIO()):
+    for argv in (["ls", url], ["ls", url, "--json"], ["info", url], ["verify", url], ["gc", url, "--dry-run"]):
+        assert cli.main(argv) == 0, argv
+    try:
+        cli.main(["--help"])
+    except SystemExit as e:
+        assert e.code == 0
+heavy = sorted(m for m in ("torch", "zarr", "ml_dtypes") if m in sys.modules)
+assert not heavy, f"imported: {heavy}"
+"""
+    proc = python(code, url)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_public_api_still_imports() -> None:
+    code = """
+import sys
+import zarrckpt
+assert "torch" not in sys.modules
+from zarrckpt import save, load, open, CheckpointManager, ZarrReader, LocalShard, register_zarr_dtypes
+assert "torch" in sys.modules
+assert set(zarrckpt.__all__) <= set(dir(zarrckpt))
+for name in zarrckpt.__all__:
+    getattr(zarrckpt, name)
+assert zarrckpt.open is open and zarrckpt.save is save
+try:
+    zarrckpt.nonexistent
+except AttributeError as e:
+    assert "nonexistent" in str(e)
+else:
+    raise AssertionError("no AttributeError")
+"""
+    proc = python(code)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_zarr_learns_our_dtypes_when_imported_after_zarrckpt(url: str) -> None:
+    code = """
+import sys
+import zarrckpt
+assert "zarr" not in sys.modules
+import zarr
+from zarr.dtype import data_type_registry
+assert data_type_registry.get("bfloat16").__module__ == "zarrckpt_dtypes.zarr_types"
+arr = zarr.open_array(sys.argv[1] + "/model/bf", mode="r", zarr_format=3)
+print(arr.dtype, arr.shape)
+"""
+    proc = python(code, url)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["bfloat16", "(7,", "5)"]
+
+
+def test_cli_constants_match_the_library() -> None:
+    from zarrckpt.export import DEFAULT_MAX_SHARD_BYTES, parse_size
+    from zarrckpt.importer import KINDS
+
+    assert cli.IMPORT_KINDS == KINDS
+    assert parse_size(cli.DEFAULT_SHARD_SIZE) == DEFAULT_MAX_SHARD_BYTES
+
+
+def test_ls_root_lists_checkpoints(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "run"
+    manager = zarrckpt.CheckpointManager(str(root), interval=1, keep_last=5, async_save=False)
+    manager.save(1, state())
+    manager.save(20, state(trainer__step=20))
+    manager.close()
+    zarrckpt.save(state(trainer__step=33), str(root / "best"))  # no step in the name: trainer.step
+    died = Storage(str(root / "step_0000000030"))  # a save that died before committing
+    protocol.prepare(died, overwrite=False)
+    died.write("model/bf/c/0/0", [b"partial"])
+    deleting = Storage(str(root / "step_0000000005"))  # a deletion that died half-way
+    zarrckpt.save(state(), deleting.url)
+    deleting.write(DELETING, [json.dumps(protocol.marker_doc("gone")).encode()])
+    deleting.delete(MANIFEST)
+    (root / "notes").mkdir()
+    (root / "notes" / "readme.txt").write_text("not a checkpoint")
+
+    rc, out, err = run(capsys, "ls", str(root))
+    assert rc == 0 and err == ""
+    lines = out.splitlines()
+    assert lines[0].split() == ["NAME", "STATE", "STEP", "TENSORS", "SIZE", "TIME"]
+    rows = {line.split()[0]: line.split() for line in lines[1:6]}
+    assert [line.split()[0] for line in lines[1:6]] == [
+        "step_0000000001",
+        "step_0000000005",
+        "step_0000000020",
+        "step_0000000030",
+        "best",
+    ], "sorted by step"
+    total = human(EXPERTS.nbytes + BF.nbytes + 4 + 5 * 8).split()
+    assert rows["step_0000000001"][1:6] == ["committed", "1", "4", *total]
+    assert rows["best"][1:3] == ["committed", "33"]
+    assert rows["step_0000000030"][1:5] == ["incomplete", "30", "-", "-"]
+    assert rows["step_0000000005"][1:3] == ["deleting", "5"]
+    created = zarrckpt.open(str(root / "best")).manifest.created
+    assert rows["best"][-1] == created and rows["step_0000000030"][-1].startswith(created[:10])
+    assert f"5 checkpoints under {root}: 3 committed, 1 incomplete, 1 deleting" in out
+    assert f"zarrckpt gc {root}" in out and "notes" not in out
+
+    rc, out, _ = run(capsys, "ls", str(root), "--json", "step_*")
+    got = json.loads(out)
+    assert rc == 0 and [r["name"] for r in got] == [f"step_{n:010d}" for n in (1, 5, 20, 30)]
+    assert got[2] | {"time": None} == {
+        "name": "step_0000000020",
+        "url": str(root / "step_0000000020"),
+        "state": "committed",
+        "step": 20,
+        "tensors": 4,
+        "bytes": EXPERTS.nbytes + BF.nbytes + 4 + 5 * 8,
+        "time": None,
+    }
+    assert got[3]["state"] == "incomplete" and got[3]["tensors"] is None and got[3]["time"]
+
+    rc, out, _ = run(capsys, "ls", str(root / "step_0000000020"))  # one checkpoint: its tensors, as before
+    assert rc == 0 and out.splitlines()[0].split() == ["KEY", "ROLE", "DTYPE", "SHAPE", "SIZE"]
+    rc, _, err = run(capsys, "ls", str(root / "step_0000000030"))  # an incomplete one: still an error
+    assert rc == 3 and "never committed" in err
+    rc, _, err = run(capsys, "ls", str(root / "notes"))
+    assert rc == 3 and err.startswith("error: ")
+
+
+def test_json_into_a_closed_pipe_exits_quietly(url: str, tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(Path(cli.__file__).parents[1])}
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # nobody will read: every write fails with EPIPE
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "zarrckpt.cli", "ls", "--json", url],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            env=env,
+        )
+    finally:
+        os.close(write_end)
+    assert proc.returncode == cli.EXIT_BROKEN_PIPE == 141 and proc.stderr == ""
+
+    big = str(tmp_path / "big")
+    zarrckpt.save({"w": torch.randn(200_000, generator=G)}, big)
+    proc = subprocess.run(
+        f"{sys.executable} -m zarrckpt.cli show {big} w --json | head -c 10",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert proc.returncode == 0 and len(proc.stdout) == 10 and proc.stderr == ""
+
+
+def test_progress_only_on_a_terminal(url: str, tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(Path(cli.__file__).parents[1])}
+    cmd = [sys.executable, "-m", "zarrckpt.cli"]
+
+    def stderr_of(*argv: str) -> str:
+        proc = subprocess.run([*cmd, *argv], capture_output=True, text=True, timeout=120, env=env)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stderr
+
+    assert stderr_of("verify", url) == ""
+    assert stderr_of("export", url, str(tmp_path / "a")) == ""
+    err = stderr_of("verify", url, "--progress")  # asked for, into a pipe: plain lines
+    assert "\r" not in err and re.fullmatch(r"verify 4/4 tensors \[#{30}\] 100% [^\n]*/s\n", err), err
+    err = stderr_of("export", url, str(tmp_path / "b"), "--progress")
+    assert "\r" not in err and re.fullmatch(r"export 4/4 tensors \[#{30}\] 100% [^\n]*/s\n", err), err
+
+    primary, replica = pty.openpty()  # a terminal: redrawn in place
+    try:
+        proc = subprocess.run([*cmd, "verify", url], stdout=subprocess.PIPE, stderr=replica, timeout=120, env=env)
+        os.close(replica)
+        seen = b""
+        with contextlib.suppress(OSError):  # EIO once the terminal has nothing more
+            while chunk := os.read(primary, 4096):
+                seen += chunk
+    finally:
+        os.close(primary)
+    assert proc.returncode == 0 and b"\rverify 4/4 tensors [" in seen
+
+    assert cli.human is display.human and export.Progress is display.Progress  # one of each
+    assert not hasattr(export, "_Progress")
+
+
+def test_info_cuts_long_lists(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    u = str(tmp_path / "ck")
+    groups = [{"params": list(range(600)), "lr": 0.1}, {"params": [600, 601], "lr": 0.0}]
+    zarrckpt.save(state(trainer__param_groups=groups, trainer__history=[[i, i * i] for i in range(40)]), u)
+    rc, out, _ = run(capsys, "info", u)
+    assert rc == 0 and '"lr": 0.1' in out
+    assert '"params": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, ... (+590 more)]' in out
+    assert '"params": [600, 601]' in out and "... (+30 more)" in out and "[9, 81]" in out
+    assert len(out.splitlines()) < 60 and "599" not in out
+
+    rc, out, _ = run(capsys, "info", u, "--max-items", "3")
+    assert rc == 0 and '"params": [0, 1, 2, ... (+597 more)]' in out
+    rc, out, _ = run(capsys, "info", u, "--full")
+    assert rc == 0 and ", 598, 599]" in out and "more)" not in out
+    rc, out, _ = run(capsys, "info", u, "--json")
+    # lists of dicts are walked into keys, as DCP flattens them: param_groups.0.params
+    assert rc == 0 and json.loads(out)["metadata"]["trainer"]["param_groups"] == {"0": groups[0], "1": groups[1]}
+
+
+def test_diff_tolerance(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = EXPERTS.clone()
+    base[0, 0, :2] = torch.tensor([math.inf, math.nan])  # equal in both: no difference
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    zarrckpt.save(state(model__layers__3__mlp__experts__w1=base), a)
+    near = base.clone()
+    near[1, 2, 3] += 1e-4
+    near[4] *= 1.01  # within rtol 0.02 of B
+    zarrckpt.save(state(model__layers__3__mlp__experts__w1=near), b)
+
+    rc, out, _ = run(capsys, "diff", a, b)  # default: exact
+    assert rc == 1 and out.splitlines()[-1].startswith("checkpoints differ: 4 tensors compared, 1 differ, max |a-b| ")
+    rc, out, _ = run(capsys, "diff", a, b, "--json")
+    report = json.loads(out)
+    assert rc == 1 and not report["identical"] and not report["within_tolerance"]
+    delta = (near.double() - base.double()).nan_to_num(0.0).abs().max().item()
+    assert report["summary"] == {
+        "compared": 4,
+        "differing": 1,
+        "beyond_tolerance": 1,
+        "max_abs_diff": pytest.approx(delta),
+        "atol": 0.0,
+        "rtol": 0.0,
+    }
+
+    rc, out, _ = run(capsys, "diff", a, b, "--atol", "1e-3", "--rtol", "0.02")
+    (last,) = [line for line in out.splitlines() if not line.startswith("values:")]
+    assert rc == 0 and last.startswith("within tolerance (atol=0.001, rtol=0.02): 4 tensors compared, 1 differ")
+    assert f"{KEY}: max_abs_diff=" in out and "(within tolerance)" in out
+    rc, out, _ = run(capsys, "diff", a, b, "--atol", "1e-3")  # the 1% change is beyond 1e-3
+    assert rc == 1 and "1 differ (1 beyond atol=0.001, rtol=0)" in out
+    rc, out, _ = run(capsys, "diff", a, b, "--rtol", "0.02", "--json")  # 1e-4 of ~1 is within 2%
+    assert rc == 0 and json.loads(out)["within_tolerance"] and not json.loads(out)["identical"]
+
+    rc, out, _ = run(capsys, "diff", a, a, "--atol", "1")
+    assert rc == 0 and out == "identical: 4 tensors compared, 0 differ, max |a-b| 0, metadata equal\n"
+    other = str(tmp_path / "other")
+    zarrckpt.save(state(model__layers__3__mlp__experts__w1=base, trainer__step=8), other)
+    rc, out, _ = run(capsys, "diff", a, other, "--atol", "1")  # metadata differs: no tolerance helps
+    assert rc == 1 and out.splitlines()[-1] == (
+        "checkpoints differ: 4 tensors compared, 0 differ, max |a-b| 0; 1 metadata"
+    )
+    rc, _, err = run(capsys, "diff", a, b, "--atol", "-1")
+    assert rc == 3 and "non-negative" in err
+
+
+def test_python_dash_m_zarrckpt(url: str) -> None:
+    env = {**os.environ, "PYTHONPATH": str(Path(cli.__file__).parents[1])}
+
+    def run_m(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=60, env=env)
+
+    proc = run_m("-m", "zarrckpt", "ls", url, "--json", "model.*")
+    assert proc.returncode == 0, proc.stderr
+    assert len(json.loads(proc.stdout)) == 4
+    helps = [run_m("-m", m, "--help") for m in ("zarrckpt", "zarrckpt.cli")]
+    assert helps[0].returncode == 0 and helps[0].stdout == helps[1].stdout
+    assert helps[0].stdout.startswith("usage: zarrckpt ")
+    proc = run_m("-m", "zarrckpt", "info", url + "-missing")
+    assert proc.returncode == 3 and proc.stderr.startswith("error: no checkpoint at")

@@ -416,7 +416,10 @@ def test_plain_zarr_reads_the_checkpoint_without_zarrckpt(saved, tmp_path: Path,
     proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["modules"] == ["zarrckpt_dtypes"]  # the entry point's module; no torch, no zarrckpt
+    assert report["modules"] == [
+        "zarrckpt_dtypes",
+        "zarrckpt_dtypes.zarr_types",
+    ]  # the entry point's module; no torch, no zarrckpt
     assert set(report["arrays"]) == {_path(k) for k in flat}
     for key, want in flat.items():
         dtype, shape, hexbytes = report["arrays"][_path(key)]
@@ -431,10 +434,11 @@ def test_zarr_entry_points_are_declared_and_load_without_torch() -> None:
     code = """
 import sys
 from importlib.metadata import entry_points
-types = {e.name: e.load() for e in entry_points(group="zarr.data_type") if e.value.startswith("zarrckpt_dtypes:")}
+OURS = "zarrckpt_dtypes.zarr_types:"
+types = {e.name: e.load() for e in entry_points(group="zarr.data_type") if e.value.startswith(OURS)}
 assert sorted(types) == ["bfloat16", "float8_e4m3fn", "float8_e5m2"], types
 assert all(cls._zarr_v3_name == name for name, cls in types.items())
-(buffer,) = [e for e in entry_points(group="zarr.buffer") if e.value.startswith("zarrckpt_dtypes:")]
+(buffer,) = [e for e in entry_points(group="zarr.buffer") if e.value.startswith(OURS)]
 from zarr.core.buffer.cpu import Buffer
 assert buffer.load() is Buffer  # registers nothing new as a buffer
 from zarr.dtype import data_type_registry

@@ -14,8 +14,9 @@ import pytest
 import tensorstore as ts
 import zarr
 
-import zarrckpt_dtypes as zarr_dtypes
-from zarrckpt_dtypes import register_zarr_dtypes
+import zarrckpt_dtypes
+import zarrckpt_dtypes.zarr_types as zarr_dtypes
+from zarrckpt_dtypes.zarr_types import register_zarr_dtypes
 
 EMPTY = 2**64 - 1
 BYTES_LE = {"name": "bytes", "configuration": {"endian": "little"}}
@@ -202,20 +203,20 @@ def test_one_table_agrees_with_torch_numpy_zarr_and_safetensors(tmp_path: Path) 
     from zarrckpt import dtypes
     from zarrckpt.export import SAFETENSORS_DTYPES
 
-    assert tuple(d.name for d in zarr_dtypes.TABLE) == dtypes.SUPPORTED
+    assert tuple(d.name for d in zarrckpt_dtypes.TABLE) == dtypes.SUPPORTED
     assert len(set(dtypes.SUPPORTED)) == len(dtypes.SUPPORTED)
-    for row in zarr_dtypes.TABLE:
+    for row in zarrckpt_dtypes.TABLE:
         t = getattr(torch, row.torch)
-        values = zarr_dtypes.value_dtype(row.name)
+        values = zarrckpt_dtypes.value_dtype(row.name)
         assert torch.empty(0, dtype=t).element_size() == row.itemsize == values.itemsize, row
         assert dtypes.zarr_name(t) == row.name and dtypes.torch_dtype(row.name) is t
         assert dtypes.storage_dtype(row.name) == np.dtype(row.bits)
         # zarr-python: the core names are built in, the others are this package's classes
         assert row.in_zarr_python == (row.defined_by == "core"), row
-        assert (data_type_registry.get(row.name).__module__ == "zarrckpt_dtypes") != row.in_zarr_python
+        assert (data_type_registry.get(row.name).__module__ == "zarrckpt_dtypes.zarr_types") != row.in_zarr_python
         zdtype = parse_data_type(row.name, zarr_format=3)
         assert zdtype.to_native_dtype() == values, row
-        zero = zdtype.from_json_scalar(zarr_dtypes.fill_value(row.name), zarr_format=3)
+        zero = zdtype.from_json_scalar(zarrckpt_dtypes.fill_value(row.name), zarr_format=3)
         assert not np.asarray(zero).astype(np.float64 if row.kind != "complex" else np.complex128).any()
         # safetensors: the name it writes for this torch dtype, or it has none
         if row.safetensors is None:
@@ -234,8 +235,8 @@ def test_float8_e4m3fn_is_not_an_alias_of_float8_e4m3() -> None:
     """zarr-extensions' float8_e4m3 has infinities; float8_e4m3fn (torch, TensorStore) has none."""
     from zarr.dtype import data_type_registry
 
-    assert zarr_dtypes.BY_NAME["float8_e4m3fn"].defined_by == "none"
-    assert "float8_e4m3" not in zarr_dtypes.BY_NAME
+    assert zarrckpt_dtypes.BY_NAME["float8_e4m3fn"].defined_by == "none"
+    assert "float8_e4m3" not in zarrckpt_dtypes.BY_NAME
     with pytest.raises(KeyError):
         data_type_registry.get("float8_e4m3")
     # the encodings differ: 0x78 is +inf in float8_e4m3, 256 in float8_e4m3fn
@@ -243,13 +244,13 @@ def test_float8_e4m3fn_is_not_an_alias_of_float8_e4m3() -> None:
     assert np.isinf(float(np.array(0x78, np.uint8).view(ml_dtypes.float8_e4m3)))
 
 
-@pytest.mark.parametrize("name", [d.name for d in zarr_dtypes.TABLE])
+@pytest.mark.parametrize("name", [d.name for d in zarrckpt_dtypes.TABLE])
 def test_tensorstore_accepts_every_name(tmp_path: Path, name: str) -> None:
     """Each data_type zarrckpt writes opens in TensorStore's zarr3 driver (FORMAT.md says so)."""
-    fill = zarr_dtypes.fill_value(name)
+    fill = zarrckpt_dtypes.fill_value(name)
     spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path)}}
     store = ts.open({**spec, "metadata": {"shape": [3], "data_type": name, "fill_value": fill}}, create=True).result()
-    assert store.dtype.numpy_dtype == zarr_dtypes.value_dtype(name)
+    assert store.dtype.numpy_dtype == zarrckpt_dtypes.value_dtype(name)
 
 
 def test_tensorstore_refuses_zarr_extensions_float8_e4m3(tmp_path: Path) -> None:
@@ -268,8 +269,8 @@ def test_format_md_lists_exactly_the_table() -> None:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 7 and cells[0].startswith("`") and cells[0] != "`data_type`":
             rows[cells[0].strip("`")] = cells
-    assert list(rows) == [d.name for d in zarr_dtypes.TABLE]
-    for row in zarr_dtypes.TABLE:
+    assert list(rows) == [d.name for d in zarrckpt_dtypes.TABLE]
+    for row in zarrckpt_dtypes.TABLE:
         _, torch_name, size, defined_by, in_zarr, tensorstore, safetensors = rows[row.name]
         assert torch_name == f"`torch.{row.torch}`" and int(size) == row.itemsize, row
         expected = {"core": "core spec", "zarr-extensions": "[zarr-extensions]", "none": "**not registered**"}

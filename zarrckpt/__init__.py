@@ -1,12 +1,16 @@
-"""zarrckpt: topology-independent PyTorch checkpoints as Zarr v3 global tensors on any fsspec storage."""
+"""zarrckpt: topology-independent PyTorch checkpoints as Zarr v3 global tensors on any fsspec storage.
+
+The public names are imported on first use (PEP 562), so that ``import zarrckpt`` (and the
+``zarrckpt`` command) does not pay for torch, zarr and ml_dtypes until they are needed.
+"""
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from . import errors
-from .api import load, save
-from .asyncsave import async_save
-from .checkpoint import Checkpoint, TensorView, open
-from .dcp import ZarrReader, ZarrWriter
+from ._zarr_hook import register_with_zarr
 from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -16,21 +20,61 @@ from .errors import (
     InvalidCheckpointError,
     KeyNotFoundError,
     LayoutMismatchError,
+    ModifiedCheckpointError,
     SaveLayoutError,
     StorageError,
     UnsupportedValueError,
     ZarrckptError,
 )
-from .export import export_safetensors
-from .importer import import_checkpoint
-from .lifecycle import collect_garbage, delete, list_checkpoints
-from .localstate import LocalShard
-from .manager import CheckpointManager
-from .zarr_dtypes import register_zarr_dtypes
+
+if TYPE_CHECKING:
+    from .api import load, save
+    from .asyncsave import async_save
+    from .checkpoint import Checkpoint, TensorView, open
+    from .dcp import ZarrReader, ZarrWriter
+    from .export import export_safetensors
+    from .importer import import_checkpoint
+    from .lifecycle import collect_garbage, delete, list_checkpoints
+    from .localstate import LocalShard
+    from .manager import CheckpointManager
+    from .zarr_dtypes import register_zarr_dtypes as register_zarr_dtypes
 
 __version__ = "0.1.0"
 
-register_zarr_dtypes()  # so plain zarr-python reads our bfloat16 / float8 arrays
+_LAZY = {
+    "load": "api",
+    "save": "api",
+    "async_save": "asyncsave",
+    "Checkpoint": "checkpoint",
+    "TensorView": "checkpoint",
+    "open": "checkpoint",
+    "ZarrReader": "dcp",
+    "ZarrWriter": "dcp",
+    "export_safetensors": "export",
+    "import_checkpoint": "importer",
+    "collect_garbage": "lifecycle",
+    "delete": "lifecycle",
+    "list_checkpoints": "lifecycle",
+    "LocalShard": "localstate",
+    "CheckpointManager": "manager",
+    "register_zarr_dtypes": "zarr_dtypes",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'zarrckpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+register_with_zarr()  # zarr.open_array() skips the entry points (zarrckpt_dtypes.zarr_types): register on import
 
 __all__ = [
     "Checkpoint",
@@ -43,6 +87,7 @@ __all__ = [
     "InvalidCheckpointError",
     "KeyNotFoundError",
     "LayoutMismatchError",
+    "ModifiedCheckpointError",
     "LocalShard",
     "SaveLayoutError",
     "StorageError",

@@ -1,70 +1,131 @@
 """The ``zarrckpt`` command line: ``ls|info|show|verify|diff`` to inspect, ``gc`` to collect leftovers,
-``export|import`` to convert.
+``export|import`` to convert. ``python -m zarrckpt`` is the same command.
 
-Only the public API is used (``zarrckpt.open``, ``zarrckpt.export``, ``zarrckpt.importer``).
-Exit codes: 0 ok, 1 differences or verify problems, 2 usage errors, 3 zarrckpt errors (bad URL,
-missing checkpoint or source, unknown key or role, bad slice, existing output).
+Only the public API is used (``zarrckpt.open``, ``zarrckpt.export``, ``zarrckpt.importer``, the
+lifecycle listing). Exit codes: 0 ok, 1 differences (beyond ``--atol``/``--rtol``) or verify
+problems, 2 usage errors, 3 zarrckpt errors (bad URL, missing checkpoint or source, unknown key or
+role, bad slice, existing output), 130 interrupted, 141 the reader of stdout went away (``| head``;
+the exit status of a tool killed by SIGPIPE), quietly.
+
+torch is imported only by the commands that handle tensor values (show, diff, export, import):
+``--help``, ``ls``, ``info``, ``verify`` and ``gc`` start in a fraction of a second.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fnmatch
-import json
-import math
+import os
+import re
 import sys
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import torch
-
 import zarrckpt
-from zarrckpt.cliargs import CliError, parse_duration, parse_storage_options, parse_target
-from zarrckpt.export import DEFAULT_MAX_SHARD_BYTES, ROLES, export_safetensors
-from zarrckpt.importer import KINDS, import_checkpoint
+from zarrckpt import commit as protocol
+from zarrckpt.cliargs import CliError, emit_json, parse_duration, parse_storage_options
+from zarrckpt.display import human, pretty
+from zarrckpt.keys import ROLES
+from zarrckpt.lifecycle import Entry, scan
+from zarrckpt.storage import Storage
 
-BLOCK_BYTES = 64 << 20  # tensors larger than this are compared in row blocks
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError  # unreachable
+IMPORT_KINDS = ("dcp", "torch", "safetensors")  # zarrckpt.importer.KINDS (a test keeps them equal)
+DEFAULT_SHARD_SIZE = "5GB"  # zarrckpt.export.DEFAULT_MAX_SHARD_BYTES (a test keeps them equal)
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE
+_STEP_NAME = re.compile(r"step[_-]?(\d+)")  # CheckpointManager's step_0000001000, or step-1000
 
 
-def to_jsonable(t: torch.Tensor) -> Any:
-    if t.is_floating_point() and t.dtype not in (torch.float32, torch.float64):
-        t = t.float()  # bfloat16 / float16 / float8
-    return t.tolist()
-
-
-def emit_json(obj: Any, indent: int | None = 2) -> None:
-    print(json.dumps(obj, indent=indent, default=str))
-
-
-def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(d, dict) and (d or not prefix):  # a nested {} is a value; the top-level {} has none
-        out: dict[str, Any] = {}
-        for k, v in d.items():
-            out.update(flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: d}
+def table(rows: list[tuple[str, ...]], right: set[int]) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
+        print("  ".join(cells).rstrip())
 
 
 def cmd_ls(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
-    rows = zarrckpt.open(args.url, storage_options=opts).tensors()
+    try:
+        ckpt = zarrckpt.open(args.url, storage_options=opts)
+    except (zarrckpt.CheckpointNotFoundError, zarrckpt.IncompleteCheckpointError):
+        entries = root_entries(args.url, opts)
+        if not entries:
+            raise
+        return ls_root(args, opts, entries)
+    rows = ckpt.tensors()
     if args.pattern:
         rows = [r for r in rows if fnmatch.fnmatchcase(r["key"], args.pattern)]
     if args.json:
         emit_json(rows)
         return 0
-    table = [("KEY", "ROLE", "DTYPE", "SHAPE", "SIZE")]
-    table += [(r["key"], r["role"], r["dtype"], str(r["shape"]), human(r["bytes"])) for r in rows]
-    widths = [max(len(row[i]) for row in table) for i in range(5)]
-    for *left, size in table:
-        print("  ".join(c.ljust(w) for c, w in zip(left, widths, strict=False)), size.rjust(widths[4]), sep="  ")
+    table(
+        [("KEY", "ROLE", "DTYPE", "SHAPE", "SIZE")]
+        + [(r["key"], r["role"], r["dtype"], str(r["shape"]), human(r["bytes"])) for r in rows],
+        right={4},
+    )
     print(f"{len(rows)} tensors, {human(sum(r['bytes'] for r in rows))}")
+    return 0
+
+
+def root_entries(url: str, opts: dict[str, Any] | None) -> list[Entry]:
+    """The checkpoints directly under ``url``; none when ``url`` is a (never committed) checkpoint itself."""
+    if protocol.state(Storage(url, opts).names()) is not None:
+        return []
+    return scan(url, storage_options=opts)
+
+
+def root_row(entry: Entry, opts: dict[str, Any] | None) -> dict[str, Any]:
+    """One checkpoint under a root: its state, step, tensors and size (committed ones: one GET)."""
+    match = _STEP_NAME.fullmatch(entry.name)
+    row: dict[str, Any] = {"name": entry.name, "url": entry.url, "state": entry.state}
+    row |= {"step": int(match[1]) if match else None, "tensors": None, "bytes": None, "time": None}
+    if entry.state != protocol.COMMITTED:  # time: when its save (or deletion) started
+        if entry.age_seconds is not None:
+            started = datetime.now(UTC) - timedelta(seconds=entry.age_seconds)
+            row["time"] = started.isoformat(timespec="seconds")
+        return row
+    try:
+        manifest = protocol.read_manifest(Storage(entry.url, opts))
+    except zarrckpt.ZarrckptError as e:  # deleted meanwhile, or invalid: list it, say why
+        return row | {"error": str(e)}
+    if row["step"] is None:  # else a metadata value named step (trainer.step), the shallowest
+        steps = [k for k, v in manifest.values.items() if k.split(".")[-1] == "step" and type(v) is int]
+        row["step"] = manifest.values[min(steps, key=lambda k: (k.count("."), k))] if steps else None
+    row["tensors"] = len(manifest.arrays)
+    row["bytes"] = sum(a.nbytes for a in manifest.arrays.values())
+    row["time"] = manifest.created or None
+    return row
+
+
+def ls_root(args: argparse.Namespace, opts: dict[str, Any] | None, entries: list[Entry]) -> int:
+    if args.pattern:
+        entries = [e for e in entries if fnmatch.fnmatchcase(e.name, args.pattern)]
+    with ThreadPoolExecutor(min(16, max(1, len(entries)))) as pool:  # one manifest GET each
+        rows = list(pool.map(lambda e: root_row(e, opts), entries))
+    rows.sort(key=lambda r: (r["step"] is None, r["step"] or 0, r["name"]))
+    if args.json:
+        emit_json(rows)
+        return 0
+
+    def cell(value: Any, fmt: Any = str) -> str:
+        return "-" if value is None else fmt(value)
+
+    table(
+        [("NAME", "STATE", "STEP", "TENSORS", "SIZE", "TIME")]
+        + [
+            (r["name"], r["state"], cell(r["step"]), cell(r["tensors"]), cell(r["bytes"], human), cell(r["time"]))
+            for r in rows
+        ],
+        right={2, 3, 4},
+    )
+    states = {s: sum(r["state"] == s for r in rows) for s in ("committed", "incomplete", "deleting")}
+    counts = ", ".join(f"{n} {s}" for s, n in states.items() if n)
+    print(f"{len(rows)} checkpoints under {args.url}" + (f": {counts}" if counts else ""))
+    for r in rows:
+        if "error" in r:
+            print(f"  {r['name']}: {r['error']}")
+    if states["incomplete"] or states["deleting"]:
+        print(f"(incomplete or deleting: a save or deletion is running, or died; `zarrckpt gc {args.url}` cleans up)")
     return 0
 
 
@@ -81,13 +142,13 @@ def cmd_info(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
         "bytes": sum(r["bytes"] for r in rows),
         "bytes_by_role": dict(sorted(by_role.items())),
         "topology": ckpt.topology,
-        "library": getattr(manifest, "library", None) or None,
-        "created": getattr(manifest, "created", None) or None,
-        "save_id": getattr(manifest, "save_id", None),
+        "library": manifest.library or None,
+        "created": manifest.created or None,
+        "save_id": manifest.save_id,
         "metadata": ckpt.metadata,
     }
     if args.json:
-        emit_json(info)
+        emit_json(info)  # everything, lists whole
         return 0
     print(f"checkpoint   {args.url}")
     print(f"tensors      {info['tensors']}")
@@ -98,34 +159,16 @@ def cmd_info(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
     for name in ("library", "created", "save_id"):
         if info[name] is not None:
             print(f"{name.replace('_', ' '):<12} {info[name]}")
-    print("metadata:")
-    print("\n".join("  " + line for line in json.dumps(info["metadata"], indent=2, default=str).splitlines()))
-    return 0
-
-
-def cmd_show(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
-    key, text, index = parse_target(args.target)
-    view = zarrckpt.open(args.url, storage_options=opts)[key]
-    try:
-        t = view[index]
-    except zarrckpt.ZarrckptError as e:
-        raise CliError(f"bad slice {text!r} for {key!r} of shape {list(view.shape)}: {e}") from None
-    dtype = str(view.dtype).removeprefix("torch.")
-    if args.json:
-        emit_json({"key": key, "index": text, "shape": list(t.shape), "dtype": dtype, "values": to_jsonable(t)}, None)
-        return 0
-    print(f"{key}{text or ''}  shape={list(t.shape)}  dtype={dtype}  (stored {list(view.shape)}, role={view.role})")
-    shown = t.float() if t.is_floating_point() and t.element_size() == 1 else t  # float8 has no printer
-    torch.set_printoptions(precision=6, threshold=1000, edgeitems=4, linewidth=120)
-    try:
-        print(shown)
-    finally:
-        torch.set_printoptions(profile="default")
+    whole = pretty(info["metadata"], max_items=sys.maxsize)
+    shown = whole if args.full else pretty(info["metadata"], max_items=args.max_items)
+    print("metadata:" + (f" (lists cut at {args.max_items} items; --full shows all)" if shown != whole else ""))
+    print("\n".join("  " + line for line in shown.splitlines()))
     return 0
 
 
 def cmd_verify(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
-    summary = zarrckpt.open(args.url, storage_options=opts).verify(progress=True)
+    progress = args.progress or sys.stderr.isatty()
+    summary = zarrckpt.open(args.url, storage_options=opts).verify(progress=progress)
     problems = summary["problems"]
     if args.json:
         emit_json(summary)
@@ -139,68 +182,16 @@ def cmd_verify(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
     return 1 if problems else 0
 
 
-def compare(a: zarrckpt.TensorView, b: zarrckpt.TensorView) -> dict[str, Any]:
-    """Max abs difference and relative L2 of two same-shape tensors, read in bounded row blocks."""
-    rows = a.shape[0] if a.shape else 1
-    biggest = max(a.nbytes, b.nbytes)
-    step = max(1, rows if biggest <= BLOCK_BYTES else BLOCK_BYTES // max(biggest // max(rows, 1), 1))
-    max_abs, diff_sq, ref_sq, equal = 0.0, 0.0, 0.0, True
-    for lo in range(0, rows, step):
-        index: Any = slice(lo, lo + step) if a.shape else ()
-        x, y = a[index], b[index]
-        if x.dtype == y.dtype and torch.equal(x, y):
-            ref_sq += float((x.to(torch.float64) ** 2).sum())
-            continue
-        x64, y64 = x.to(torch.float64), y.to(torch.float64)
-        d = (x64 - y64).abs()
-        d[x64.isnan() & y64.isnan()] = 0.0  # NaN in both places counts as equal
-        d = d.nan_to_num(nan=math.inf)
-        equal = equal and bool((d == 0).all())
-        if d.numel():
-            max_abs = max(max_abs, float(d.max()))
-        diff_sq += float((d**2).sum())
-        ref_sq += float((x64**2).nan_to_num(nan=0.0).sum())
-    rel = 0.0 if diff_sq == 0 else (math.sqrt(diff_sq / ref_sq) if ref_sq else math.inf)
-    return {"equal": equal, "max_abs_diff": max_abs, "rel_l2": rel}
+def cmd_show(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
+    from zarrckpt.clitensors import cmd_show as show
+
+    return show(args, opts)
 
 
 def cmd_diff(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
-    ca = zarrckpt.open(args.url_a, storage_options=opts)
-    cb = zarrckpt.open(args.url_b, storage_options=opts)
-    ka, kb = set(ca.keys()), set(cb.keys())
-    report: dict[str, Any] = {"only_in_a": sorted(ka - kb), "only_in_b": sorted(kb - ka), "layout": [], "values": []}
-    for key in sorted(ka & kb):
-        va, vb = ca[key], cb[key]
-        if va.shape != vb.shape or va.dtype != vb.dtype:
-            report["layout"].append(
-                {"key": key, "a": [list(va.shape), str(va.dtype)], "b": [list(vb.shape), str(vb.dtype)]}
-            )
-        if va.shape == vb.shape:
-            res = compare(va, vb)
-            if not res["equal"]:
-                report["values"].append({"key": key, **res})
-    ma, mb = flatten(ca.metadata), flatten(cb.metadata)
-    report["metadata"] = [
-        {"key": k, "a": ma.get(k, "<missing>"), "b": mb.get(k, "<missing>")}
-        for k in sorted(ma.keys() | mb.keys())
-        if k not in ma or k not in mb or ma[k] != mb[k]
-    ]
-    differ = any(report[k] for k in ("only_in_a", "only_in_b", "layout", "values", "metadata"))
-    if args.json:
-        emit_json({"identical": not differ, **report})
-        return 1 if differ else 0
-    for key in report["only_in_a"]:
-        print(f"only in A: {key}")
-    for key in report["only_in_b"]:
-        print(f"only in B: {key}")
-    for d in report["layout"]:
-        print(f"layout:    {d['key']}: A {d['a'][0]} {d['a'][1]} vs B {d['b'][0]} {d['b'][1]}")
-    for d in report["values"]:
-        print(f"values:    {d['key']}: max_abs_diff={d['max_abs_diff']:.6g} rel_l2={d['rel_l2']:.6g}")
-    for d in report["metadata"]:
-        print(f"metadata:  {d['key']}: A {json.dumps(d['a'], default=str)} vs B {json.dumps(d['b'], default=str)}")
-    print("checkpoints differ" if differ else f"identical ({len(ka)} tensors, metadata equal)")
-    return 1 if differ else 0
+    from zarrckpt.clitensors import cmd_diff as diff
+
+    return diff(args, opts)
 
 
 def cmd_gc(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
@@ -226,6 +217,8 @@ def cmd_gc(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
 
 
 def cmd_export(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
+    from zarrckpt.export import export_safetensors
+
     summary = export_safetensors(
         args.url,
         args.out,
@@ -253,6 +246,8 @@ def cmd_export(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
 
 
 def cmd_import(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
+    from zarrckpt.importer import import_checkpoint
+
     summary = import_checkpoint(args.src, args.url, kind=args.kind, storage_options=opts, overwrite=args.overwrite)
     if args.json:
         emit_json(summary)
@@ -274,27 +269,37 @@ def build_parser() -> argparse.ArgumentParser:
         help="fsspec storage option (repeatable; VALUE parsed as JSON when possible)",
     )
     common.add_argument("--json", action="store_true", help="machine-readable JSON output")
+    progress = argparse.ArgumentParser(add_help=False)
+    progress.add_argument(
+        "--progress",
+        action="store_true",
+        help="progress on stderr even when it is not a terminal (default: when it is)",
+    )
     parser = argparse.ArgumentParser(
         prog="zarrckpt", description="Inspect zarrckpt checkpoints; export and import them."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("ls", parents=[common], help="list tensors")
-    p.add_argument("url")
-    p.add_argument("pattern", nargs="?", help="fnmatch glob on keys, e.g. 'model.layers.*.mlp.*'")
+    p = sub.add_parser("ls", parents=[common], help="list a checkpoint's tensors, or the checkpoints under a root")
+    p.add_argument("url", help="a checkpoint, or a root of checkpoints (e.g. a CheckpointManager's)")
+    p.add_argument("pattern", nargs="?", help="fnmatch glob on keys (or names under a root), e.g. 'model.layers.*'")
     p.set_defaults(func=cmd_ls)
     p = sub.add_parser("info", parents=[common], help="summary, topology and plain values")
     p.add_argument("url")
+    p.add_argument("--max-items", type=int, default=10, metavar="N", help="show N items of long lists (default 10)")
+    p.add_argument("--full", action="store_true", help="show lists whole")
     p.set_defaults(func=cmd_info)
     p = sub.add_parser("show", parents=[common], help="print a tensor or a slice: 'key[5, :4, ...]'")
     p.add_argument("url")
     p.add_argument("target", metavar="KEY[INDEX]")
     p.set_defaults(func=cmd_show)
-    p = sub.add_parser("verify", parents=[common], help="read every chunk and check checksums")
+    p = sub.add_parser("verify", parents=[common, progress], help="read every chunk and check checksums")
     p.add_argument("url")
     p.set_defaults(func=cmd_verify)
-    p = sub.add_parser("diff", parents=[common], help="compare two checkpoints")
+    p = sub.add_parser("diff", parents=[common], help="compare two checkpoints (exit 1 when they differ)")
     p.add_argument("url_a")
     p.add_argument("url_b")
+    p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: exact)")
+    p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance, times |B| (default 0: exact)")
     p.set_defaults(func=cmd_diff)
     p = sub.add_parser(
         "gc", parents=[common], help="remove leftovers of died saves and deletions under a root of checkpoints"
@@ -308,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dry-run", action="store_true", help="list what would be removed, with sizes; remove nothing")
     p.set_defaults(func=cmd_gc)
-    p = sub.add_parser("export", parents=[common], help="write tensors as (sharded) Hugging Face safetensors")
+    p = sub.add_parser("export", parents=[common, progress], help="write tensors as (sharded) Hugging Face safetensors")
     p.add_argument("url")
     p.add_argument("out", help="local output directory (must be empty or absent unless --overwrite)")
     p.add_argument("--format", choices=["safetensors"], default="safetensors")
@@ -318,23 +323,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strip-prefix", metavar="PREFIX", help="remove this prefix from tensor names, e.g. 'model.'")
     p.add_argument(
         "--max-shard-size",
-        default=f"{DEFAULT_MAX_SHARD_BYTES // 10**9}GB",
+        default=DEFAULT_SHARD_SIZE,
         metavar="SIZE",
-        help="largest file, e.g. 500MB, 5GB, 2GiB (default 5GB)",
+        help=f"largest file, e.g. 500MB, 5GB, 2GiB (default {DEFAULT_SHARD_SIZE})",
     )
-    p.add_argument("--progress", action="store_true", help="progress bar on stderr (default: when it is a tty)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier export in OUT")
     p.set_defaults(func=cmd_export)
     p = sub.add_parser("import", parents=[common], help="convert a DCP, torch.save or safetensors checkpoint")
     p.add_argument("src", help="DCP directory, torch.save file, .safetensors file, or directory / index json")
     p.add_argument("url")
-    p.add_argument("--from", dest="kind", choices=KINDS, help="source kind (default: detected)")
+    p.add_argument("--from", dest="kind", choices=IMPORT_KINDS, help="source kind (default: detected)")
     p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at URL")
     p.set_defaults(func=cmd_import)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def run(argv: list[str] | None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and args.command == "ls" and args.pattern is None and len(extra) == 1 and not extra[0].startswith("-"):
@@ -343,10 +347,24 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         rc: int = args.func(args, parse_storage_options(args.storage_option))
-        return rc
     except (zarrckpt.ZarrckptError, CliError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
+    sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+    return rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return run(argv)
+    except BrokenPipeError:  # `zarrckpt ls --json URL | head`: the reader has what it wanted
+        # stdout's buffer cannot be written any more: point it at devnull so that exit flushes quietly
+        with contextlib.suppress(OSError, ValueError):  # (stdout is no file when captured: nothing to do)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Parsing the ``zarrckpt`` command's arguments: storage options, ``key[slice]`` targets, durations."""
+"""What the ``zarrckpt`` commands share: parsing storage options, ``key[slice]`` targets and
+durations; the CLI's error type; JSON output."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ _INT = re.compile(r"^[+-]?\d+$")
 
 class CliError(Exception):
     """A user error the CLI reports as ``error: ...`` with exit code 3."""
+
+
+def emit_json(obj: Any, indent: int | None = 2) -> None:
+    print(json.dumps(obj, indent=indent, default=str))
 
 
 def parse_storage_options(items: list[str]) -> dict[str, Any] | None:

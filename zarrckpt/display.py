@@ -1,4 +1,5 @@
-"""Human-facing views of a checkpoint: HTML tables for notebooks, a progress bar for verify.
+"""Human-facing views of a checkpoint: HTML tables for notebooks, byte counts, metadata text with
+long lists cut short, and the progress line of verify and export.
 
 Everything shown comes from the manifest (untrusted text): every string is HTML-escaped.
 """
@@ -33,6 +34,27 @@ def human(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def pretty(value: Any, *, max_items: int = 10, indent: str = "") -> str:
+    """A metadata tree as JSON-like text for people: one key a line, lists of plain values on one
+    line, and every list longer than ``max_items`` cut short with a count:
+    ``[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, ... (+590 more)]``."""
+    pad = indent + "  "
+    if isinstance(value, dict):
+        if not value:
+            return "{}"
+        lines = [f"{pad}{json.dumps(str(k))}: {pretty(v, max_items=max_items, indent=pad)}" for k, v in value.items()]
+        return "{\n" + ",\n".join(lines) + "\n" + indent + "}"
+    if isinstance(value, (list, tuple)):
+        head = list(value[:max_items])
+        shown = [pretty(v, max_items=max_items, indent=pad) for v in head]
+        if len(value) > len(head):
+            shown.append(f"... (+{len(value) - len(head)} more)")
+        if not any(isinstance(v, (dict, list, tuple)) and v for v in head):
+            return "[" + ", ".join(shown) + "]"
+        return "[\n" + ",\n".join(pad + s for s in shown) + "\n" + indent + "]"
+    return json.dumps(value, default=str)
 
 
 def _shape(shape: Any) -> str:
@@ -158,36 +180,67 @@ class VerifySummary(dict[str, Any]):
         return _box("zarrckpt verify", _table(rows))
 
 
+def _is_live(stream: IO[str]) -> bool:
+    """Whether ``\\r`` redraws in place on ``stream``: a terminal, or a Jupyter cell's output."""
+    if type(stream).__module__.startswith("ipykernel"):
+        return True
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
 class Progress:
-    """A one-line text progress bar (``\\r``-updated, at most 10 times a second) on ``stream``."""
+    """A progress line on ``stream`` (stderr by default): ``label 3/10 tensors [###---] 30% 1.2 GiB, 410 MiB/s``.
+
+    On a terminal or in a notebook it is redrawn in place (``\\r``) at most 10 times a second; on
+    anything else (a pipe, a log file) it is a plain line at most every 30 s, and the last one.
+    """
 
     WIDTH = 30
 
     def __init__(self, label: str, total_items: int, total_bytes: int, stream: IO[str] | None = None) -> None:
         self.label, self.total_items, self.total_bytes = label, total_items, max(total_bytes, 1)
         self.stream = stream if stream is not None else sys.stderr
+        self.live = _is_live(self.stream)
+        self.interval = 0.1 if self.live else 30.0
         self.start = self.last = time.perf_counter()
-        self.items = self.done_bytes = self.width = 0
+        self.items = self.done_bytes = self.moved_bytes = self.width = 0
 
-    def update(self, items: int, done_bytes: int, read_bytes: int) -> None:
+    def update(self, items: int, done_bytes: int, moved_bytes: int | None = None) -> None:
+        """``items`` and ``done_bytes`` (of the totals) are done; ``moved_bytes`` were read or written
+        for that (the rate; default ``done_bytes``)."""
         self.items, self.done_bytes = items, done_bytes
+        self.moved_bytes = done_bytes if moved_bytes is None else moved_bytes
         now = time.perf_counter()
-        if now - self.last >= 0.1 and items < self.total_items:  # finish() draws the last state
+        if now - self.last >= self.interval and items < self.total_items:  # finish() draws the last state
             self.last = now
-            self._draw(read_bytes, now - self.start)
+            self._draw(now - self.start)
 
-    def _draw(self, read_bytes: int, elapsed: float) -> None:
+    def advance(self, items: int = 0, nbytes: int = 0) -> None:
+        """``items`` more items and ``nbytes`` more bytes are done."""
+        self.update(self.items + items, self.done_bytes + nbytes, self.moved_bytes + nbytes)
+
+    def _draw(self, elapsed: float) -> None:
         frac = min(1.0, self.done_bytes / self.total_bytes) if self.total_items else 1.0
         filled = round(frac * self.WIDTH)
         bar = "#" * filled + "-" * (self.WIDTH - filled)
-        rate = f", {human(read_bytes / elapsed)}/s" if elapsed > 0 else ""
-        line = f"{self.label} {self.items}/{self.total_items} tensors [{bar}] {frac:4.0%} {human(read_bytes)}{rate}"
-        self.stream.write("\r" + line.ljust(self.width))  # pad: a shorter line must cover the last one
-        self.width = len(line)
+        rate = f", {human(self.moved_bytes / elapsed)}/s" if elapsed > 0 else ""
+        line = (
+            f"{self.label} {self.items}/{self.total_items} tensors [{bar}] {frac:4.0%} {human(self.moved_bytes)}{rate}"
+        )
+        if self.live:
+            self.stream.write("\r" + line.ljust(self.width))  # pad: a shorter line must cover the last one
+            self.width = len(line)
+        else:
+            self.stream.write(line + "\n")
         self.stream.flush()
 
-    def finish(self, read_bytes: int) -> None:
+    def finish(self, moved_bytes: int | None = None) -> None:
         """Draw the final state and end the line."""
-        self._draw(read_bytes, time.perf_counter() - self.start)
-        self.stream.write("\n")
-        self.stream.flush()
+        if moved_bytes is not None:
+            self.moved_bytes = moved_bytes
+        self._draw(time.perf_counter() - self.start)
+        if self.live:
+            self.stream.write("\n")
+            self.stream.flush()

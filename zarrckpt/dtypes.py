@@ -1,16 +1,22 @@
 """Torch dtypes <-> Zarr v3 data type names <-> the numpy dtype used to move the raw bytes.
 
-Derived from the one table, :data:`zarrckpt_dtypes.TABLE`.
+Derived from the one table, :data:`zarrckpt_dtypes.TABLE`. Names and numpy dtypes need no
+torch: reading a manifest (``zarrckpt ls``) does not import it.
 """
 
 from __future__ import annotations
 
+import functools
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from zarrckpt_dtypes import BY_NAME, TABLE, fill_value, value_dtype
 
 from .errors import UnsupportedValueError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "SUPPORTED",
@@ -25,21 +31,27 @@ __all__ = [
     "zarr_name",
 ]
 
-_TORCH: dict[str, torch.dtype] = {d.name: getattr(torch, d.torch) for d in TABLE}
-_BY_TORCH = {t: name for name, t in _TORCH.items()}
 _STORAGE = {d.name: np.dtype(d.bits) for d in TABLE}
-# torch dtypes numpy has no type for: viewed as the unsigned integer of their width
-_VIEW_AS = {_TORCH[d.name]: getattr(torch, np.dtype(d.bits).name) for d in TABLE if d.bits != d.numpy}
-
 # numpy arrays (kind "ndarray"): the dtypes numpy itself has, in native (little-endian) byte order
 _BY_NUMPY = {np.dtype(d.numpy): d.name for d in TABLE if d.in_zarr_python}
 
 SUPPORTED = tuple(d.name for d in TABLE)
 
 
+@functools.cache
+def _torch_tables() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str], dict[torch.dtype, torch.dtype]]:
+    """name -> torch dtype, its inverse, and the unsigned integer dtype of the same width to view
+    the dtypes numpy has no type for as (imports torch)."""
+    import torch
+
+    by_name: dict[str, torch.dtype] = {d.name: getattr(torch, d.torch) for d in TABLE}
+    view_as = {by_name[d.name]: getattr(torch, np.dtype(d.bits).name) for d in TABLE if d.bits != d.numpy}
+    return by_name, {t: name for name, t in by_name.items()}, view_as
+
+
 def zarr_name(dtype: torch.dtype) -> str:
     try:
-        return _BY_TORCH[dtype]
+        return _torch_tables()[1][dtype]
     except KeyError:
         raise UnsupportedValueError(f"dtype {dtype} is not supported; supported: {', '.join(SUPPORTED)}") from None
 
@@ -56,7 +68,7 @@ def numpy_name(dtype: np.dtype) -> str:
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    return _TORCH[name]
+    return _torch_tables()[0][name]
 
 
 def storage_dtype(name: str) -> np.dtype:
@@ -66,7 +78,7 @@ def storage_dtype(name: str) -> np.dtype:
 
 def safetensors_name(dtype: torch.dtype) -> str | None:
     """The safetensors dtype name of a supported torch dtype (None: safetensors has none)."""
-    name = _BY_TORCH.get(dtype)
+    name = _torch_tables()[1].get(dtype)
     return None if name is None else BY_NAME[name].safetensors
 
 
@@ -76,4 +88,5 @@ def is_known(name: object) -> bool:
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:
     """A numpy view (no copy) of a CPU tensor's raw element bits."""
-    return t.view(_VIEW_AS[t.dtype]).numpy() if t.dtype in _VIEW_AS else t.numpy()
+    view_as = _torch_tables()[2]
+    return t.view(view_as[t.dtype]).numpy() if t.dtype in view_as else t.numpy()

@@ -31,6 +31,7 @@ from . import commit as protocol
 from . import dtypes
 from .checkpoint import Checkpoint, TensorView
 from .checkpoint import open as open_checkpoint
+from .display import Progress
 from .errors import UnsupportedValueError, ZarrckptError
 from .keys import ROLES
 
@@ -148,7 +149,7 @@ def export_safetensors(
         else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
     )
     total = sum(it.nbytes for it in items)
-    bar = _Progress(len(items), total) if progress else None
+    bar = Progress("export", len(items), total) if progress else None
     files = {out / name: shard for name, shard in zip(names, shards, strict=True)}
     written: list[Path] = []
     try:
@@ -169,7 +170,7 @@ def export_safetensors(
             _partial(path).unlink(missing_ok=True)
     _remove_stale(out, set(names) | ({INDEX_NAME} if len(shards) > 1 else set()))
     if bar:
-        bar.done()
+        bar.finish()
     return {
         "source": ckpt.storage.url,
         "out": str(out),
@@ -281,7 +282,7 @@ def _partial(path: Path) -> Path:
     return path.with_name(f".{path.name}.partial")
 
 
-def _write_file(path: Path, shard: list[_Item], block_bytes: int, bar: _Progress | None) -> Path:
+def _write_file(path: Path, shard: list[_Item], block_bytes: int, bar: Progress | None) -> Path:
     # widest elements first, so that every tensor starts aligned to its element size
     ordered = sorted(shard, key=lambda it: (-it.dtype.itemsize, it.name))
     with path.open("wb") as f:
@@ -291,7 +292,7 @@ def _write_file(path: Path, shard: list[_Item], block_bytes: int, bar: _Progress
             if written != it.nbytes:  # never write a file whose header does not match its data
                 raise ZarrckptError(f"{it.view.key!r}: wrote {written} bytes, expected {it.nbytes}")
             if bar:
-                bar.tensor_done()
+                bar.advance(items=1)
         f.flush()
         os.fsync(f.fileno())
     return path
@@ -323,7 +324,7 @@ def _blocks(shape: tuple[int, ...], itemsize: int, block_bytes: int, chunk: Sequ
             yield (*lead, slice(lo, min(lo + step, shape[d])))
 
 
-def _copy_tensor(f: BinaryIO, it: _Item, block_bytes: int, bar: _Progress | None) -> int:
+def _copy_tensor(f: BinaryIO, it: _Item, block_bytes: int, bar: Progress | None) -> int:
     """Append one tensor's bytes to ``f``, reading a block ahead while writing the current one."""
     chunk = it.view.meta.chunk_shape
     indexes = _blocks(it.view.shape, max(it.view.dtype.itemsize, it.dtype.itemsize), block_bytes, chunk)
@@ -338,7 +339,7 @@ def _copy_tensor(f: BinaryIO, it: _Item, block_bytes: int, bar: _Progress | None
             f.write(data.data)
             written += data.nbytes
             if bar:
-                bar.add(data.nbytes)
+                bar.advance(nbytes=data.nbytes)
             del block, data
     return written
 
@@ -356,41 +357,3 @@ def _remove_stale(out: Path, keep: set[str]) -> None:
     for p in out.iterdir():
         if p.name not in keep and (p.name == INDEX_NAME or _SHARD_NAME.match(p.name)):
             p.unlink()
-
-
-class _Progress:
-    """A one-line progress bar on stderr: tensors, bytes, percent."""
-
-    def __init__(self, tensors: int, total: int) -> None:
-        self.tensors, self.total = tensors, total
-        self.done_tensors = self.done_bytes = 0
-        self.start = time.perf_counter()
-        self.last = 0.0
-
-    def add(self, nbytes: int) -> None:
-        self.done_bytes += nbytes
-        self.show()
-
-    def tensor_done(self) -> None:
-        self.done_tensors += 1
-        self.show(force=self.done_tensors == self.tensors)
-
-    def show(self, force: bool = False) -> None:
-        now = time.perf_counter()
-        if not force and now - self.last < 0.2:
-            return
-        self.last = now
-        frac = self.done_bytes / self.total if self.total else 1.0
-        bar = "#" * int(frac * 30)
-        rate = self.done_bytes / max(now - self.start, 1e-9) / 1e6
-        print(
-            f"\rexport [{bar:<30}] {frac:6.1%} {self.done_tensors}/{self.tensors} tensors, "
-            f"{self.done_bytes / 1e6:.1f}/{self.total / 1e6:.1f} MB, {rate:.0f} MB/s",
-            end="",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    def done(self) -> None:
-        self.show(force=True)
-        print(file=sys.stderr)

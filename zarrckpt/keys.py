@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
-import torch
-
 from .errors import InvalidKeyError
 
 Path = tuple[str | int, ...]
@@ -24,6 +22,8 @@ _BUFFER_NAMES = {"running_mean", "running_var", "num_batches_tracked", "inv_freq
 
 
 def _is_terminal(value: Any) -> bool:
+    import torch  # here, not at the top: reading a checkpoint's keys (`zarrckpt ls`) needs no torch
+
     if isinstance(value, Mapping):
         return not value
     if not isinstance(value, list):

@@ -14,8 +14,6 @@ import io
 import pickle
 from typing import Any
 
-import torch
-
 from .errors import UnsupportedValueError
 
 
@@ -36,6 +34,8 @@ def loads(text: str, key: str, allow_pickle: bool) -> Any:
 
 def from_planner(stream: Any, key: str) -> Any:
     """The object behind a DCP byte item: the planner's own ``torch.save`` bytes, made in this process."""
+    import torch
+
     if isinstance(stream, torch.Tensor) or not hasattr(stream, "read"):
         raise UnsupportedValueError(f"{key}: DCP resolved a byte item to {type(stream).__name__}, not a byte stream")
     stream.seek(0)
@@ -44,6 +44,8 @@ def from_planner(stream: Any, key: str) -> Any:
 
 def to_planner(value: Any) -> io.BytesIO:
     """``value`` as the ``torch.save`` bytes a DCP planner's ``load_bytes`` expects."""
+    import torch
+
     stream = io.BytesIO()
     torch.save(value, stream)
     stream.seek(0)

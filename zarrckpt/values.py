@@ -20,7 +20,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-import torch
 
 from . import pickling
 from .errors import InvalidCheckpointError, UnsupportedValueError
@@ -28,7 +27,21 @@ from .errors import InvalidCheckpointError, UnsupportedValueError
 TAG = "__zarrckpt__"
 _INT64 = 2**63
 _FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
-_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+def _torch_dtype(name: str) -> Any:
+    import torch  # only a stored torch.dtype / torch.Size needs torch: `zarrckpt info` does not otherwise
+
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype) or str(dtype).removeprefix("torch.") != name:  # no aliases ("float")
+        raise KeyError(name)
+    return dtype
+
+
+def _torch_size(dims: Any) -> Any:
+    import torch
+
+    return torch.Size(int(n) for n in dims)
 
 
 def _b64(raw: bytes) -> str:
@@ -37,6 +50,7 @@ def _b64(raw: bytes) -> str:
 
 def encode(value: Any, key: str, allow_pickle: bool = False) -> Any:
     """``value`` as typed JSON, or UnsupportedValueError naming ``key``, the type and the opt-in."""
+    import torch  # saving has imported it anyway; kept off the import path of reading
 
     def enc(v: Any) -> Any:
         if v is None or isinstance(v, (bool, str)):
@@ -128,8 +142,8 @@ def decode(doc: Any, like: Any = None, *, key: str = "", allow_pickle: bool = Fa
             "BytesIO": lambda: io.BytesIO(base64.b64decode(p)),
             "ndarray": lambda: np.frombuffer(base64.b64decode(p[2]), dtype=np.dtype(p[0])).reshape(p[1]).copy(),
             "numpy": lambda: np.frombuffer(base64.b64decode(p[1]), dtype=np.dtype(p[0]))[0],
-            "torch.dtype": lambda: _DTYPES[p],
-            "torch.Size": lambda: torch.Size(int(n) for n in p),
+            "torch.dtype": lambda: _torch_dtype(p),
+            "torch.Size": lambda: _torch_size(p),
             "datetime": lambda: dt.datetime.fromisoformat(p),
             "date": lambda: dt.date.fromisoformat(p),
             "timedelta": lambda: dt.timedelta(days=p[0], seconds=p[1], microseconds=p[2]),
