@@ -13,7 +13,7 @@ coordinate, turned into descriptions by the real ``zarrckpt.localstate.collect(.
 and JSON-encoded exactly as ``zarrckpt.dist.Group.all_gather_json`` does. It then times the real
 planning code (``zarrckpt.plan.build_save_plan``, ``SavePlan.shards_of`` / ``metadata_of``, the
 ``Manifest``), counts objects, requests and bytes, and plans a resharding load into a different
-layout with the real load-side code (``Manifest.loads``, ``zarrckpt.reader.plan_reads``).
+layout with the real load-side code (``Manifest.loads``, ``zarrckpt.fetch.plan_fetches``).
 Finally it predicts save and load times from stated bandwidth and request-rate assumptions.
 """
 
@@ -47,14 +47,16 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+from zarrckpt.api import target_box
 from zarrckpt.dtypes import storage_dtype
+from zarrckpt.fetch import Request, plan_fetches
 from zarrckpt.format import ArrayMeta, Manifest, group_paths
 from zarrckpt.keys import flat_key, iter_leaves
-from zarrckpt.layout import Box, Shape, cell_box
-from zarrckpt.localstate import collect, tensor_box
+from zarrckpt.layout import Box, Shape
+from zarrckpt.localstate import collect
 from zarrckpt.plan import SavePlan, build_save_plan
-from zarrckpt.reader import Request, _runs, _stored_chunks, plan_reads, reads_whole
-from zarrckpt.shard import chunks_per_shard, index_nbytes
+from zarrckpt.shard import ShardLayout
+from zarrckpt.storage import OBJECT_STORE
 
 GB = 1e9
 GiB = 2**30
@@ -279,11 +281,7 @@ def manifest_of(plan: SavePlan) -> bytes:
 
 def object_nbytes(meta: ArrayMeta, idx: Shape) -> int:
     """Size of a shard object (FORMAT.md section 5): index, then every inner chunk inside the array + crc32c."""
-    cell = cell_box(idx, meta.shard_shape, meta.shape)
-    stored = math.prod(-(-n // c) for n, c in zip(cell.sizes, meta.chunk_shape, strict=True))
-    return index_nbytes(math.prod(chunks_per_shard(meta.shard_shape, meta.chunk_shape))) + stored * (
-        meta.chunk_nbytes + 4
-    )
+    return ShardLayout.of(meta, idx).nbytes
 
 
 def puts_for(nbytes: int) -> int:
@@ -357,7 +355,7 @@ def save_counts(plan: SavePlan, manifest: bytes) -> SaveCounts:
 
 
 def _nowhere(meta: ArrayMeta, box: Box) -> np.ndarray:
-    """A destination of the right dtype and shape that takes no memory (plan_reads never touches it)."""
+    """A destination of the right dtype and shape that takes no memory (planning never touches it)."""
     one = np.empty(1, dtype=storage_dtype(meta.dtype))
     return np.lib.stride_tricks.as_strided(one, shape=box.sizes, strides=(0,) * len(box.sizes))
 
@@ -369,26 +367,10 @@ def load_requests(state: dict[str, Any], manifest: Manifest) -> tuple[list[Reque
         key = flat_key(path)
         keys.append(key)
         meta = manifest.arrays.get(key)
-        if meta is None:
-            continue
-        if meta.kind == "bytes":
-            requests.append(Request(meta, Box.full(meta.shape), _nowhere(meta, Box.full(meta.shape))))
-        else:
-            _, _, box, _ = tensor_box(value)
+        if meta is not None:
+            box = target_box(meta, value)
             requests.append(Request(meta, box, _nowhere(meta, box)))
     return requests, sorted(keys)
-
-
-def gets_of(task: Any) -> tuple[int, int]:
-    """(GET requests, bytes fetched) of one shard task, as ``zarrckpt.reader`` reads it from an object store."""
-    meta = task.meta
-    head = index_nbytes(math.prod(chunks_per_shard(meta.shard_shape, meta.chunk_shape)))
-    size = meta.chunk_nbytes + 4
-    needed, stored = sorted(task.needs), _stored_chunks(meta, task.index)
-    if reads_whole(head, size, needed, stored):
-        return 1, head + size * len(stored)  # the whole object in one GET
-    runs = _runs(needed, {k: head + i * size for i, k in enumerate(stored)}, size)
-    return 1 + len(runs), head + size * sum(len(r) for r in runs)  # the index, then one GET per run
 
 
 @dataclass
@@ -419,14 +401,13 @@ def plan_load(dims: Dims, layout: Layout, manifest_raw: bytes, reps: int) -> Loa
         reqs, keys = load_requests(state, manifest)
         missing += sum(1 for k in keys if k.startswith("rng.") and k not in manifest.arrays)
         if rank in (0, world // 2, world - 1):  # timed on a few ranks (every rank plans the same kind of work)
-            timing, planned = measure(lambda reqs=reqs: plan_reads(reqs), reps)
+            timing, planned = measure(lambda reqs=reqs: plan_fetches(reqs, OBJECT_STORE), reps)
             slowest = max(slowest, timing, key=lambda t: t.cpu)
         else:
-            planned = plan_reads(reqs)
-        for task in planned:
-            g, b = gets_of(task)
-            per_gets[rank] += g
-            per_bytes[rank] += b
+            planned = plan_fetches(reqs, OBJECT_STORE)
+        for read in planned:  # what zarrckpt.reader fetches from an object store: one GET per fetch
+            per_gets[rank] += len(read.fetches)
+            per_bytes[rank] += read.nbytes
         requests += len(reqs)
         tasks += len(planned)
         needed += sum(r.box.volume * r.meta.itemsize for r in reqs)
@@ -678,7 +659,7 @@ def render(r: Results) -> str:
         "## Loading into a different layout (resharding)",
         "",
         "Each target rank builds its read requests from the manifest (as `zarrckpt.load` does) and plans them "
-        "with the real `zarrckpt.reader.plan_reads`; GETs and bytes follow the reader's object-store rules (the "
+        "with the real `zarrckpt.fetch.plan_fetches` (object-store capabilities): one GET per planned fetch (the "
         "whole object in one GET when it is <= 8 MiB and all of it is needed, or when it is <= 1 MiB; else its "
         "index plus one ranged GET per run of adjacent needed inner chunks, <= 8 MiB each).",
         "",
@@ -699,7 +680,7 @@ def render(r: Results) -> str:
                 ],
                 ["all-gathered key lists (load's `all_gather_json`)", *(_mb(x.gather_bytes) for x in r.loads.values())],
                 [
-                    "`plan_reads` on one rank (the slowest of the first, middle and last)",
+                    "`plan_fetches` on one rank (the slowest of the first, middle and last)",
                     *(str(x.plan_reads) for x in r.loads.values()),
                 ],
                 [
@@ -727,7 +708,7 @@ def render(r: Results) -> str:
         "",
         "- Planning times are measured on 2 shared CPU cores and taken as medians; a training node's core is "
         "typically faster. The all-gather itself (each rank receives the padded descriptions) is not timed.",
-        "- The load-side timings cover planning only (manifest parse, `plan_reads`); they do not include "
+        "- The load-side timings cover planning only (manifest parse, `plan_fetches`); they do not include "
         "building the target state dict or the key comparison `zarrckpt.load` does.",
         "- Object counts follow from the layout: one object per distinct rank box. Small FSDP-sharded tensors "
         "(norms, routers) and per-parameter step counters dominate the count, not the bytes.",

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from zarrckpt import reader
+from zarrckpt import fetch
 from zarrckpt.errors import CorruptChunkError
 from zarrckpt.format import ArrayMeta
 from zarrckpt.layout import Box, cell_box, cells_in
@@ -127,7 +127,7 @@ def test_partial_reads_match_numpy(monkeypatch: pytest.MonkeyPatch, case: Any, d
     meta = ArrayMeta("w", shape, dtype, shard, chunk)
     for idx in cells_in(Box.full(shape), shard):
         storage.write(meta.shard_path(idx), encode_shard(full[cell_box(idx, shard, shape).slices()], shard, chunk))
-    monkeypatch.setattr(reader, "RANGE_MERGE_GAP", gap)
+    monkeypatch.setattr(fetch, "RANGE_MERGE_GAP", gap)
     for partial in (True, False):
         dests = [np.full(box.sizes, -1, dtype=dtype) for box in boxes]
         read_regions(storage, [Request(meta, b, d) for b, d in zip(boxes, dests, strict=True)], partial=partial)

@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 
 from zarrckpt.errors import SaveLayoutError
+from zarrckpt.fetch import plan_reads
 from zarrckpt.format import Manifest, group_paths
 from zarrckpt.layout import Box, cell_box
 from zarrckpt.plan import SavePlan, build_save_plan
-from zarrckpt.reader import plan_reads
 
 
 def _load_scale_model() -> Any:

@@ -273,16 +273,25 @@ def _plan_targets(
         meta = manifest.arrays.get(key)
         if meta is None:
             continue
+        box = target_box(meta, value)
         if meta.kind == "bytes":
             buf = allocate(meta)
-            requests.append(Request(meta, Box.full(meta.shape), buf))
+            requests.append(Request(meta, box, buf))
             finish.append(partial(_set_bytes, state_dict, path, buf, type(value)))
         elif isinstance(value, np.ndarray):
-            requests.append(Request(meta, Box.full(meta.shape), value.view(dtypes.storage_dtype(meta.dtype))))
+            requests.append(Request(meta, box, value.view(dtypes.storage_dtype(meta.dtype))))
         else:
-            local, _, box, _ = tensor_box(value)
-            requests.append(_tensor_request(meta, box, local, finish))
+            requests.append(_tensor_request(meta, box, tensor_box(value)[0], finish))
     return requests, finish
+
+
+def target_box(meta: ArrayMeta, value: Any) -> Box:
+    """The region of the saved array ``meta`` that a target leaf receives: all of it for bytes and
+    numpy arrays, the tensor's own box (its shard, for a DTensor) otherwise. Pure; the scale model
+    plans loads with it."""
+    if meta.kind == "bytes" or isinstance(value, np.ndarray):
+        return Box.full(meta.shape)
+    return tensor_box(value)[2]
 
 
 def _set_bytes(state_dict: MutableMapping[str, Any], path: Path, buf: np.ndarray, make: type) -> None:

@@ -12,12 +12,18 @@ import itertools
 import math
 import struct
 from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING
 
 import crc32c
 import numpy as np
 
 from .errors import CorruptChunkError
-from .layout import Shape
+from .layout import Shape, cell_box
+
+if TYPE_CHECKING:
+    from .format import ArrayMeta
 
 EMPTY = 2**64 - 1
 _CRC = struct.Struct("<I")
@@ -34,6 +40,43 @@ def chunks_per_shard(shard_shape: Shape, chunk_shape: Shape) -> Shape:
 def chunk_indices(shard_shape: Shape, chunk_shape: Shape) -> Iterator[Shape]:
     """Inner-chunk grid indices in C order (the order of the shard index)."""
     return itertools.product(*(range(n) for n in chunks_per_shard(shard_shape, chunk_shape)))
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where the parts of a shard object zarrckpt wrote lie: the index first, then every inner
+    chunk inside the array, back to back in index order (FORMAT.md §5)."""
+
+    n_chunks: int  # inner chunks in the shard's grid: entries of its index
+    chunk_nbytes: int  # one stored inner chunk: its elements and their crc32c
+    stored: tuple[int, ...]  # the inner chunks (partly) inside the array, in index order
+
+    @classmethod
+    def of(cls, meta: ArrayMeta, index: Shape) -> ShardLayout:
+        shard = cell_box(index, meta.shard_shape, meta.shape)
+        stored = tuple(
+            k
+            for k, cidx in enumerate(chunk_indices(meta.shard_shape, meta.chunk_shape))
+            if all(i * c < n for i, c, n in zip(cidx, meta.chunk_shape, shard.sizes, strict=True))
+        )
+        return cls(math.prod(chunks_per_shard(meta.shard_shape, meta.chunk_shape)), meta.chunk_nbytes + 4, stored)
+
+    @property
+    def index_nbytes(self) -> int:
+        return index_nbytes(self.n_chunks)
+
+    @property
+    def nbytes(self) -> int:
+        """The size of the whole object."""
+        return self.index_nbytes + self.chunk_nbytes * len(self.stored)
+
+    @cached_property
+    def _offsets(self) -> dict[int, int]:
+        return {k: self.index_nbytes + i * self.chunk_nbytes for i, k in enumerate(self.stored)}
+
+    def offset(self, k: int) -> int | None:
+        """Where inner chunk ``k`` starts; None for a chunk outside the array (not stored)."""
+        return self._offsets.get(k)
 
 
 def _checksum(buf: bytes | memoryview) -> bytes:

@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -48,6 +49,18 @@ _ATOMIC_CREATE_MODULES = ("s3fs", "gcsfs")
 _warned_no_create: set[str] = set()
 
 
+@dataclass(frozen=True)
+class ReadCaps:
+    """What a storage does well, which decides how reads are planned (:mod:`zarrckpt.fetch`)."""
+
+    per_request_cost: bool  # a request costs more than moving a MiB (object stores): fetch small objects whole
+    vectored: bool  # reads straight into the caller's buffers, several in one call (local files, preadv)
+
+
+OBJECT_STORE = ReadCaps(per_request_cost=True, vectored=False)
+LOCAL_FILES = ReadCaps(per_request_cost=False, vectored=True)
+
+
 class Storage:
     """A checkpoint root on some fsspec filesystem; paths are relative to the root.
 
@@ -73,6 +86,7 @@ class Storage:
             raise ZarrckptError(f"cannot open storage for {self.url!r}: {e}") from e
         self.root = root.rstrip("/")
         self.local = isinstance(self.fs, LocalFileSystem)
+        self.caps = LOCAL_FILES if self.local else OBJECT_STORE
         self.atomic_create = self.local or type(self.fs).__module__.split(".", 1)[0] in _ATOMIC_CREATE_MODULES
         self._concurrency = concurrency
         self.concurrency = concurrency or default_concurrency(self.local, writing=False)

@@ -1,0 +1,248 @@
+"""Reads planned as values: which byte ranges of which shard objects, holding what (pure; no I/O).
+
+:func:`plan_fetches` turns read requests into one :class:`ShardRead` per shard touched: its
+layout and the :class:`Fetch` es to run, in order (:mod:`zarrckpt.reader` runs them). What the
+storage does well (:class:`~zarrckpt.storage.ReadCaps`) shapes the plan:
+
+- object stores pay per request: a shard is fetched whole in one GET when every stored chunk is
+  needed, or when it is small (the extra bytes cost less than a request), and it fits one request;
+- otherwise the index, then one ranged read per run of adjacent needed chunks (at most
+  MAX_REQUEST_BYTES each); on local files a run whose chunks each go whole into one destination
+  is read straight into those destinations (one vectored read).
+
+With ``partial=True`` (lazy views), an inner chunk of which only a small part is needed is not
+read whole: only the byte ranges holding that part are (chunks are uncompressed C-order
+elements, see :mod:`zarrckpt.partial`), ranges at most RANGE_MERGE_GAP apart in one read, the
+index folded into the first read when it is that close. Such a piece cannot be checked against
+the chunk's crc32c (it covers the whole chunk); the index is still verified.
+
+Every plan starts with a fetch holding the shard index, which the reader verifies before it
+uses any chunk; every chunk read whole has its crc32c checked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import dtypes
+from .errors import ZarrckptError
+from .format import ArrayMeta
+from .layout import Box, Shape, cell_box, cells_in
+from .partial import Range, chunk_ranges, coalesce
+from .shard import ShardLayout, chunks_per_shard
+from .storage import ReadCaps
+
+MAX_REQUEST_BYTES = 8 * 1024 * 1024  # one read fetches at most this much (bounds read buffers)
+SMALL_OBJECT_BYTES = 1024 * 1024  # object stores: a shard this small is read whole, in one GET
+RANGE_MERGE_GAP = 256 * 1024  # partial reads: a gap this small is read through (about one request's cost)
+MAX_RANGES_PER_CHUNK = 64  # partial reads: more ranges than this in one chunk -> read the chunk whole
+
+
+@dataclass(frozen=True)
+class Request:
+    """Copy the global region ``box`` of ``meta`` into ``dest`` (an array of ``box.sizes``)."""
+
+    meta: ArrayMeta
+    box: Box
+    dest: np.ndarray
+
+    def __post_init__(self) -> None:  # a buffer of another dtype would be filled with reinterpreted bytes
+        stored = dtypes.storage_dtype(self.meta.dtype)
+        if self.dest.dtype != stored or tuple(self.dest.shape) != tuple(self.box.sizes):
+            raise ZarrckptError(
+                f"{self.meta.key!r}: a read into a {self.dest.dtype} buffer of shape {list(self.dest.shape)} cannot "
+                f"receive {list(self.box.sizes)} elements stored as {self.meta.dtype}: read into the stored dtype, "
+                "then convert"
+            )
+
+
+@dataclass
+class ShardTask:
+    """The inner chunks of one shard that requests need."""
+
+    meta: ArrayMeta
+    index: Shape
+    # inner chunk number -> (part of the region inside that chunk, request it goes to)
+    needs: dict[int, list[tuple[Box, Request]]] = field(default_factory=dict)
+
+    @property
+    def path(self) -> str:
+        return self.meta.shard_path(self.index)
+
+    def chunk_origin(self, k: int) -> tuple[Shape, Shape]:
+        """(grid index, global origin) of inner chunk ``k``."""
+        meta = self.meta
+        grid = chunks_per_shard(meta.shard_shape, meta.chunk_shape)
+        cidx = tuple(int(i) for i in np.unravel_index(k, grid)) if grid else ()
+        shard_origin = cell_box(self.index, meta.shard_shape, meta.shape).offsets
+        return cidx, tuple(o + i * c for o, i, c in zip(shard_origin, cidx, meta.chunk_shape, strict=True))
+
+    def direct_view(self, k: int) -> memoryview | None:
+        """The destination bytes of inner chunk ``k`` when one request takes all of it contiguously."""
+        parts = self.needs[k]
+        if len(parts) != 1 or parts[0][0].sizes != self.meta.chunk_shape:
+            return None
+        part, req = parts[0]
+        region = req.dest[part.relative_to(req.box.offsets).slices()]
+        return region.data.cast("B") if region.flags.c_contiguous and region.size else None
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """One read of the byte range ``[start, end)`` of a shard object, and what it holds."""
+
+    start: int
+    end: int | None  # None: to the end of the object (an open range spares s3fs a HEAD for the size)
+    index: bool = False  # it begins with the shard index
+    chunks: tuple[int, ...] = ()  # inner chunks in it, each read whole and verified
+    pieces: tuple[tuple[int, int, int], ...] = ()  # (chunk, start, end): bytes of a partly read chunk's elements
+    direct: bool = False  # local files: read the chunks straight into their destinations
+
+    def nbytes(self, layout: ShardLayout) -> int:
+        return (layout.nbytes if self.end is None else self.end) - self.start
+
+
+@dataclass(frozen=True)
+class ShardRead:
+    """The reads of one shard object, in order (the first holds the index)."""
+
+    task: ShardTask
+    layout: ShardLayout
+    fetches: tuple[Fetch, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes(self.layout) for f in self.fetches)
+
+
+def plan_reads(requests: Sequence[Request]) -> list[ShardTask]:
+    """Group the inner chunks the requests need by shard."""
+    tasks: dict[tuple[str, Shape], ShardTask] = {}
+    for req in requests:
+        meta = req.meta
+        grid = chunks_per_shard(meta.shard_shape, meta.chunk_shape)
+        for sidx in cells_in(req.box, meta.shard_shape):
+            shard = cell_box(sidx, meta.shard_shape, meta.shape)
+            inside = req.box.intersect(shard)
+            if inside is None:
+                continue
+            task = tasks.setdefault((meta.key, sidx), ShardTask(meta, sidx))
+            for cidx in cells_in(inside.relative_to(shard.offsets), meta.chunk_shape):
+                origin = tuple(s + i * c for s, i, c in zip(shard.offsets, cidx, meta.chunk_shape, strict=True))
+                part = inside.intersect(Box(origin, meta.chunk_shape))
+                if part is not None:
+                    k = int(np.ravel_multi_index(cidx, grid)) if grid else 0
+                    task.needs.setdefault(k, []).append((part, req))
+    return list(tasks.values())
+
+
+def plan_fetches(requests: Sequence[Request], caps: ReadCaps, *, partial: bool = False) -> list[ShardRead]:
+    """What to read to fill every request: one :class:`ShardRead` per shard touched."""
+    return [plan_shard(task, caps, partial) for task in plan_reads(requests)]
+
+
+def plan_verify(meta: ArrayMeta, caps: ReadCaps) -> list[ShardRead]:
+    """Reads that fetch and check every stored chunk of ``meta`` (copied nowhere)."""
+    tasks = [ShardTask(meta, sidx) for sidx in cells_in(Box.full(meta.shape), meta.shard_shape)]
+    for task in tasks:
+        task.needs = {k: [] for k in ShardLayout.of(meta, task.index).stored}
+    return [plan_shard(task, caps) for task in tasks]
+
+
+def plan_shard(task: ShardTask, caps: ReadCaps, partial: bool = False) -> ShardRead:
+    layout = ShardLayout.of(task.meta, task.index)
+    plans = _partial_plans(task) if partial else {}
+    if plans:
+        return ShardRead(task, layout, _ranged(task, layout, plans))
+    needed = sorted(task.needs)
+    if caps.per_request_cost and reads_whole(layout, needed):
+        return ShardRead(task, layout, (Fetch(0, None, index=True, chunks=tuple(needed)),))
+    fetches = [Fetch(0, layout.index_nbytes, index=True)]
+    for run in _runs(needed, layout):
+        start = layout.offset(run[0])
+        assert start is not None
+        direct = caps.vectored and all(task.direct_view(k) is not None for k in run)
+        fetches.append(Fetch(start, start + layout.chunk_nbytes * len(run), chunks=tuple(run), direct=direct))
+    return ShardRead(task, layout, tuple(fetches))
+
+
+def reads_whole(layout: ShardLayout, needed: list[int]) -> bool:
+    """Object stores: whether a shard is fetched whole in one GET rather than index + ranged GETs.
+
+    When every stored chunk is needed, or the object is small (one request costs more than the
+    extra bytes), and it fits one request.
+    """
+    whole = layout.nbytes
+    return whole <= MAX_REQUEST_BYTES and (tuple(needed) == layout.stored or whole <= SMALL_OBJECT_BYTES)
+
+
+def _runs(needed: list[int], layout: ShardLayout) -> list[list[int]]:
+    """Split needed chunk numbers into runs stored back to back, each one read of bounded size."""
+    runs: list[list[int]] = []
+    size = layout.chunk_nbytes
+    for k in needed:
+        last = runs[-1][-1] if runs else None
+        at, prev = layout.offset(k), None if last is None else layout.offset(last)
+        if prev is not None and at == prev + size and (len(runs[-1]) + 1) * size <= MAX_REQUEST_BYTES:
+            runs[-1].append(k)
+        else:
+            runs.append([k])
+    return runs
+
+
+def _partial_plans(task: ShardTask) -> dict[int, list[Range]]:
+    """Byte ranges (within the chunk's elements) to read instead of the whole chunk, per inner chunk.
+
+    A chunk is read in part only when that moves at most half its bytes, counting each extra
+    request as RANGE_MERGE_GAP bytes; otherwise it is read whole and verified.
+    """
+    meta = task.meta
+    plans: dict[int, list[Range]] = {}
+    for k, parts in task.needs.items():
+        if not parts:
+            continue
+        _, origin = task.chunk_origin(k)
+        ranges: list[Range] = []
+        for part, _req in parts:
+            rel = part.relative_to(origin)
+            got = chunk_ranges(
+                meta.chunk_shape, meta.itemsize, rel.offsets, rel.sizes, RANGE_MERGE_GAP, MAX_RANGES_PER_CHUNK
+            )
+            if got is None:
+                break
+            ranges += got
+        else:
+            merged = [(s, e) for s, e, _ in coalesce(ranges, RANGE_MERGE_GAP, MAX_REQUEST_BYTES)]
+            cost = sum(e - s for s, e in merged) + (len(merged) - 1) * RANGE_MERGE_GAP
+            if len(merged) <= MAX_RANGES_PER_CHUNK and 2 * cost <= meta.chunk_nbytes + 4:
+                plans[k] = merged
+    return plans
+
+
+def _ranged(task: ShardTask, layout: ShardLayout, plans: dict[int, list[Range]]) -> tuple[Fetch, ...]:
+    """The index, the byte ranges of the chunks in ``plans`` and the other needed chunks whole,
+    coalesced into few reads (the index always in the first)."""
+    wants: list[tuple[int, int, int]] = [(0, layout.index_nbytes, -1)]  # (start, end, chunk or -1: the index)
+    for k in sorted(task.needs):
+        base = layout.offset(k)
+        assert base is not None
+        wants += (
+            [(base + s, base + e, k) for s, e in plans[k]] if k in plans else [(base, base + layout.chunk_nbytes, k)]
+        )
+    fetches = []
+    for start, end, members in coalesce([w[:2] for w in wants], RANGE_MERGE_GAP, MAX_REQUEST_BYTES):
+        chunks = tuple(wants[i][2] for i in members if wants[i][2] >= 0 and wants[i][2] not in plans)
+        pieces = []
+        for i in members:
+            lo, hi, k = wants[i]
+            if k in plans:
+                base = layout.offset(k)
+                assert base is not None
+                pieces.append((k, lo - base, hi - base))
+        fetches.append(
+            Fetch(start, end, index=any(wants[i][2] < 0 for i in members), chunks=chunks, pieces=tuple(pieces))
+        )
+    return tuple(fetches)
