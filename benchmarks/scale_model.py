@@ -56,7 +56,7 @@ from zarrckpt.layout import Box, Shape
 from zarrckpt.localstate import collect
 from zarrckpt.plan import SavePlan, build_save_plan
 from zarrckpt.shard import ShardLayout
-from zarrckpt.storage import OBJECT_STORE
+from zarrckpt.storecaps import OBJECT_STORE
 
 GB = 1e9
 GiB = 2**30
@@ -436,7 +436,7 @@ class Assumptions:
     ranks_per_node: int = 8
     node_bandwidth: float = 10 * GB  # bytes/s per node to (or from) the object store
     latency: float = 0.030  # seconds to first byte of one request
-    in_flight: int = 16  # requests in flight per rank (zarrckpt.storage.REMOTE_CONCURRENCY)
+    in_flight: int = 16  # requests in flight per rank (zarrckpt.storecaps.REMOTE_CONCURRENCY)
     put_rate: float = 3500.0  # PUT/s that one S3 prefix partition sustains
     get_rate: float = 5500.0  # GET/s that one S3 prefix partition sustains
 

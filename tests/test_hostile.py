@@ -33,7 +33,8 @@ from hypothesis import strategies as st
 
 import zarrckpt
 from zarrckpt.errors import CorruptChunkError, InvalidCheckpointError, ModifiedCheckpointError, ZarrckptError
-from zarrckpt.format import MAX_RANK, ArrayMeta, Manifest
+from zarrckpt.format import ArrayMeta, Manifest
+from zarrckpt.jsondoc import MAX_RANK
 from zarrckpt.storage import Storage
 
 WHERE = "memory://hostile/zarr.json"

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from zarrckpt.plan import DEFAULT_CHUNK_BYTES
-from zarrckpt.storage import LOCAL_WRITE_CONCURRENCY
+from zarrckpt.storecaps import LOCAL_WRITE_CONCURRENCY
 
 MiB = 1 << 20
 SLACK = 48 * MiB  # allocator and interpreter noise, measured well below this

@@ -2,7 +2,7 @@
 
 :func:`plan_fetches` turns read requests into one :class:`ShardRead` per shard touched: its
 layout and the :class:`Fetch` es to run, in order (:mod:`zarrckpt.reader` runs them). What the
-storage does well (:class:`~zarrckpt.storage.ReadCaps`) shapes the plan:
+storage does well (:class:`~zarrckpt.storecaps.ReadCaps`) shapes the plan:
 
 - object stores pay per request: a shard is fetched whole in one GET when every stored chunk is
   needed, or when it is small (the extra bytes cost less than a request), and it fits one request;
@@ -33,7 +33,7 @@ from .format import ArrayMeta
 from .layout import Box, Shape, cell_box, cells_in
 from .partial import Range, chunk_ranges, coalesce
 from .shard import ShardLayout, chunks_per_shard
-from .storage import ReadCaps
+from .storecaps import ReadCaps
 
 MAX_REQUEST_BYTES = 8 * 1024 * 1024  # one read fetches at most this much (bounds read buffers)
 SMALL_OBJECT_BYTES = 1024 * 1024  # object stores: a shard this small is read whole, in one GET

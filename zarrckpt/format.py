@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import math
-import reprlib
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import dtypes, integrity
 from .errors import InvalidCheckpointError, InvalidKeyError
+from .jsondoc import Bad, check_extensions, finite_float, get_field, meaning, no_constant, shape_field, short
 from .keys import ROLES, key_to_path, validate_keys
 from .layout import Shape
 
@@ -24,9 +23,6 @@ DELETING = ".zarrckpt-deleting.json"  # a deletion is removing this checkpoint (
 KINDS = ("tensor", "bytes", "ndarray")
 BYTES_TYPE_NAMES = ("bytes", "bytearray", "BytesIO")
 MAX_ELEMENTS = 2**62
-MAX_RANK = 64  # numpy's limit
-
-Bad = Callable[[str], InvalidCheckpointError]
 
 
 @dataclass(frozen=True)
@@ -107,38 +103,38 @@ class ArrayMeta:
             return InvalidCheckpointError(f"array metadata {path!r} in {where} is invalid: {why}")
 
         attrs = "attributes.zarrckpt."
-        _check_extensions(doc, ARRAY_FIELDS, bad)
+        check_extensions(doc, ARRAY_FIELDS, bad)
         _check_version(doc, attrs + "format_version", bad)
-        key = _get(doc, attrs + "key", str, bad)
+        key = get_field(doc, attrs + "key", str, bad)
         try:
             validate_keys([key])
         except InvalidKeyError as e:
             raise bad(str(e)) from None
         if key_to_path(key) != path:
             raise bad(f"its key {key!r} does not match its path")
-        shape = _shape(doc, "shape", bad)
-        shard = _shape(doc, "chunk_grid.configuration.chunk_shape", bad)
-        codecs = _get(doc, "codecs", list, bad)
+        shape = shape_field(doc, "shape", bad)
+        shard = shape_field(doc, "chunk_grid.configuration.chunk_shape", bad)
+        codecs = get_field(doc, "codecs", list, bad)
         if len(codecs) != 1:
-            raise bad(f"field 'codecs' must hold exactly one sharding_indexed codec, not {_short(codecs)}")
-        chunk = _shape(codecs[0], "configuration.chunk_shape", bad, at="codecs[0].")
-        dtype = _get(doc, "data_type", str, bad)
-        role = _get(doc, attrs + "role", str, bad, "other")
-        kind = _get(doc, attrs + "kind", str, bad, "tensor")
-        topology = _get(doc, attrs + "topology", dict, bad, {})
-        python_type = _get(doc, attrs + "python_type", str, bad, "")
+            raise bad(f"field 'codecs' must hold exactly one sharding_indexed codec, not {short(codecs)}")
+        chunk = shape_field(codecs[0], "configuration.chunk_shape", bad, at="codecs[0].")
+        dtype = get_field(doc, "data_type", str, bad)
+        role = get_field(doc, attrs + "role", str, bad, "other")
+        kind = get_field(doc, attrs + "kind", str, bad, "tensor")
+        topology = get_field(doc, attrs + "topology", dict, bad, {})
+        python_type = get_field(doc, attrs + "python_type", str, bad, "")
         if python_type not in ("", *BYTES_TYPE_NAMES) or (python_type and kind != "bytes"):
-            raise bad(f"python_type {_short(python_type)} is not one of {BYTES_TYPE_NAMES} on a bytes array")
+            raise bad(f"python_type {short(python_type)} is not one of {BYTES_TYPE_NAMES} on a bytes array")
         if not (len(shape) == len(shard) == len(chunk)):
             raise bad("shape, shard shape and chunk shape have different ranks")
         if math.prod(max(n, 1) for n in shape) > MAX_ELEMENTS:
-            raise bad(f"absurd shape {_short(shape)}")
+            raise bad(f"absurd shape {short(shape)}")
         if any(not 1 <= s <= max(n, 1) for n, s in zip(shape, shard, strict=True)):
-            raise bad(f"shard shape {_short(shard)} is not within 1..shape {_short(shape)} in every dimension")
+            raise bad(f"shard shape {short(shard)} is not within 1..shape {short(shape)} in every dimension")
         if any(c < 1 or s % c for s, c in zip(shard, chunk, strict=True)):
-            raise bad(f"inner chunks {_short(chunk)} do not evenly divide shards {_short(shard)}")
+            raise bad(f"inner chunks {short(chunk)} do not evenly divide shards {short(shard)}")
         if not dtypes.is_known(dtype):
-            raise bad(f"unsupported data_type {_short(dtype)}")
+            raise bad(f"unsupported data_type {short(dtype)}")
         names = doc.get("dimension_names", None)  # optional: checkpoints written before it was added lack it
         if names is not None and (
             not isinstance(names, list)
@@ -147,63 +143,20 @@ class ArrayMeta:
         ):
             raise bad(
                 f"field 'dimension_names' must list one name (a string or null) per dimension "
-                f"({len(shape)}), not {_short(names)}"
+                f"({len(shape)}), not {short(names)}"
             )
         if role not in ROLES or kind not in KINDS:
-            raise bad(f"unknown role {_short(role)} or kind {_short(kind)}")
+            raise bad(f"unknown role {short(role)} or kind {short(kind)}")
         if kind == "bytes" and (dtype != "uint8" or len(shape) != 1):
             raise bad(f"a bytes value must be stored as 1-D uint8, not {len(shape)}-D {dtype}")
-        if _get(doc, attrs + "order", str, bad, "C") != "C" or doc.get("storage_transformers"):
+        if get_field(doc, attrs + "order", str, bad, "C") != "C" or doc.get("storage_transformers"):
             raise bad("only C order and no storage transformers are supported")
         meta = cls(key, shape, dtype, shard, chunk, role, kind, topology, python_type)
         expected = meta.to_json()
         for name in ("zarr_format", "node_type", "chunk_grid", "chunk_key_encoding", "fill_value", "codecs"):
-            if _meaning(name, doc.get(name), meta.itemsize) != _meaning(name, expected[name], meta.itemsize):
-                raise bad(f"field {name!r} is {_short(doc.get(name))}, zarrckpt writes {_short(expected[name])}")
+            if meaning(name, doc.get(name), meta.itemsize) != meaning(name, expected[name], meta.itemsize):
+                raise bad(f"field {name!r} is {short(doc.get(name))}, zarrckpt writes {short(expected[name])}")
         return meta
-
-
-def _meaning(field: str, value: Any, itemsize: int) -> Any:
-    """What a metadata field means, so that equal meanings compare equal however they are spelled:
-    defaults left out, ``endian`` of 1-byte types (zarr-python drops it), key order (dicts)."""
-    if field == "codecs":
-        return [_codec_meaning(c, itemsize) for c in value] if isinstance(value, list) else value
-    if field == "chunk_key_encoding" and isinstance(value, dict) and value.get("name") == "default":
-        conf = value.get("configuration", {})
-        return (
-            {**value, "configuration": {"separator": conf.get("separator", "/")}} if isinstance(conf, dict) else value
-        )
-    if field == "fill_value":
-        return _fill_meaning(value)
-    return value
-
-
-def _codec_meaning(codec: Any, itemsize: int) -> Any:
-    if not isinstance(codec, dict) or not isinstance(codec.get("configuration", {}), dict):
-        return codec
-    name, conf = codec.get("name"), dict(codec.get("configuration", {}))
-    if name == "bytes" and itemsize == 1:
-        conf["endian"] = "little"  # the byte order of 1-byte elements means nothing
-    elif name == "sharding_indexed":
-        for inner, size in (("codecs", itemsize), ("index_codecs", 8)):  # the index holds uint64
-            if isinstance(conf.get(inner), list):
-                conf[inner] = [_codec_meaning(c, size) for c in conf[inner]]
-        conf.setdefault("index_location", "end")  # the spec's default
-    return {**codec, "configuration": conf}
-
-
-def _fill_meaning(value: Any) -> Any:
-    """A fill value as a comparable number: 0, 0.0, false and a hex zero (``"0x0000"``) are the same."""
-    if isinstance(value, list):
-        return [_fill_meaning(v) for v in value]
-    if isinstance(value, str) and value.startswith("0x"):
-        try:
-            return int(value, 16)
-        except ValueError:
-            return value
-    if isinstance(value, (bool, int, float)) and value == 0 and str(value) != "-0.0":
-        return 0
-    return value
 
 
 def dimension_names(path: str, rank: int) -> list[str]:
@@ -217,43 +170,8 @@ def dimension_names(path: str, rank: int) -> list[str]:
     return [f"{name}_dim_{i}" for i in range(rank)]
 
 
-_REQUIRED: Any = object()
-_TYPE_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer"}
-_REPR = reprlib.Repr()
-_REPR.maxstring = _REPR.maxother = 80
-
-
-def _short(value: Any) -> str:
-    """A bounded ``repr`` of an untrusted value, for error messages."""
-    return _REPR.repr(value)
-
-
-def _get(doc: Any, path: str, kind: type, bad: Bad, default: Any = _REQUIRED, at: str = "") -> Any:
-    """``doc[a][b]...`` for ``path`` ``"a.b..."``, checked to be a ``kind`` (a bool is no int)."""
-    node, name, parts = doc, at + path, path.split(".")
-    for i, part in enumerate(parts):
-        if not isinstance(node, dict):
-            parent = (at + ".".join(parts[:i])).rstrip(".")
-            raise bad(f"{repr(parent) if parent else 'the document'} must be a JSON object, not {_short(node)}")
-        if part not in node:
-            if default is _REQUIRED:
-                raise bad(f"field {name!r} is missing")
-            return default
-        node = node[part]
-    if not isinstance(node, kind) or (isinstance(node, bool) and kind is not bool):
-        raise bad(f"field {name!r} must be {_TYPE_NAMES[kind]}, not {_short(node)}")
-    return node
-
-
-def _shape(doc: Any, path: str, bad: Bad, at: str = "") -> Shape:
-    value = _get(doc, path, list, bad, at=at)
-    if len(value) > MAX_RANK or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
-        raise bad(f"field {at + path!r} must be at most {MAX_RANK} non-negative integers, not {_short(value)}")
-    return tuple(value)
-
-
 def _check_version(doc: Any, path: str, bad: Bad) -> None:
-    version = _get(doc, path, int, bad)
+    version = get_field(doc, path, int, bad)
     if version > FORMAT_VERSION:
         raise bad(f"format version {version} is newer than this zarrckpt reads (1..{FORMAT_VERSION}): upgrade zarrckpt")
     if version < 1:
@@ -265,27 +183,6 @@ ARRAY_FIELDS = frozenset(
     | {"attributes", "storage_transformers", "dimension_names"}
 )
 GROUP_FIELDS = frozenset({"zarr_format", "node_type", "attributes", "consolidated_metadata"})
-
-
-def _check_extensions(doc: Any, known: frozenset[str], bad: Bad) -> None:
-    """Zarr v3: an unknown top-level field may be ignored only when it says ``"must_understand": false``."""
-    if not isinstance(doc, dict):
-        return
-    for name in sorted(doc.keys() - known):
-        value = doc[name]
-        if not (isinstance(value, dict) and value.get("must_understand") is False):
-            raise bad(f'unknown field {_short(name)} without "must_understand": false (a Zarr extension it needs)')
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"non-finite number {text}")
-    return value
-
-
-def _no_constant(text: str) -> Any:
-    raise ValueError(f"non-finite number {text}")
 
 
 def library_name() -> str:
@@ -361,51 +258,54 @@ class Manifest:
             return InvalidCheckpointError(f"checkpoint manifest {where} is invalid: {why}")
 
         try:
-            doc = json.loads(raw, parse_float=_finite, parse_constant=_no_constant)
+            doc = json.loads(raw, parse_float=finite_float, parse_constant=no_constant)
         except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-            raise bad(f"not JSON ({_short(e)})") from None
+            raise bad(f"not JSON ({short(e)})") from None
         if not isinstance(doc, dict) or doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
             raise bad("not a Zarr v3 group")
         if not isinstance(doc.get("attributes"), dict) or not isinstance(doc["attributes"].get("zarrckpt"), dict):
             raise bad("it is a Zarr group but not a zarrckpt checkpoint (no 'zarrckpt' attribute)")
         info = "attributes.zarrckpt."
-        _check_extensions(doc, GROUP_FIELDS, bad)
+        check_extensions(doc, GROUP_FIELDS, bad)
         _check_version(doc, info + "format_version", bad)
-        save_id = _get(doc, info + "save_id", str, bad)
-        world = _get(doc, info + "world_size", int, bad)
+        save_id = get_field(doc, info + "save_id", str, bad)
+        world = get_field(doc, info + "world_size", int, bad)
         if world < 1:
             raise bad(f"field {info + 'world_size'!r} must be a positive integer, not {world}")
-        values = _get(doc, info + "values", dict, bad)
-        created, library = _get(doc, info + "created", str, bad, ""), _get(doc, info + "library", str, bad, "")
-        dcp = _get(doc, info + "dcp", dict, bad, {})
+        values = get_field(doc, info + "values", dict, bad)
+        created, library = (
+            get_field(doc, info + "created", str, bad, ""),
+            get_field(doc, info + "library", str, bad, ""),
+        )
+        dcp = get_field(doc, info + "dcp", dict, bad, {})
         objects = dcp.get("objects", [])
         if not isinstance(objects, list) or not all(isinstance(o, str) for o in objects):
-            raise bad(f"field {info + 'dcp.objects'!r} must be a list of keys, not {_short(objects)}")
-        nodes = _get(doc, "consolidated_metadata.metadata", dict, bad)
+            raise bad(f"field {info + 'dcp.objects'!r} must be a list of keys, not {short(objects)}")
+        nodes = get_field(doc, "consolidated_metadata.metadata", dict, bad)
         arrays = {}
         for path, node in nodes.items():
             if not path or any(s in ("", ".", "..") or "\\" in s or "\0" in s for s in path.split("/")):
-                raise bad(f"consolidated metadata has a node at the unsafe path {_short(path)}")
+                raise bad(f"consolidated metadata has a node at the unsafe path {short(path)}")
             node_type = node.get("node_type") if isinstance(node, dict) else None
             if node_type == "array":
                 meta = ArrayMeta.from_json(path, node, where)
                 arrays[meta.key] = meta
             elif node_type != "group":
-                raise bad(f"consolidated metadata node {_short(path)} is neither a group nor an array: {_short(node)}")
+                raise bad(f"consolidated metadata node {short(path)} is neither a group nor an array: {short(node)}")
         try:
             validate_keys([*arrays, *values])
         except InvalidKeyError as e:
             raise bad(str(e)) from None
         if both := sorted(arrays.keys() & values.keys()):
-            raise bad(f"keys stored both as an array and as a value: {_short(both)}")
+            raise bad(f"keys stored both as an array and as a value: {short(both)}")
         attributes = doc["attributes"]["zarrckpt"]
         modified: dict[str, str] = {}
         digest = attributes.get(integrity.ATTRIBUTES_DIGEST)
         if digest is not None and digest != integrity.attributes_digest(attributes):
             modified[""] = "its zarrckpt attributes (the saved values, the commit records) were edited"
-        record = _get(doc, info + "integrity", dict, bad, None)
+        record = get_field(doc, info + "integrity", dict, bad, None)
         if record is not None:
-            arrays, changed = integrity.compare(arrays, _get(record, "arrays", dict, bad, at="integrity."), bad)
+            arrays, changed = integrity.compare(arrays, get_field(record, "arrays", dict, bad, at="integrity."), bad)
             modified |= changed
         arrays_record = None if record is None else record.get("arrays")
         return cls(save_id, arrays, values, world, created, library, dcp, arrays_record, modified)

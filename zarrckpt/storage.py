@@ -12,7 +12,6 @@ import time
 import uuid
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -21,44 +20,18 @@ from fsspec.implementations.local import LocalFileSystem
 
 from .errors import StorageError, ZarrckptError
 from .retry import RetryPolicy, current_policy, is_transient
+from .storecaps import LOCAL_FILES, OBJECT_STORE, default_concurrency
 
 log = logging.getLogger("zarrckpt")
 
 T = TypeVar("T")
 R = TypeVar("R")
-REMOTE_CONCURRENCY = 16  # object stores are latency-bound: many requests in flight
-LOCAL_WRITE_CONCURRENCY = 8  # local writes wait on fsync: overlap several
-LOCAL_READ_CONCURRENCY = 4  # local reads are memcpy-bound: more threads than cores only contend
-
-
-def default_concurrency(local: bool, writing: bool) -> int:
-    """Requests in flight per rank: ``$ZARRCKPT_CONCURRENCY``, else a default per storage kind."""
-    env = os.environ.get("ZARRCKPT_CONCURRENCY", "")
-    if env.isdigit() and int(env) > 0:
-        return int(env)
-    if not local:
-        return REMOTE_CONCURRENCY
-    return LOCAL_WRITE_CONCURRENCY if writing else min(LOCAL_READ_CONCURRENCY, os.cpu_count() or 1)
-
-
 Buffer = bytes | memoryview
 # Filesystems whose ``pipe_file(..., mode="create")`` is an atomic create-only write on the server:
 # S3 ``If-None-Match: *`` (s3fs), GCS ``ifGenerationMatch=0`` (gcsfs). fsspec's memory store checks
 # when a file is opened and stores it when closed: not atomic between threads.
 _ATOMIC_CREATE_MODULES = ("s3fs", "gcsfs")
 _warned_no_create: set[str] = set()
-
-
-@dataclass(frozen=True)
-class ReadCaps:
-    """What a storage does well, which decides how reads are planned (:mod:`zarrckpt.fetch`)."""
-
-    per_request_cost: bool  # a request costs more than moving a MiB (object stores): fetch small objects whole
-    vectored: bool  # reads straight into the caller's buffers, several in one call (local files, preadv)
-
-
-OBJECT_STORE = ReadCaps(per_request_cost=True, vectored=False)
-LOCAL_FILES = ReadCaps(per_request_cost=False, vectored=True)
 
 
 class Storage:
