@@ -47,6 +47,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+from zarrckpt import integrity
 from zarrckpt.api import target_box
 from zarrckpt.dtypes import storage_dtype
 from zarrckpt.fetch import Request, plan_fetches
@@ -273,9 +274,18 @@ def plan_on_rank(raws: Sequence[bytes], rank: int) -> tuple[SavePlan, int, int]:
 
 
 def manifest_of(plan: SavePlan) -> bytes:
-    """The committed root zarr.json (consolidated metadata), as rank 0 writes it."""
+    """The committed root zarr.json (consolidated metadata and the commit record of every chunk's
+    crc32c, from what every rank reports it wrote), as rank 0 writes it."""
+    written: integrity.Written = {}
+    for key, owner in plan.owners.items():
+        meta = plan.arrays[key]
+        for idx in owner:
+            written.setdefault(key, {})[integrity.shard_number(meta, idx)] = bytes(
+                4 * ShardLayout.of(meta, idx).n_chunks
+            )
+    record = integrity.records(plan.arrays, [integrity.to_json(written)])
     return Manifest(
-        "0" * 32, plan.arrays, plan.values, plan.world_size, "2026-01-01T00:00:00+00:00", "zarrckpt"
+        "0" * 32, plan.arrays, plan.values, plan.world_size, "2026-01-01T00:00:00+00:00", "zarrckpt", integrity=record
     ).dumps()
 
 
