@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 import torch
-from multiproc import run_ranks
 from states import check_loaded, mixed_state
 
 import zarrckpt
+from zarrckpt.testing import spawn
 
 
 def _state(value: float, n: int = 6) -> dict[str, Any]:
@@ -86,8 +86,8 @@ def _load_ranks(rank: int, world: int, url: str) -> None:
 
 def test_async_save_multi_rank(tmp_path: Path) -> None:
     url = str(tmp_path / "ck")
-    run_ranks(4, _async_ranks, url)
-    run_ranks(3, _load_ranks, url)
+    spawn(4, _async_ranks, url)
+    spawn(3, _load_ranks, url)
 
 
 def test_manager_retention_and_resume(tmp_path: Path) -> None:

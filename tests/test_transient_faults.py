@@ -14,13 +14,13 @@ from typing import Any
 import faulty
 import pytest
 import torch
-from multiproc import run_ranks
 from states import check_loaded, mixed_state
 
 import zarrckpt
 from zarrckpt import retry
 from zarrckpt.retry import RetryPolicy, is_transient
 from zarrckpt.storage import Storage
+from zarrckpt.testing import spawn
 
 RATE = 0.05
 
@@ -185,8 +185,8 @@ def _dump(stats: str, name: str, log: faulty.RetryLog) -> None:
 def test_4_ranks_save_3_ranks_load_through_a_faulty_store(tmp_path: Path) -> None:
     url, opts, stats = _url(tmp_path), _opts(tmp_path), tmp_path / "stats"
     stats.mkdir()
-    run_ranks(4, _save_worker, url, opts, str(stats))
-    run_ranks(3, _load_worker, url, opts, str(stats), 4)
+    spawn(4, _save_worker, url, opts, str(stats))
+    spawn(3, _load_worker, url, opts, str(stats), 4)
     docs = [json.loads(p.read_text()) for p in sorted(stats.iterdir())]
     assert len(docs) == 7
     total = {k: sum(d[k] for d in docs) for k in ("calls", "faults", "retries")}
