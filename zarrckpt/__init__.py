@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from . import errors
+from ._version import __version__
 from .api import load, save
 from .asyncsave import async_save
 from .checkpoint import Checkpoint, TensorView, open
@@ -27,8 +28,6 @@ from .lifecycle import collect_garbage, delete, list_checkpoints
 from .localstate import LocalShard
 from .manager import CheckpointManager
 from .zarr_dtypes import register_zarr_dtypes
-
-__version__ = "0.1.0"
 
 register_zarr_dtypes()  # so plain zarr-python reads our bfloat16 / float8 arrays
 

@@ -121,7 +121,7 @@ class ZarrWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         zplan, rank = plan.storage_data
-        local = LocalState({}, {}, {})
+        local = LocalState({}, {})
         objects: dict[str, Any] = {}
         results = []
         for item in plan.items:
@@ -135,7 +135,7 @@ class ZarrWriter(StorageWriter):
             chunk = item.tensor_data.chunk
             meta = zplan.arrays[key]
             box = Box(tuple(chunk.offsets), tuple(chunk.sizes))
-            local.tensors[key] = LocalTensor(key, (key,), data, meta.shape, box, meta.dtype)
+            local.tensors[key] = LocalTensor(key, data, meta.shape, box, meta.dtype)
             results.append(
                 WriteResult(index=item.index, size_in_bytes=data.nbytes, storage_data={"arrays": {key: meta}})
             )

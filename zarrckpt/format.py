@@ -223,7 +223,7 @@ def _no_constant(text: str) -> Any:
 
 
 def library_name() -> str:
-    from . import __version__
+    from ._version import __version__
 
     return f"zarrckpt {__version__}"
 
