@@ -40,6 +40,7 @@ def test_save_4_load_any(saved_by_4: str, world: int) -> None:
     spawn(world, _load_mixed, saved_by_4, None, 4)
 
 
+@pytest.mark.slow
 def test_replicated_and_stage_tensors_have_one_writer(saved_by_4: str) -> None:
     """Each shard object exists once; a replicated tensor is one shard, not one per rank."""
     root = Path(saved_by_4)

@@ -115,6 +115,7 @@ def test_model_conversion_is_refused_before_reading_data(saved: str, tmp_path: P
     spawn(1, _load_other_models, str(copy), direct)
 
 
+@pytest.mark.slow
 def test_loading_a_subset_of_experts_is_explicit(saved: str) -> None:
     ckpt = zarrckpt.open(saved)
     w1 = ckpt["model.layers.1.moe.experts.w1"]

@@ -8,8 +8,9 @@
 - :mod:`zarrckpt.testing.gcs`: gcp-storage-emulator (import it before anything imports gcsfs).
 - :mod:`zarrckpt.testing.rgw`: a throwaway Ceph RADOS Gateway, where Ceph is installed.
 
-Nothing here is imported by the library itself. moto, the GCS emulator and Ceph are only needed
-by the helpers that start them (``pip install 'zarrckpt[test]'``).
+The library proper never imports it (the example job uses :func:`spawn` and :func:`free_port`).
+moto, the GCS emulator and Ceph are only needed by the helpers that start them
+(``pip install 'zarrckpt[test]'``).
 """
 
 from __future__ import annotations
