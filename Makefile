@@ -1,10 +1,11 @@
 # The two commands: `make demo` and `make test`. Each sets up .venv on first use.
+# `make test-fast`: the pure and hostile-input tests only (no `slow` ones: multi-process, servers, long trials).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-fast lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +25,9 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py --out benchmarks/results/latest.md

@@ -13,7 +13,6 @@ import math
 import os
 import pstats
 import re
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -355,9 +354,3 @@ def disk_usage(root: Path) -> tuple[int, int, int]:
             apparent += st.st_size
             allocated += st.st_blocks * 512
     return files, apparent, allocated
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -46,7 +46,6 @@ from common import (
     build_state,
     disk_usage,
     evict_page_cache,
-    free_port,
     generate_rows,
     hidden_size,
     sharded,
@@ -58,6 +57,7 @@ from common import (
 )
 
 import zarrckpt
+from zarrckpt.testing import free_port
 
 SAVE_WORLD = 4
 RESHARD_WORLD = 3

@@ -48,7 +48,7 @@ from common import CpuSampler, generate_rows, state_nbytes, summarize_profiles  
 from report import render, targets  # noqa: E402
 
 import zarrckpt  # noqa: E402
-from zarrckpt.launch import spawn  # noqa: E402
+from zarrckpt.testing import remove_tree, s3_server, spawn  # noqa: E402
 
 SAVE_WORLD, LOAD_WORLD = 4, 3
 PARTS = ("local", "s3", "lazy", "async")
@@ -116,9 +116,7 @@ def one_rep(
     finally:
         shutil.rmtree(root, ignore_errors=True)
         if url and opts is not None:
-            from s3server import remove
-
-            remove(url, opts)
+            remove_tree(url, opts)
     return results
 
 
@@ -146,11 +144,11 @@ def lazy_scenario(args: argparse.Namespace, s3: tuple[str, dict[str, Any], Any])
         start = time.perf_counter()
         value = fn()
         seconds = time.perf_counter() - start
-        hits = log.under(where)
+        hits = log.requests(where)
         kinds: dict[str, int] = {}
         for h in hits:
             kinds[h.method] = kinds.get(h.method, 0) + 1
-        return value, {"requests": len(hits), "bytes": sum(h.bytes_out for h in hits), "kinds": kinds, "s": seconds}
+        return value, {"requests": len(hits), "bytes": sum(h.bytes_sent for h in hits), "kinds": kinds, "s": seconds}
 
     def dcp_read() -> torch.Tensor:
         target = {path[0]: {path[1]: torch.empty(shape)}}
@@ -180,9 +178,7 @@ def lazy_scenario(args: argparse.Namespace, s3: tuple[str, dict[str, Any], Any])
         assert torch.equal(got, expected), "DCP read returned wrong data"
         runs["dcp"].append(read)
     layout = next(t for t in zarrckpt.open(zurl, storage_options=opts).tensors() if t["key"] == key)
-    from s3server import remove
-
-    remove(url, opts)
+    remove_tree(url, opts)
     out: dict[str, Any] = {
         "key": key,
         "shape": list(shape),
@@ -277,9 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     needs_s3 = bool({"s3", "lazy"} & set(args.only))
     runs: list[dict[str, Any]] = []
     lazy = None
-    from s3server import s3_server
-
-    with SAMPLER, s3_server() if needs_s3 else contextlib.nullcontext(None) as s3:
+    with SAMPLER, s3_server("zarrckpt-bench") if needs_s3 else contextlib.nullcontext(None) as server:
+        s3 = (server.url, server.storage_options, server.log) if server else None
         if args.profile:
             args.profile.mkdir(parents=True, exist_ok=True)
             one_rep(args, 0, s3, str(args.profile))

@@ -1,5 +1,5 @@
 """What the rank processes of ``run.py`` do: one function per spawn (``save_phase``, ``load_phase``,
-``lazy_phase``), each called as ``fn(rank, world, cfg)`` by ``zarrckpt.launch.spawn``.
+``lazy_phase``), each called as ``fn(rank, world, cfg)`` by ``zarrckpt.testing.spawn``.
 
 Every operation goes through :func:`common.measure` (barrier, call, barrier; time, peak RSS and
 ``/proc/self/io`` deltas agreed over ranks). Rank 0 writes the results to ``cfg["result"]``
@@ -225,9 +225,9 @@ class Phase:
             tensorstore_writer(state, where / "ts", zarrckpt.open(str(where / "zarrckpt")).tensors())()
         self.remove(where)
         if s3 and self.rank == 0:
-            from s3server import remove
+            from zarrckpt.testing import remove_tree
 
-            remove(f"{self.cfg['s3']}/warmup-{self.name}", self.cfg["opts"])
+            remove_tree(f"{self.cfg['s3']}/warmup-{self.name}", self.cfg["opts"])
 
 
 def save_phase(rank: int, world: int, cfg: dict[str, Any]) -> None:

@@ -1,56 +1,69 @@
-"""Storage fixtures: real S3 (moto) and GCS (emulator) servers, plus local/memory."""
+"""Storage fixtures: real S3 (moto) and GCS (emulator) servers, plus local/memory (see zarrckpt.testing)."""
 
 from __future__ import annotations
 
 import uuid
 
-import fsspec
 import pytest
-import servers  # sets GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false before gcsfs is imported
+
+from zarrckpt import testing
+from zarrckpt.testing import (
+    RequestLog,
+    S3Server,
+    gcs,  # sets GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false before gcsfs is imported
+    remove_tree,
+    rgw,
+    s3_storage_options,
+    unique_url,
+)
 
 
 @pytest.fixture(scope="session")
-def s3_server():
-    with servers.s3_server() as endpoint:
-        yield endpoint
+def s3() -> S3Server:
+    with testing.s3_server() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def s3_server(s3: S3Server) -> str:
+    """The moto server's endpoint URL."""
+    return s3.endpoint
 
 
 @pytest.fixture(scope="session")
 def rgw_server():
     """A real S3 server (Ceph RADOS Gateway) where its packages are installed; the test skips elsewhere."""
-    why = servers.rgw_available()
+    why = rgw.rgw_available()
     if why:
         pytest.skip(f"RADOS Gateway unavailable: {why}")
-    with servers.rgw_server() as endpoint:
+    with rgw.rgw_server() as endpoint:
         yield endpoint
 
 
 @pytest.fixture
 def rgw_url(rgw_server):
-    yield from _remote(servers.unique_url("s3"), servers.rgw_storage_options(rgw_server))
+    yield from _remote(unique_url("s3"), rgw.rgw_storage_options(rgw_server))
 
 
 @pytest.fixture(scope="session")
 def gcs_server():
-    with servers.gcs_server() as endpoint:
+    with gcs.gcs_server() as endpoint:
         yield endpoint
 
 
 def _remote(url, options):
     yield url, options
-    fs, path = fsspec.core.url_to_fs(url, **options)
-    if fs.exists(path):
-        fs.rm(path, recursive=True)
+    remove_tree(url, options)
 
 
 @pytest.fixture
 def s3_url(s3_server):
-    yield from _remote(servers.unique_url("s3"), servers.s3_storage_options(s3_server))
+    yield from _remote(unique_url("s3"), s3_storage_options(s3_server))
 
 
 @pytest.fixture
 def gcs_url(gcs_server):
-    yield from _remote(servers.unique_url("gs"), servers.gcs_storage_options(gcs_server))
+    yield from _remote(unique_url("gs"), gcs.gcs_storage_options(gcs_server))
 
 
 @pytest.fixture(params=["local", "memory", "s3", "gcs"])
@@ -65,8 +78,20 @@ def storage(request, tmp_path):
 
 
 @pytest.fixture
-def s3_requests(s3_server):
+def s3_requests(s3: S3Server) -> RequestLog:
     """The moto server's request log, emptied: ``s3_requests.requests(url)`` lists what reached it."""
-    log = servers.request_log(s3_server)
-    log.clear()
-    return log
+    s3.log.clear()
+    return s3.log
+
+
+SERVERS = {"s3", "s3_server", "gcs_server", "rgw_server"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test on a server (moto, the GCS emulator, Ceph RGW) is ``slow``, like the multi-process
+    ones (marked where they are defined): ``make test-fast`` leaves them out, ``make test`` runs all."""
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        on_server = SERVERS & set(getattr(item, "fixturenames", ())) or params.get("storage") in ("s3", "gcs")
+        if on_server:
+            item.add_marker(pytest.mark.slow)

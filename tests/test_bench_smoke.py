@@ -31,6 +31,7 @@ def _import_report():
     return report
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_quick_lazy_scenario_runs(tmp_path):
     """The lazy-read scenario (2 saving ranks, a small tensor, moto started by the suite) end to end."""

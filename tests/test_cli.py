@@ -225,6 +225,7 @@ def test_storage_option_parsing() -> None:
     assert cli.parse_storage_options([]) is None
 
 
+@pytest.mark.slow
 def test_module_entry_point(url: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(Path(cli.__file__).parents[1])}
     proc = subprocess.run(

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch.distributed.checkpoint as dcp
-from multiproc import run_ranks
 from states import check_loaded, mixed_state
 
 import zarrckpt
+from zarrckpt.testing import spawn
 
 
 def _save(rank: int, world: int, url: str, via: str) -> None:
@@ -31,8 +31,9 @@ def _load(rank: int, world: int, url: str, via: str, save_world: int) -> None:
     check_loaded(state, rank, world, save_world)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("save_via", "load_via"), [("dcp", "zarrckpt"), ("zarrckpt", "dcp"), ("dcp", "dcp")])
 def test_dcp_paths_cross(tmp_path: Path, save_via: str, load_via: str) -> None:
     url = str(tmp_path / "ck")
-    run_ranks(4, _save, url, save_via)
-    run_ranks(3, _load, url, load_via, 4)
+    spawn(4, _save, url, save_via)
+    spawn(3, _load, url, load_via, 4)

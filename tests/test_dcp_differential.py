@@ -21,7 +21,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from multiproc import run_ranks
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlanner
@@ -30,6 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import zarrckpt
+from zarrckpt.testing import spawn
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -412,9 +412,10 @@ def _ranks_load(rank: int, world: int, root: str, two_d: bool, dtype: torch.dtyp
     [(2, 3, False, torch.float32), (4, 1, True, torch.float32), (2, 3, False, torch.bfloat16)],
     ids=["1d-2to3", "2d-4to1", "1d-2to3-cast-bf16"],
 )
+@pytest.mark.slow
 def test_dtensor_resharding(tmp_path: Path, save_world: int, load_world: int, two_d: bool, dtype: Any) -> None:
-    run_ranks(save_world, _ranks_save, str(tmp_path), two_d)
-    run_ranks(load_world, _ranks_load, str(tmp_path), two_d, dtype)
+    spawn(save_world, _ranks_save, str(tmp_path), two_d)
+    spawn(load_world, _ranks_load, str(tmp_path), two_d, dtype)
 
 
 def _sharded_tensor(rank: int, world: int, root: str) -> None:
@@ -437,7 +438,7 @@ def _sharded_tensor(rank: int, world: int, root: str) -> None:
 @pytest.mark.slow
 def test_sharded_tensor_with_several_chunks_per_rank_is_refused_clearly(tmp_path: Path) -> None:
     """Not yet supported (README): refused with a SaveLayoutError before anything is committed."""
-    run_ranks(2, _sharded_tensor, str(tmp_path))
+    spawn(2, _sharded_tensor, str(tmp_path))
     assert not (tmp_path / "zarr" / "zarr.json").exists()
 
 
@@ -486,5 +487,5 @@ def _fsdp2_load(rank: int, world: int, root: str) -> None:
 
 @pytest.mark.slow
 def test_fsdp2_model_and_optimizer_2_to_1(tmp_path: Path) -> None:
-    run_ranks(2, _fsdp2_save, str(tmp_path))
-    run_ranks(1, _fsdp2_load, str(tmp_path))
+    spawn(2, _fsdp2_save, str(tmp_path))
+    spawn(1, _fsdp2_load, str(tmp_path))

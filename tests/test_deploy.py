@@ -23,7 +23,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -41,6 +40,7 @@ import yaml
 from referencing import Registry, Resource
 
 import zarrckpt
+from zarrckpt.testing import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -357,6 +357,7 @@ def test_manifest_pods(path):
         assert LAYERS % pp == 0 and (nnodes * nproc) % pp == 0
 
 
+@pytest.mark.slow
 def test_training_module_takes_the_contract_flags():
     """The example module's own --help lists every flag of the contract (which the manifests'
     arguments are checked against)."""
@@ -374,6 +375,7 @@ def test_training_module_takes_the_contract_flags():
     assert not TRAIN_FLAGS - listed, f"missing from --help: {TRAIN_FLAGS - listed}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
 def test_manifest_rendezvous(path):
     """Each pod's environment, fed to deploy/torchrun.sh, gives one consistent torchrun job whose
@@ -480,6 +482,7 @@ def test_shell_scripts_found():
     assert {TORCHRUN_SH, SBATCH} <= set(_shell_scripts())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", _shell_scripts(), ids=lambda p: str(p.relative_to(DEPLOY)))
 def test_shellcheck(script):
     shellcheck = shutil.which("shellcheck", path=_script_env()["PATH"])
@@ -513,6 +516,7 @@ def test_shellcheck(script):
         ),
     ],
 )
+@pytest.mark.slow
 def test_torchrun_script_rendezvous(env, expected):
     cmd = _dry_run(["--ckpt", "s3://b/run 1", "--steps", "5", "--", "--seed", "3"], **env)
     assert cmd[0] == "torchrun"
@@ -529,6 +533,7 @@ def test_torchrun_script_rendezvous(env, expected):
     ]
 
 
+@pytest.mark.slow
 def test_torchrun_script_takes_url_from_env_and_passes_json_through():
     options = '{"endpoint_url": "http://h:1", "key": "a b"}'
     cmd = _dry_run(["--storage-options", options], ZARRCKPT_CKPT_URL="gs://b/p")
@@ -547,6 +552,7 @@ def test_torchrun_script_takes_url_from_env_and_passes_json_through():
         (["--ckpt"], {}, "--ckpt needs a URL"),
     ],
 )
+@pytest.mark.slow
 def test_torchrun_script_refuses_bad_settings(args, env, message):
     proc = subprocess.run(
         ["bash", str(TORCHRUN_SH), "--dry-run", *args],
@@ -841,32 +847,6 @@ def test_dockerfile_statically():
 # ------------------------------------------------------------- end to end, on S3 (moto)
 
 
-class _RequestLog(logging.Handler):
-    """Collects the request lines moto's (werkzeug's) server logs: method, path+query, status."""
-
-    LINE = re.compile(r'"(\w+) (\S+) HTTP/[\d.]+" (\d{3})')
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.requests: list[tuple[str, str, int]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        match = self.LINE.search(re.sub(r"\x1b\[[0-9;]*m", "", record.getMessage()))
-        if match:
-            self.requests.append((match[1], match[2], int(match[3])))
-
-    def __enter__(self) -> _RequestLog:
-        self.logger = logging.getLogger("werkzeug")
-        self.saved_level = self.logger.level
-        self.logger.setLevel(logging.INFO)
-        self.logger.addHandler(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.logger.removeHandler(self)
-        self.logger.setLevel(self.saved_level)
-
-
 KEYS_IN_BODY = "<keys in the request body>"
 
 
@@ -896,12 +876,6 @@ def s3_action(method: str, target: str) -> tuple[str, str, dict[str, str]]:
     return f"unmapped object request {method}", resource, {}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run(cmd: list[str], env: dict[str, str], timeout: float = 150) -> subprocess.CompletedProcess[str]:
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
@@ -922,8 +896,9 @@ def _resumed_from(output: str) -> list[int]:
     return [int(m) for m in re.findall(r"resumed from step (\d+)", output)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_launch_train_checkpoint_to_s3_and_resume(s3_url, tmp_path):
+def test_launch_train_checkpoint_to_s3_and_resume(s3_url, s3_requests, tmp_path):
     """deploy/torchrun.sh runs the example on 2 processes (2 pipeline stages), saving to S3; the
     command it prints for 1 process resumes from the latest checkpoint; the Slurm script resumes once more. Every
     S3 request of all three runs is allowed by deploy/iam/s3-policy.json for that prefix."""
@@ -936,88 +911,88 @@ def test_launch_train_checkpoint_to_s3_and_resume(s3_url, tmp_path):
     url = f"{base}/run1"
     env = _script_env(ZARRCKPT_STORAGE_OPTIONS=json.dumps(options))
 
-    with _RequestLog() as log:
-        # 1. Two processes as two pipeline stages, a fresh run: steps 1..4, checkpoints at 2, 4.
-        train_args = ["--steps", "4", "--save-every", "2", "--pp", "2", "--backend", "gloo"]
-        first = _run(["bash", str(TORCHRUN_SH), "--ckpt", url, *train_args], {**env, "NPROC_PER_NODE": "2"})
-        printed = [ln for ln in first.stderr.splitlines() if ln.startswith("+ torchrun ")]
-        assert len(printed) == 1, first.stderr
-        cmd = shlex.split(printed[0][2:])
-        assert cmd[:4] == ["torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=2"]
-        assert cmd[cmd.index("-m") :] == ["-m", "zarrckpt.example.train", "--ckpt", url, *train_args]
-        assert _resumed_from(first.stdout) == []
-        assert _done_step(first.stdout) == 4
-        saved = zarrckpt.list_checkpoints(url, storage_options=options)
-        assert saved == {"step_0000000002": "committed", "step_0000000004": "committed"}
-        assert zarrckpt.open(f"{url}/step_0000000004", storage_options=options).topology["world_size"] == 2
+    # 1. Two processes as two pipeline stages, a fresh run: steps 1..4, checkpoints at 2, 4.
+    train_args = ["--steps", "4", "--save-every", "2", "--pp", "2", "--backend", "gloo"]
+    first = _run(["bash", str(TORCHRUN_SH), "--ckpt", url, *train_args], {**env, "NPROC_PER_NODE": "2"})
+    printed = [ln for ln in first.stderr.splitlines() if ln.startswith("+ torchrun ")]
+    assert len(printed) == 1, first.stderr
+    cmd = shlex.split(printed[0][2:])
+    assert cmd[:4] == ["torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=2"]
+    assert cmd[cmd.index("-m") :] == ["-m", "zarrckpt.example.train", "--ckpt", url, *train_args]
+    assert _resumed_from(first.stdout) == []
+    assert _done_step(first.stdout) == 4
+    saved = zarrckpt.list_checkpoints(url, storage_options=options)
+    assert saved == {"step_0000000002": "committed", "step_0000000004": "committed"}
+    assert zarrckpt.open(f"{url}/step_0000000004", storage_options=options).topology["world_size"] == 2
 
-        # 2. The exact command the script prints for one process, run as printed: the PP2
-        #    checkpoint resharded onto one rank.
-        line = subprocess.run(
-            ["bash", str(TORCHRUN_SH), "--dry-run", "--ckpt", url, "--steps", "6", "--save-every", "2"],
-            env={**env, "NPROC_PER_NODE": "1"},
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        assert "--nproc-per-node=1" in line
-        second = _run(["bash", "-c", line], env)
-        assert _resumed_from(second.stdout) == [4]
-        assert _done_step(second.stdout) == 6
-        ckpt6 = zarrckpt.open(f"{url}/step_0000000006", storage_options=options)
-        assert ckpt6.topology["world_size"] == 1
+    # 2. The exact command the script prints for one process, run as printed: the PP2
+    #    checkpoint resharded onto one rank.
+    line = subprocess.run(
+        ["bash", str(TORCHRUN_SH), "--dry-run", "--ckpt", url, "--steps", "6", "--save-every", "2"],
+        env={**env, "NPROC_PER_NODE": "1"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert "--nproc-per-node=1" in line
+    second = _run(["bash", "-c", line], env)
+    assert _resumed_from(second.stdout) == [4]
+    assert _done_step(second.stdout) == 6
+    ckpt6 = zarrckpt.open(f"{url}/step_0000000006", storage_options=options)
+    assert ckpt6.topology["world_size"] == 1
 
-        # 3. The Slurm script on a one-node "allocation": srun and scontrol are stand-ins that
-        #    run the command locally; torchrun meets through a real c10d rendezvous.
-        fake = tmp_path / "bin"
-        fake.mkdir()
-        (fake / "srun").write_text(
-            '#!/usr/bin/env bash\nprintf "%s\\n" "$*" > "$SRUN_ARGS"\n'
-            'while [[ $# -gt 0 && $1 == -* ]]; do shift; done\nexec "$@"\n'
-        )
-        (fake / "scontrol").write_text(
-            '#!/usr/bin/env bash\n[[ "$*" == "show hostnames node07" ]] || exit 9\necho 127.0.0.1\n'
-        )
-        for f in fake.iterdir():
-            f.chmod(0o755)
-        slurm_env = {
-            **env,
-            "PATH": f"{fake}{os.pathsep}{env['PATH']}",
-            "SRUN_ARGS": str(tmp_path / "srun-args"),
-            "ZARRCKPT_CKPT_URL": url,
-            "SLURM_JOB_NODELIST": "node07",
-            "SLURM_JOB_NUM_NODES": "1",
-            "SLURM_JOB_ID": "4242",
-            "SLURM_SUBMIT_DIR": str(ROOT),
-            "NPROC_PER_NODE": "2",
-            "RDZV_PORT": str(_free_port()),
-        }
-        third = _run(["bash", str(SBATCH), "--steps", "10", "--save-every", "2", "--keep-last", "2"], slurm_env)
-        srun_args = (tmp_path / "srun-args").read_text().split()
-        assert srun_args[:3] == ["--nodes=1", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
-        assert f"--rdzv-endpoint=127.0.0.1:{slurm_env['RDZV_PORT']}" in srun_args
-        assert "--rdzv-id=4242" in srun_args and "--nproc-per-node=2" in srun_args
-        assert _resumed_from(third.stdout) == [6]
-        assert _done_step(third.stdout) == 10
-        saved = zarrckpt.list_checkpoints(url, storage_options=options)
-        assert saved.get("step_0000000008") == saved.get("step_0000000010") == "committed"
-        # Retention (--keep-last 2) after the save of step 8 deleted 2 and 4. (Whether 6 is
-        # gone too depends on the manager finishing the retention it starts after the last save.)
-        assert not {"step_0000000002", "step_0000000004"} & set(saved)
+    # 3. The Slurm script on a one-node "allocation": srun and scontrol are stand-ins that
+    #    run the command locally; torchrun meets through a real c10d rendezvous.
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "srun").write_text(
+        '#!/usr/bin/env bash\nprintf "%s\\n" "$*" > "$SRUN_ARGS"\n'
+        'while [[ $# -gt 0 && $1 == -* ]]; do shift; done\nexec "$@"\n'
+    )
+    (fake / "scontrol").write_text(
+        '#!/usr/bin/env bash\n[[ "$*" == "show hostnames node07" ]] || exit 9\necho 127.0.0.1\n'
+    )
+    for f in fake.iterdir():
+        f.chmod(0o755)
+    slurm_env = {
+        **env,
+        "PATH": f"{fake}{os.pathsep}{env['PATH']}",
+        "SRUN_ARGS": str(tmp_path / "srun-args"),
+        "ZARRCKPT_CKPT_URL": url,
+        "SLURM_JOB_NODELIST": "node07",
+        "SLURM_JOB_NUM_NODES": "1",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_SUBMIT_DIR": str(ROOT),
+        "NPROC_PER_NODE": "2",
+        "RDZV_PORT": str(free_port()),
+    }
+    third = _run(["bash", str(SBATCH), "--steps", "10", "--save-every", "2", "--keep-last", "2"], slurm_env)
+    srun_args = (tmp_path / "srun-args").read_text().split()
+    assert srun_args[:3] == ["--nodes=1", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    assert f"--rdzv-endpoint=127.0.0.1:{slurm_env['RDZV_PORT']}" in srun_args
+    assert "--rdzv-id=4242" in srun_args and "--nproc-per-node=2" in srun_args
+    assert _resumed_from(third.stdout) == [6]
+    assert _done_step(third.stdout) == 10
+    saved = zarrckpt.list_checkpoints(url, storage_options=options)
+    assert saved.get("step_0000000008") == saved.get("step_0000000010") == "committed"
+    # Retention (--keep-last 2) after the save of step 8 deleted 2 and 4. (Whether 6 is
+    # gone too depends on the manager finishing the retention it starts after the last save.)
+    assert not {"step_0000000002", "step_0000000004"} & set(saved)
 
     # Every request the jobs (and the checks above) made is one the IAM policy allows for
     # this prefix; none touches anything outside it.
     policy = _s3_policy(bucket, prefix)
-    assert log.requests, "no S3 requests were seen"
+    requests = [(r.method, r.target) for r in s3_requests.requests()]
+    assert requests, "no S3 requests were seen"
     denied = set()
-    for method, target, _ in log.requests:
+    for method, target in requests:
         action, resource, context = s3_action(method, target)
         if resource == KEYS_IN_BODY:  # a batch delete of keys, all under the checkpoint root
             resource = f"arn:aws:s3:::{bucket}/{prefix}/step_0000000002/zarr.json"
         if not s3_allowed(policy, action, resource, context):
             denied.add((method, target))
     assert not denied, f"requests the IAM policy would refuse: {sorted(denied)[:20]}"
-    actions = {s3_action(m, t)[0] for m, t, _ in log.requests}
+    actions = {s3_action(m, t)[0] for m, t in requests}
     assert actions == S3_ACTIONS, "the job lists, reads, writes and deletes (retention)"
 
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import run_ranks
 from states import check_loaded, global_tensor, mixed_state, shard
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
 import zarrckpt
+from zarrckpt.testing import spawn
 
 
 def _save_mixed(rank: int, world: int, url: str, opts: dict | None) -> None:
@@ -30,15 +30,17 @@ def _load_mixed(rank: int, world: int, url: str, opts: dict | None, save_world: 
 @pytest.fixture(scope="module")
 def saved_by_4(tmp_path_factory: pytest.TempPathFactory) -> str:
     url = str(tmp_path_factory.mktemp("ckpt") / "world4")
-    run_ranks(4, _save_mixed, url, None)
+    spawn(4, _save_mixed, url, None)
     return url
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_save_4_load_any(saved_by_4: str, world: int) -> None:
-    run_ranks(world, _load_mixed, saved_by_4, None, 4)
+    spawn(world, _load_mixed, saved_by_4, None, 4)
 
 
+@pytest.mark.slow
 def test_replicated_and_stage_tensors_have_one_writer(saved_by_4: str) -> None:
     """Each shard object exists once; a replicated tensor is one shard, not one per rank."""
     root = Path(saved_by_4)
@@ -64,13 +66,14 @@ def _load_2d_into_3(rank: int, world: int, url: str) -> None:
     assert torch.equal(target["w"].full_tensor(), global_tensor("model.layers.0.attn.wqkv"))
 
 
+@pytest.mark.slow
 def test_2x2_mesh_to_world_3(tmp_path: Path) -> None:
     url = str(tmp_path / "mesh2d")
-    run_ranks(4, _save_2d, url)
+    spawn(4, _save_2d, url)
     meta = json.loads((tmp_path / "mesh2d/w/zarr.json").read_text())
     assert meta["chunk_grid"]["configuration"]["chunk_shape"] == [4, 6]
     assert meta["attributes"]["zarrckpt"]["topology"]["placements"] == ["Shard(dim=0)", "Shard(dim=1)"]
-    run_ranks(3, _load_2d_into_3, url)
+    spawn(3, _load_2d_into_3, url)
 
 
 def _misdeclared(rank: int, world: int, url: str) -> None:
@@ -88,8 +91,9 @@ def _misdeclared(rank: int, world: int, url: str) -> None:
     assert not os.path.exists(url), "nothing may be written when the layout is invalid"
 
 
+@pytest.mark.slow
 def test_uncovered_and_double_claims_fail_on_every_rank(tmp_path: Path) -> None:
-    run_ranks(2, _misdeclared, str(tmp_path / "bad"))
+    spawn(2, _misdeclared, str(tmp_path / "bad"))
 
 
 def _disagree(rank: int, world: int, url: str) -> None:
@@ -102,12 +106,14 @@ def _disagree(rank: int, world: int, url: str) -> None:
         zarrckpt.save({"step": rank}, url)
 
 
+@pytest.mark.slow
 def test_ranks_that_disagree_are_refused(tmp_path: Path) -> None:
-    run_ranks(3, _disagree, str(tmp_path / "bad"))
+    spawn(3, _disagree, str(tmp_path / "bad"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["s3", "gcs"])
 def test_object_store_round_trip_4_to_3(backend: str, request: pytest.FixtureRequest) -> None:
     url, opts = request.getfixturevalue(f"{backend}_url")
-    run_ranks(4, _save_mixed, url, opts)
-    run_ranks(3, _load_mixed, url, opts, 4)
+    spawn(4, _save_mixed, url, opts)
+    spawn(3, _load_mixed, url, opts, 4)

@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 import torch
-from multiproc import run_ranks
 
 import zarrckpt
 from zarrckpt.example import scenario
 from zarrckpt.example.config import ModelConfig, Topology, TrainConfig
 from zarrckpt.example.scenario import Layout
+from zarrckpt.testing import spawn
 
 
 def _check(report: scenario.Report, k: int, resumes: tuple[Layout, ...]) -> None:
@@ -42,6 +42,7 @@ def test_resume_under_three_topologies_on_s3(s3_url: tuple[str, dict[str, Any]])
     assert report.rows[0].tensors == 127
 
 
+@pytest.mark.slow
 def test_resume_with_experts_replicated_over_ep_dp(tmp_path: Path) -> None:
     t1 = Layout("T1", 4, pp=1, ep=2, expert_dp="replicated")
     resumes = (t1, Layout("T2", 2, pp=2, ep=1), Layout("T3", 2, pp=1, ep=2, expert_dp="replicated"))
@@ -61,7 +62,7 @@ def _save_one_rank(rank: int, world: int, url: str, steps: int) -> None:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> str:
     url = str(tmp_path_factory.mktemp("example") / "ckpt")
-    run_ranks(1, _save_one_rank, url, 2)
+    spawn(1, _save_one_rank, url, 2)
     return url
 
 
@@ -104,15 +105,17 @@ CONVERSIONS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("direct", [False, True], ids=["trainer", "zarrckpt.load"])
 def test_model_conversion_is_refused_before_reading_data(saved: str, tmp_path: Path, direct: bool) -> None:
     copy = tmp_path / "ckpt"
     shutil.copytree(saved, copy)
     for chunks in list(copy.rglob("c")):  # no tensor data left: reading any would fail differently
         shutil.rmtree(chunks) if chunks.is_dir() else chunks.unlink()
-    run_ranks(1, _load_other_models, str(copy), direct)
+    spawn(1, _load_other_models, str(copy), direct)
 
 
+@pytest.mark.slow
 def test_loading_a_subset_of_experts_is_explicit(saved: str) -> None:
     ckpt = zarrckpt.open(saved)
     w1 = ckpt["model.layers.1.moe.experts.w1"]
@@ -146,12 +149,14 @@ def _misdeclare(rank: int, world: int, url: str, offsets: tuple[int, ...], messa
         ((3, 0, 0), "model.layers.0.moe.experts.w1: region [3:4, 0:64, 0:128] is claimed twice"),
     ],
 )
+@pytest.mark.slow
 def test_misdeclared_expert_layout_is_caught_at_save(tmp_path: Path, offsets: tuple[int, ...], message: str) -> None:
     url = tmp_path / "bad"
-    run_ranks(2, _misdeclare, str(url), offsets, message)
+    spawn(2, _misdeclare, str(url), offsets, message)
     assert not url.exists()
 
 
+@pytest.mark.slow
 def test_train_command_resumes_on_another_world_size(tmp_path: Path) -> None:
     root = str(tmp_path / "job")
     cmd = [sys.executable, "-m", "zarrckpt.example.train", "--ckpt", root, "--save-every", "2", "--log-every", "2"]

@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from multiproc import run_ranks
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from states import SPECS, global_tensor, mixed_state
@@ -25,6 +24,7 @@ from zarrckpt import cli
 from zarrckpt.export import export_safetensors, parse_size
 from zarrckpt.importer import detect_kind, import_checkpoint
 from zarrckpt.keys import flat_key, iter_leaves
+from zarrckpt.testing import spawn
 
 G = torch.Generator().manual_seed(5)
 
@@ -261,10 +261,11 @@ def _dcp_save_rank(rank: int, world: int, path: str) -> None:
     dcp.save(mixed_state(rank, world, fill=True, save_world=world), checkpoint_id=path)
 
 
+@pytest.mark.slow
 def test_import_dcp_saved_by_two_ranks(tmp_path: Path) -> None:
     """DTensors sharded over 2 gloo ranks (several chunks per tensor), per-rank keys, bytes, RNG state."""
     src = tmp_path / "dcp"
-    run_ranks(2, _dcp_save_rank, str(src))
+    spawn(2, _dcp_save_rank, str(src))
     s = import_checkpoint(src, tmp_path / "ck")
     ckpt = zarrckpt.open(str(tmp_path / "ck"))
     assert s["kind"] == "dcp" and s["tensors"] == len(ckpt)

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 from kill_worker import COLS, ROWS, TENSORS, global_tensor
-from multiproc import free_port
 
 import zarrckpt
+from zarrckpt.testing import free_port
 
 WORLD = 2
 TRIALS = 20
@@ -62,6 +62,7 @@ def _assert_bit_exact(url: str, step: int) -> None:
     assert got["step"] == step and all(torch.equal(got["model"][k], want["model"][k]) for k in want["model"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_kill_9_during_save(tmp_path: Path) -> None:
     root = str(tmp_path / "run")

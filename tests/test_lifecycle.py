@@ -17,13 +17,13 @@ import fsspec
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import run_ranks
 
 import zarrckpt
 from zarrckpt import cli
 from zarrckpt import commit as protocol
 from zarrckpt.format import DELETING, MANIFEST, PENDING, Manifest
 from zarrckpt.storage import Storage
+from zarrckpt.testing import spawn
 
 
 def _state(value: float, n: int = 4) -> dict[str, Any]:
@@ -360,8 +360,9 @@ def _replicas(rank: int, world: int, url: str) -> None:
     assert torch.equal(got["ok"], same)
 
 
+@pytest.mark.slow
 def test_replicas_of_any_size_are_compared(tmp_path: Path) -> None:
-    run_ranks(2, _replicas, str(tmp_path / "ck"))
+    spawn(2, _replicas, str(tmp_path / "ck"))
 
 
 def test_array_metadata_is_written_after_every_shard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from zarrckpt.plan import DEFAULT_CHUNK_BYTES
 from zarrckpt.storecaps import LOCAL_WRITE_CONCURRENCY
 
@@ -14,6 +16,7 @@ MiB = 1 << 20
 SLACK = 48 * MiB  # allocator and interpreter noise, measured well below this
 
 
+@pytest.mark.slow
 def test_extra_rss_is_bounded(tmp_path: Path) -> None:
     budget = 64 * MiB  # a quarter of the 256 MiB state
     probe = Path(__file__).with_name("memory_probe.py")

@@ -14,6 +14,7 @@ import zarrckpt
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "explore_checkpoint.ipynb"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("where", ["moto", "env-url"])
 def test_notebook_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str) -> None:

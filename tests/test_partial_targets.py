@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import run_ranks
 
 import zarrckpt
+from zarrckpt.testing import spawn
 
 
 def _full() -> dict[str, Any]:
@@ -92,5 +92,6 @@ def _rank0_full_state(rank: int, world: int, url: str) -> None:
     assert torch.equal(target["model"]["w"], full["model"]["w"]) and target["trainer"]["step"] == 7
 
 
+@pytest.mark.slow
 def test_empty_dicts_on_some_ranks_contribute_nothing(tmp_path: Path) -> None:
-    run_ranks(2, _rank0_full_state, str(tmp_path / "ck"))
+    spawn(2, _rank0_full_state, str(tmp_path / "ck"))

@@ -331,6 +331,7 @@ def test_edge_all_zero_tensor_has_every_shard(saved_by_ranks: Path) -> None:
     }
 
 
+@pytest.mark.slow
 def test_zarr_opens_the_root_group_whatever_the_key_order(tmp_path: Path) -> None:
     """zarr-python groups the consolidated metadata's keys with itertools.groupby: unsorted keys (groups
     first, then arrays) made `a/w`, `a/g/w`, `b/g/w` or `model.pos_embed` beside `model.layers.*` and

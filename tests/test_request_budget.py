@@ -13,12 +13,10 @@ from typing import Any
 
 import fsspec
 import pytest
-import servers
 import torch
-from multiproc import run_ranks
-from servers import RequestLog, S3Request
 
 import zarrckpt
+from zarrckpt.testing import RequestLog, S3Request, s3_storage_options, spawn, under, unique_url
 
 EXPERTS, ROWS, COLS = 64, 256, 256
 WORLD = 8
@@ -40,8 +38,8 @@ def _save_experts(rank: int, world: int, url: str, opts: dict[str, Any]) -> None
 @pytest.fixture(scope="module")
 def experts_url(s3_server: str) -> Iterator[tuple[str, dict[str, Any]]]:
     """A [64, 256, 256] float32 tensor saved by 8 gloo ranks, 8 experts each (saved once per module)."""
-    url, opts = servers.unique_url("s3"), servers.s3_storage_options(s3_server)
-    run_ranks(WORLD, _save_experts, url, opts)
+    url, opts = unique_url("s3"), s3_storage_options(s3_server)
+    spawn(WORLD, _save_experts, url, opts)
     yield url, opts
     fs, root = fsspec.core.url_to_fs(url, **opts)
     fs.rm(root, recursive=True)
@@ -161,3 +159,17 @@ def test_request_log_counts_requests_and_bytes(s3_url: tuple[str, dict[str, Any]
     assert [r.bytes_sent for r in log[:2]] == [0, 100] and log[2].bytes_sent > 0
     assert log[2].query["prefix"] == [url.split("/", 3)[-1] + "/"]
     assert s3_requests.requests(url + "-other") == [] and len(s3_requests.requests()) == 3
+    # a sibling whose name starts with the prefix's is not under it
+    assert s3_requests.requests(url[:-1]) == []
+
+
+def test_prefix_rule() -> None:
+    """A key is under prefix P iff it is P or starts with P + "/" (the one rule of zarrckpt.testing)."""
+    assert under("b/run", "b/run") and under("b/run/x", "b/run") and under("b/run/x", "b/run/")
+    assert not under("b/run-1", "b/run") and not under("b/ru", "b/run") and not under("c/run", "b/run")
+    assert under("b/anything", "b") and under("b/x", "")
+    listing = S3Request("GET", "/b", {"prefix": ["run/"]}, None, 200, 10, 0)
+    assert listing.kind == "LIST" and listing.touches("b/run") and not listing.touches("b/ru")
+    assert not S3Request("GET", "/b", {"prefix": ["run-1/"]}, None, 200, 10, 0).touches("b/run")
+    delete = S3Request("POST", "/b", {"delete": [""]}, None, 200, 10, 99)
+    assert not delete.touches("b/run") and delete.touches("b")

@@ -64,6 +64,7 @@ def _child_write(rank: int, targets: list[tuple[str, dict]]) -> None:
         assert fs.cat_file(f"{root}/rank{rank}.bin", start=-3) == _payload(MB, rank)[-3:]
 
 
+@pytest.mark.slow
 def test_spawned_children_write(s3_url, gcs_url):
     targets = [s3_url, gcs_url]
     ctx = mp.spawn(_child_write, args=(targets,), nprocs=2, join=False)

@@ -14,13 +14,13 @@ from typing import Any
 import faulty
 import pytest
 import torch
-from multiproc import run_ranks
 from states import check_loaded, mixed_state
 
 import zarrckpt
 from zarrckpt import retry
 from zarrckpt.retry import RetryPolicy, is_transient
 from zarrckpt.storage import Storage
+from zarrckpt.testing import spawn
 
 RATE = 0.05
 
@@ -56,6 +56,28 @@ def _assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
         for name, tensor in layer.items():
             assert torch.equal(got["model"]["layers"][i][name].view(torch.uint8), tensor.view(torch.uint8)), (i, name)
     assert (got["step"], got["blob"]) == (want["step"], want["blob"])
+
+
+class _FakeClock:
+    """Stands in for ``time`` in zarrckpt.storage: the retry backoff's waits are recorded, not slept."""
+
+    def __init__(self) -> None:
+        self.waits: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.waits.append(seconds)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> _FakeClock:
+    from zarrckpt import storage
+
+    fake = _FakeClock()
+    monkeypatch.setattr(storage, "time", fake)
+    return fake
 
 
 @pytest.fixture
@@ -182,11 +204,12 @@ def _dump(stats: str, name: str, log: faulty.RetryLog) -> None:
     (Path(stats) / f"{name}.json").write_text(json.dumps(doc))
 
 
+@pytest.mark.slow
 def test_4_ranks_save_3_ranks_load_through_a_faulty_store(tmp_path: Path) -> None:
     url, opts, stats = _url(tmp_path), _opts(tmp_path), tmp_path / "stats"
     stats.mkdir()
-    run_ranks(4, _save_worker, url, opts, str(stats))
-    run_ranks(3, _load_worker, url, opts, str(stats), 4)
+    spawn(4, _save_worker, url, opts, str(stats))
+    spawn(3, _load_worker, url, opts, str(stats), 4)
     docs = [json.loads(p.read_text()) for p in sorted(stats.iterdir())]
     assert len(docs) == 7
     total = {k: sum(d[k] for d in docs) for k in ("calls", "faults", "retries")}
@@ -198,13 +221,16 @@ def _no_commit(tmp_path: Path) -> None:
     assert not (tmp_path / "ck" / "zarr.json").exists(), "nothing may be committed"
 
 
-def test_storage_that_always_fails_gives_storage_error(tmp_path: Path, fast_retries: RetryPolicy) -> None:
+def test_storage_that_always_fails_gives_storage_error(
+    tmp_path: Path, fast_retries: RetryPolicy, clock: _FakeClock
+) -> None:
     assert fast_retries.attempts == 3
     url, opts = _url(tmp_path), _opts(tmp_path, rate=1.0)
-    start = time.perf_counter()
     with pytest.raises(zarrckpt.StorageError, match=r"listing .*ck/ failed after 3 attempts") as err:  # prepare's
         zarrckpt.save({"w": torch.ones(100)}, url, storage_options=opts)
-    assert time.perf_counter() - start < 2
+    # bounded: the first request's 3 attempts and 2 waits, then the error; nothing else is tried
+    assert sum(faulty.CALLS.values()) == 3 and len(clock.waits) == 2, (faulty.CALLS, clock.waits)
+    assert sum(clock.waits) <= fast_retries.longest_wait()
     assert isinstance(err.value.__cause__, (OSError, faulty.ServerBusy))
     _no_commit(tmp_path)
     with pytest.raises(zarrckpt.StorageError, match=r"reading .*ck/zarr\.json failed after 3 attempts"):
@@ -227,40 +253,41 @@ def test_a_shard_that_cannot_be_written_leaves_no_commit(tmp_path: Path, fast_re
     assert torch.equal(got["a"], state["a"]) and torch.equal(got["b"], state["b"])
 
 
-def test_default_policy_gives_up_in_bounded_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_policy_gives_up_in_bounded_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clock: _FakeClock
+) -> None:
     monkeypatch.delenv("ZARRCKPT_RETRIES", raising=False)
     monkeypatch.delenv("ZARRCKPT_RETRY_DELAY", raising=False)
     policy = retry.current_policy()
     assert policy == RetryPolicy() and policy.attempts == 6
-    start = time.perf_counter()
     with pytest.raises(zarrckpt.StorageError, match="failed after 6 attempts"):
         zarrckpt.load({"w": torch.zeros(1)}, _url(tmp_path), storage_options=_opts(tmp_path, rate=1.0))
-    took = time.perf_counter() - start
-    assert policy.longest_wait() * (1 - policy.jitter) <= took < policy.longest_wait() + 1.0
+    # one request (the manifest's): 6 attempts, 5 backoff waits that together stay within the policy's bound
+    assert sum(faulty.CALLS.values()) == 6 and len(clock.waits) == 5, (faulty.CALLS, clock.waits)
+    assert policy.longest_wait() * (1 - policy.jitter) <= sum(clock.waits) <= policy.longest_wait()
+    for n, wait in enumerate(clock.waits, start=1):
+        assert policy.delay(n, 1.0) <= wait <= policy.delay(n, 0.0), (n, wait)
 
 
-def test_permission_errors_are_not_retried(tmp_path: Path) -> None:
+def test_permission_errors_are_not_retried(tmp_path: Path, clock: _FakeClock) -> None:
     opts = _opts(tmp_path, rate=0.0, fail_paths="*/w/c/0", fail_with="permission")
-    start = time.perf_counter()
     with pytest.raises(zarrckpt.StorageError, match=r"writing .*ck/w/c/0 failed: PermissionError"):
         zarrckpt.save({"w": torch.ones(8)}, _url(tmp_path), storage_options=opts)
-    assert time.perf_counter() - start < 1
+    assert clock.waits == []
     assert faulty.calls_on("pipe_file", "/ck/w/c/0") == 1
     _no_commit(tmp_path)
 
 
 @pytest.mark.parametrize("backend", ["local", "faulty"])
-def test_missing_shard_fails_fast_without_retries(tmp_path: Path, backend: str) -> None:
+def test_missing_shard_fails_fast_without_retries(tmp_path: Path, backend: str, clock: _FakeClock) -> None:
     """FileNotFoundError is never retried: a deleted shard is a CorruptChunkError at once (default policy)."""
     local = str(tmp_path / "ck")
     url, opts = (local, {}) if backend == "local" else (_url(tmp_path), _opts(tmp_path, rate=0.0))
     zarrckpt.save({"model": {"w": torch.randn(64, 64)}}, url, storage_options=opts, chunk_bytes=4096)
     (tmp_path / "ck/model/w/c/0/0").unlink()
-    start = time.perf_counter()
     with faulty.retry_log() as log, pytest.raises(zarrckpt.CorruptChunkError, match="missing"):
         zarrckpt.load({"model": {"w": torch.zeros(64, 64)}}, url, storage_options=opts)
-    assert time.perf_counter() - start < 1
-    assert log.retries == 0
+    assert log.retries == 0 and clock.waits == []
     if backend == "faulty":
         assert faulty.calls_on("cat_file", "/ck/model/w/c/0/0") == 1
     with pytest.raises(FileNotFoundError):

@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from . import errors
+from ._version import __version__
 from ._zarr_hook import register_with_zarr
 from .errors import (
     CheckpointExistsError,
@@ -38,8 +39,6 @@ if TYPE_CHECKING:
     from .localstate import LocalShard
     from .manager import CheckpointManager
     from .zarr_dtypes import register_zarr_dtypes as register_zarr_dtypes
-
-__version__ = "0.1.0"
 
 _LAZY = {
     "load": "api",

@@ -24,11 +24,10 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as torch_dist
 
 from . import commit as protocol
 from . import integrity, replicas, stateful
-from .dist import Group
+from .dist import Group, side_group
 from .errors import ZarrckptError
 from .localstate import LocalState, LocalTensor, collect
 from .plan import DEFAULT_CHUNK_BYTES, SavePlan, build_save_plan
@@ -37,14 +36,46 @@ from .writer import commit_save, write_rank
 
 log = logging.getLogger("zarrckpt")
 _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zarrckpt-async")
-_background_groups: dict[Any, Any] = {}
-_last: Future[None] | None = None
+_last: AsyncSave | None = None
 _lock = threading.Lock()
 # Host staging buffers, kept for the next async_save (no fresh allocation and page faults each
 # time); holds at most what one save had staged at once. release_staging() frees them.
 _pool: dict[tuple[Any, ...], list[torch.Tensor]] = {}
 _pool_lock = threading.Lock()
 atexit.register(_executor.shutdown, wait=True)  # a save in flight finishes before the process exits
+
+
+@dataclass(frozen=True)
+class StagingStats:
+    """How the copy to host memory went, on this rank (known once ``async_save`` returns)."""
+
+    tensors: int = 0
+    """Local tensors copied."""
+    seconds: float = 0.0
+    """Time the copies took (what the caller waited for them)."""
+    peak_bytes: int = 0
+    """The most bytes staged but not yet written at any moment (at most the staging budget, unless one
+    tensor alone is larger)."""
+
+
+class AsyncSave(Future[None]):
+    """What :func:`async_save` returns: a future that completes when the checkpoint is committed
+    (or carries the error), with this rank's :class:`StagingStats` in ``staging``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.staging = StagingStats()
+
+    def _run(self, fn: Any) -> None:
+        """Executor thread: run ``fn`` as this future's work (what ``Executor.submit`` does)."""
+        if not self.set_running_or_notify_cancel():
+            return
+        try:
+            fn()
+        except BaseException as e:
+            self.set_exception(e)
+        else:
+            self.set_result(None)
 
 
 def async_save(
@@ -58,10 +89,11 @@ def async_save(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     check_replicas: bool = True,
     allow_pickle: bool = False,
-) -> Future[None]:
+) -> AsyncSave:
     """Start saving ``state_dict`` to ``url`` and return once it is staged; every rank calls it.
 
-    The returned future completes when the checkpoint is committed, or carries the error. One
+    The returned future (an :class:`AsyncSave`) completes when the checkpoint is committed, or
+    carries the error; its ``staging`` says how the copy to host memory went. One
     save is in flight at a time: a call first waits for the previous one to finish.
     ``staging_budget_bytes`` bounds the host memory holding staged copies (default: no bound).
     ``overwrite``, ``check_replicas`` and ``allow_pickle`` are as for :func:`zarrckpt.save`; layout and replica
@@ -77,21 +109,13 @@ def async_save(
         plan = build_save_plan(group.all_gather_json(local.describe()), chunk_bytes)
         if check_replicas:
             replicas.check(group, plan, local)
-        background = Group(_background_group(process_group)) if group.active else group
+        background = side_group(process_group) if group.active else group
         job = _Job(Storage(url, storage_options), plan, background, overwrite, staging_budget_bytes)
-        future = _executor.submit(job.run)
+        future = AsyncSave()
+        _executor.submit(future._run, job.run)
         _last = future
-        job.stage(local)
+        future.staging = job.stage(local)
         return future
-
-
-def _background_group(process_group: Any) -> Any:
-    """A gloo group over the same ranks, for the background thread's collectives (created once)."""
-    key = id(process_group)
-    if key not in _background_groups:
-        ranks = torch_dist.get_process_group_ranks(process_group) if process_group is not None else None
-        _background_groups[key] = torch_dist.new_group(ranks=ranks, backend="gloo")
-    return _background_groups[key]
 
 
 @dataclass
@@ -109,13 +133,13 @@ class _Job:
     cond: threading.Condition = field(default_factory=threading.Condition)
     written: integrity.Written = field(default_factory=dict)  # chunk checksums, for the manifest
 
-    def stage(self, local: LocalState) -> None:
+    def stage(self, local: LocalState) -> StagingStats:
         """Caller's thread: copy each local tensor to host memory, within the budget.
 
         If staging fails, the background save is told so and abandons the checkpoint uncommitted.
         """
         try:
-            self._stage(local)
+            return self._stage(local)
         except BaseException:
             with self.cond:
                 self.stage_failed = True
@@ -123,29 +147,33 @@ class _Job:
                 self.cond.notify_all()
             raise
 
-    def _stage(self, local: LocalState) -> None:
+    def _stage(self, local: LocalState) -> StagingStats:
         start = time.perf_counter()
+        copied = 0
         for tensor in local.tensors.values():
             nbytes = tensor.data.nbytes
             with self.cond:
                 self.cond.wait_for(partial(self._ready_for, nbytes))
                 if self.failed:
-                    return
+                    return StagingStats(copied, time.perf_counter() - start, self.peak)
             host = _to_host(tensor.data)
             with self.cond:
                 self.in_flight += nbytes
                 self.peak = max(self.peak, self.in_flight)
                 self.staged.append(LocalTensor(**{**tensor.__dict__, "data": host}))
                 self.cond.notify_all()
+            copied += 1
         with self.cond:
             self.staged.append(None)
             self.cond.notify_all()
+        stats = StagingStats(copied, time.perf_counter() - start, self.peak)
         log.info(
             "async save staged %d tensors in %.3fs, peak %d bytes staged",
-            len(local.tensors),
-            time.perf_counter() - start,
-            self.peak,
+            stats.tensors,
+            stats.seconds,
+            stats.peak_bytes,
         )
+        return stats
 
     def _ready_for(self, nbytes: int) -> bool:
         """True once ``nbytes`` more fit in the budget (a tensor larger than it goes alone), or on failure."""
@@ -180,7 +208,7 @@ class _Job:
                 if self.stage_failed:
                     raise ZarrckptError("copying the state to host memory failed on this rank; nothing was committed")
                 break
-            one = LocalState({tensor.key: tensor}, {}, {})
+            one = LocalState({tensor.key: tensor}, {})
             write_rank(self.storage, self.plan, one, rank, {tensor.key}, self.written)
             _recycle(tensor.data)
             with self.cond:

@@ -121,7 +121,7 @@ class ZarrWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         zplan, rank = plan.storage_data
-        local = LocalState({}, {}, {})
+        local = LocalState({}, {})
         objects: dict[str, Any] = {}
         results = []
         tensors = []
@@ -136,7 +136,7 @@ class ZarrWriter(StorageWriter):
             chunk = item.tensor_data.chunk
             meta = zplan.arrays[key]
             box = Box(tuple(chunk.offsets), tuple(chunk.sizes))
-            local.tensors[key] = LocalTensor(key, (key,), data, meta.shape, box, meta.dtype)
+            local.tensors[key] = LocalTensor(key, data, meta.shape, box, meta.dtype)
             tensors.append((item, data.nbytes))
         written: integrity.Written = {}
         write_rank(self.storage, zplan, local, rank, None, written)

@@ -16,6 +16,7 @@ from .errors import ZarrckptError
 from .gcpause import gc_paused
 
 T = TypeVar("T")
+_side_groups: dict[int, Any] = {}
 
 
 class Group:
@@ -85,3 +86,17 @@ class Group:
             rank, msg = failed[0]
             raise ZarrckptError(f"{what} failed on rank {rank}: {msg}")
         return result  # type: ignore[return-value]
+
+
+def side_group(process_group: Any = None) -> Group:
+    """A :class:`Group` over the same ranks as ``process_group`` on a gloo group of its own (made once per
+    group, collectively on first use), so collectives of a background thread never interleave with the
+    caller's. Inactive (1 rank) when ``process_group`` is."""
+    group = Group(process_group)
+    if not group.active:
+        return group
+    key = id(process_group)
+    if key not in _side_groups:
+        ranks = torch_dist.get_process_group_ranks(process_group) if process_group is not None else None
+        _side_groups[key] = torch_dist.new_group(ranks=ranks, backend="gloo")
+    return Group(_side_groups[key])

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Iterator
+
 __all__ = [
     "CheckpointExistsError",
     "CheckpointNotFoundError",
@@ -86,3 +89,23 @@ class InvalidKeyError(ZarrckptError):
 
 class UnsupportedValueError(ZarrckptError):
     """A state-dict value cannot be stored without pickle (or has an unsupported dtype)."""
+
+
+def causes(error: BaseException, limit: int = 20) -> Iterator[BaseException]:
+    """``error`` and what led to it, nearest first: each exception's ``__cause__`` (else its
+    ``__context__``) and, for DCP's ``CheckpointException``, every rank's failure (``.failures``).
+    Each exception once, at most ``limit`` in all."""
+    seen: set[int] = set()
+    queue: deque[BaseException] = deque([error])
+    while queue and len(seen) < limit:
+        e = queue.popleft()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        failures = getattr(e, "failures", None)  # CheckpointException: {rank: exception}
+        if isinstance(failures, dict):
+            queue.extend(f for f in failures.values() if isinstance(f, BaseException))
+        inner = e.__cause__ or e.__context__
+        if inner is not None:
+            queue.append(inner)

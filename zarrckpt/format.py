@@ -186,7 +186,7 @@ GROUP_FIELDS = frozenset({"zarr_format", "node_type", "attributes", "consolidate
 
 
 def library_name() -> str:
-    from . import __version__
+    from ._version import __version__
 
     return f"zarrckpt {__version__}"
 

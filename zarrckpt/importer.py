@@ -35,6 +35,7 @@ from .errors import (
     IncompleteCheckpointError,
     UnsupportedValueError,
     ZarrckptError,
+    causes,
 )
 from .export import SAFETENSORS_DTYPES
 from .keys import flat_key, iter_leaves
@@ -373,21 +374,9 @@ def _read_dcp(path: Path) -> dict[str, Any]:
     except ZarrckptError:
         raise
     except Exception as e:  # DCP wraps reader failures in CheckpointException
-        for inner in _causes(e):
+        for inner in causes(e):
             if isinstance(inner, ZarrckptError):
                 raise inner from None
         raise ZarrckptError(f"cannot read the DCP checkpoint {str(path)!r}: {e}") from e
     # DCP's keys are already flat (dotted); keep them exactly
     return {flat_key((k,)): v for k, v in state.items()}
-
-
-def _causes(e: BaseException) -> list[BaseException]:
-    out: list[BaseException] = []
-    failures = getattr(e, "failures", None)  # CheckpointException: {rank: exception}
-    if isinstance(failures, dict):
-        out += [f for f in failures.values() if isinstance(f, BaseException)]
-    cur = e.__cause__ or e.__context__
-    while cur is not None and len(out) < 20:
-        out.append(cur)
-        cur = cur.__cause__ or cur.__context__
-    return out

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, Partial
 
 from . import dtypes
 from .errors import UnsupportedValueError
-from .keys import Path, flat_key, iter_leaves
+from .keys import flat_key, iter_leaves
 from .layout import Box, Shape
 from .values import encode
 
@@ -26,7 +26,6 @@ class LocalTensor:
     """This rank's part of one global tensor."""
 
     key: str
-    path: Path
     data: torch.Tensor  # the local part (DTensor: its local shard), on any device
     shape: Shape  # global shape
     box: Box  # where ``data`` sits in the global tensor
@@ -50,7 +49,6 @@ class LocalTensor:
 class LocalState:
     tensors: dict[str, LocalTensor]
     values: dict[str, Any]  # key -> JSON-ready value
-    paths: dict[str, Path]  # every key -> its path in the nested state dict
 
     def describe(self) -> dict[str, Any]:
         """What this rank holds, as JSON for :func:`zarrckpt.plan.build_save_plan`.
@@ -118,30 +116,29 @@ def tensor_box(value: torch.Tensor | LocalShard) -> tuple[torch.Tensor, Shape, B
 
 def collect(state_dict: Mapping[str, Any], allow_pickle: bool = False) -> LocalState:
     """Split a (nested) state dict into this rank's tensor parts and JSON values (:mod:`zarrckpt.values`)."""
-    state = LocalState({}, {}, {})
+    state = LocalState({}, {})
     for path, value in iter_leaves(state_dict):
         key = flat_key(path)
-        state.paths[key] = path
         try:
-            _collect_leaf(state, key, path, value, allow_pickle)
+            _collect_leaf(state, key, value, allow_pickle)
         except UnsupportedValueError as e:
             raise e if str(e).startswith(repr(key)) else UnsupportedValueError(f"{key!r}: {e}") from None
     return state
 
 
-def _collect_leaf(state: LocalState, key: str, path: Path, value: Any, allow_pickle: bool) -> None:
+def _collect_leaf(state: LocalState, key: str, value: Any, allow_pickle: bool) -> None:
     if isinstance(value, BYTES_TYPES):
         raw = value.getvalue() if isinstance(value, io.BytesIO) else value
         data = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
         python_type = "" if isinstance(value, bytes) else type(value).__name__
         box = Box.full((len(raw),))
-        state.tensors[key] = LocalTensor(key, path, data, (len(raw),), box, "uint8", "bytes", {}, python_type)
+        state.tensors[key] = LocalTensor(key, data, (len(raw),), box, "uint8", "bytes", {}, python_type)
     elif isinstance(value, np.ndarray):
         name = dtypes.numpy_name(value.dtype)
         data = torch.from_numpy(np.ascontiguousarray(value).reshape(value.shape))  # 0-d stays 0-d
-        state.tensors[key] = LocalTensor(key, path, data, value.shape, Box.full(value.shape), name, "ndarray")
+        state.tensors[key] = LocalTensor(key, data, value.shape, Box.full(value.shape), name, "ndarray")
     elif isinstance(value, (torch.Tensor, LocalShard)):
         data, shape, box, topology = tensor_box(value)
-        state.tensors[key] = LocalTensor(key, path, data, shape, box, dtypes.zarr_name(data.dtype), "tensor", topology)
+        state.tensors[key] = LocalTensor(key, data, shape, box, dtypes.zarr_name(data.dtype), "tensor", topology)
     else:
         state.values[key] = encode(value, key, allow_pickle)

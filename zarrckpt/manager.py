@@ -81,6 +81,7 @@ class CheckpointManager:
             return None
         url = self.url(step)
         options = {"storage_options": self.storage_options, "process_group": self.process_group, "overwrite": False}
+        future: Future[None]
         if self.use_async:
             future = async_save(state_dict, url, **options)
             future.add_done_callback(partial(self._log_failure, step))

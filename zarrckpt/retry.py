@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-from .errors import ZarrckptError
+from .errors import ZarrckptError, causes
 
 __all__ = ["DEFAULT_POLICY", "RetryPolicy", "current_policy", "is_transient"]
 
@@ -121,21 +120,12 @@ def is_transient(error: BaseException) -> bool:
     """True when ``error`` is worth retrying: connection trouble, timeouts, HTTP 5xx, throttling."""
     if isinstance(error, _PERMANENT) or not isinstance(error, Exception):
         return False
-    chain = list(_causes(error))
+    chain = list(causes(error))
     for e in chain:  # an HTTP status or service error code decides, wherever it sits in the chain
         verdict = _http_verdict(e)
         if verdict is not None:
             return verdict
     return any(_transient_kind(e) for e in chain)
-
-
-def _causes(error: BaseException) -> Iterator[BaseException]:
-    seen: set[int] = set()
-    e: BaseException | None = error
-    while e is not None and id(e) not in seen and len(seen) < 8:
-        seen.add(id(e))
-        yield e
-        e = e.__cause__ or e.__context__
 
 
 def _http_verdict(e: BaseException) -> bool | None:

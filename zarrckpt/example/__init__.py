@@ -8,5 +8,6 @@ bookkeeping windows, step / token / epoch counters, data-loader position, RNG st
 data manifest) in every checkpoint.
 
 - ``python -m zarrckpt.example.train`` — the training job (single process or under torchrun).
-- ``zarrckpt.example.scenario`` — run A vs run B resumed under other topologies (the demo).
+- ``zarrckpt.example.scenario`` — run A vs run B resumed under other topologies.
+- ``python -m zarrckpt.example.demo`` (or ``python -m zarrckpt.demo``) — the scenario on an embedded S3 server.
 """

@@ -38,7 +38,6 @@ class TrainConfig:
     lr: float = 3e-3
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
-    weight_decay: float = 0.0
     clip: float = 1.0
     """Global gradient-norm clip."""
     router_jitter: float = 0.01

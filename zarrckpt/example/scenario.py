@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import zarrckpt
 
-from ..launch import spawn
+from ..testing import spawn
 from .config import ModelConfig, Topology, TrainConfig
 from .trainer import Trainer
 

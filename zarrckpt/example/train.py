@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import zarrckpt
 
-from ..launch import free_port
+from ..testing import free_port
 from .config import ModelConfig, Topology, TrainConfig
 from .trainer import Trainer
 

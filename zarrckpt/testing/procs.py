@@ -1,4 +1,4 @@
-"""Run a function on N local processes joined by a gloo process group (demos, examples, tests).
+"""N local processes joined by a gloo process group (tests, benchmarks, the demo), and free ports.
 
 ``spawn(world, fn, *args)`` calls ``fn(rank, world, *args)`` in each process and raises
 ``torch.multiprocessing.ProcessRaisedException`` (with the rank's traceback) if any of them

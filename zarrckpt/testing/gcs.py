@@ -1,0 +1,107 @@
+"""gcp-storage-emulator (GCS) in a background thread, on a free loopback port.
+
+Importing this module sets ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false``. gcsfs reads it once, at
+*its* import time; if unset (default "true") gcsfs swaps in ``ExtendedGcsFileSystem``, which
+probes the endpoint over gRPC and stalls for minutes against the emulator. So import this module
+before anything imports gcsfs; spawned children inherit the variable through ``os.environ``.
+No other variable is set: the endpoint travels in storage_options (``STORAGE_EMULATOR_HOST`` is
+deliberately *not* set, so code that drops storage_options fails instead of silently working).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from .s3 import BUCKET, HOST
+
+os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
+
+
+def gcs_storage_options(endpoint: str) -> dict[str, Any]:
+    """gcsfs storage_options for the emulator at ``endpoint`` (plain and picklable)."""
+    return {
+        "endpoint_url": endpoint,  # overrides STORAGE_EMULATOR_HOST / googleapis.com
+        "token": "anon",  # no google.auth lookup (metadata-server probing)
+        "project": "test",  # only used for bucket creation / listing
+        "skip_instance_cache": True,
+    }
+
+
+_SUFFIX_RANGE = re.compile(r"\s*bytes=-(\d+)\s*")
+_patch_lock = threading.Lock()
+
+
+def _patch_emulator_suffix_ranges() -> None:
+    """Teach the emulator suffix ranges (``Range: bytes=-N``).
+
+    gcsfs sends them for ``cat_file(path, start=-N)`` (zarr uses this for shard
+    indexes). The emulator only parses ``bytes=a-b`` and silently answers anything
+    else with the *whole object* (200). Rewrite the header to ``bytes=(size-N)-``.
+    """
+    from gcp_storage_emulator import server as gserver
+    from gcp_storage_emulator.handlers import objects
+
+    with _patch_lock:
+        original = objects.download
+        if getattr(original, "_zarrckpt_patched", False):
+            return
+
+        def download(request: Any, response: Any, storage: Any, *args: Any, **kwargs: Any) -> Any:
+            rng = request.get_header("range")
+            match = _SUFFIX_RANGE.fullmatch(rng) if rng else None
+            if match:
+                params = request.params
+                try:
+                    obj = storage.get_file_obj(params["bucket_name"], params["object_id"])
+                except Exception:  # NotFound: let the original answer 404
+                    pass
+                else:
+                    start = max(0, int(obj["size"]) - int(match[1]))
+                    request._request_handler.headers.replace_header("Range", f"bytes={start}-")
+            return original(request, response, storage, *args, **kwargs)
+
+        download._zarrckpt_patched = True  # type: ignore[attr-defined]
+        objects.download = download  # used by objects.get(alt=media)
+        for _, handlers in gserver.HANDLERS:
+            for method, fn in handlers.items():
+                if fn is original:
+                    handlers[method] = download
+
+
+def _check_gcsfs_not_extended() -> None:
+    gcsfs = sys.modules.get("gcsfs")
+    if gcsfs is not None and gcsfs.GCSFileSystem.__name__ != "GCSFileSystem":
+        raise RuntimeError(
+            "gcsfs was imported before GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false was set; "
+            "import zarrckpt.testing.gcs before gcsfs (it would stall probing gRPC)."
+        )
+
+
+@contextmanager
+def gcs_server(bucket: str | None = BUCKET) -> Iterator[str]:
+    """Run gcp-storage-emulator (in memory) in a thread; yield its endpoint URL.
+
+    ``bucket`` (if not None) is created before yielding. Note the emulator's HTTP
+    server is single-threaded: requests are served one at a time.
+    """
+    from gcp_storage_emulator.server import create_server
+
+    _check_gcsfs_not_extended()
+    _patch_emulator_suffix_ranges()
+    # The emulator logs "Resource not found" at ERROR for every 404 (normal in tests).
+    logging.getLogger("gcp_storage_emulator.storage").setLevel(logging.CRITICAL)
+    server = create_server(HOST, 0, in_memory=True, default_bucket=bucket)
+    server.start()  # returns once the socket is bound
+    try:
+        port = server._api._httpd.server_address[1]  # the real port after binding port 0
+        yield f"http://{HOST}:{port}"
+    finally:
+        server.stop()  # shutdown() + server_close(); the thread then exits
+        threading.Thread.join(server._api, timeout=5)  # APIThread.join is overridden
