@@ -322,6 +322,39 @@ def _tree_arrays_of(flat: dict[str, torch.Tensor]) -> Counter[tuple[str, str, st
     return Counter((k.rsplit(".", 1)[-1], str(tuple(t.shape)), _name(t.dtype)) for k, t in flat.items())
 
 
+_OPEN_ARRAY_FIRST = """
+import json, sys
+import zarr
+
+root, path, out = sys.argv[1], sys.argv[2], sys.argv[3]
+try:
+    zarr.open_array(root + "/" + path, mode="r", zarr_format=3)  # the first thing this process does
+    first = None
+except ValueError as e:
+    first = str(e)
+zarr.open_group(root, mode="r", zarr_format=3)  # loads zarr's buffer entry points: ours registers the types
+a = zarr.open_array(root + "/" + path, mode="r", zarr_format=3)[...]
+json.dump({"first": first, "then": [str(a.dtype), list(a.shape), a.tobytes().hex()]}, open(out, "w"))
+"""
+
+
+@pytest.mark.parametrize("dtype", sorted(EXTENSION))
+def test_zarr_python_without_zarrckpt_open_array_first(checkpoints, tmp_path: Path, dtype: str) -> None:
+    """Without ``import zarrckpt``, ``zarr.open_array`` of a bfloat16 / float8 array as a process's first
+    zarr call fails (zarr has not loaded the entry points yet); after ``open_group`` it reads bit for bit."""
+    root, flat = checkpoints["dtensor"]
+    key = f"model.rows.{dtype}"
+    out = tmp_path / "out.json"
+    args = [sys.executable, "-c", _OPEN_ARRAY_FIRST, str(root), _path(key), str(out)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["first"] == f"No Zarr data type found that matches '{dtype}'"
+    name, shape, hexbytes = report["then"]
+    got = np.frombuffer(bytes.fromhex(hexbytes), _numpy_dtype(name)).reshape(shape)
+    _assert_same_bits(got, flat[key], f"open_array after open_group {key}")
+
+
 # -- TensorStore ----------------------------------------------------------------------------------
 
 
@@ -441,8 +474,9 @@ def test_zarrs_without_strict_falls_back_for_the_extension_types(checkpoints) ->
 # -- xarray ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("consolidated", [True, False], ids=["consolidated", "not-consolidated"])
 @pytest.mark.parametrize("name", CHECKPOINTS)
-def test_xarray_open_zarr_per_group(checkpoints, name: str) -> None:
+def test_xarray_open_zarr_per_group(checkpoints, name: str, consolidated: bool) -> None:
     xr = pytest.importorskip("xarray")
     root, flat = checkpoints[name]
     groups: dict[str, dict[str, torch.Tensor]] = {}
@@ -451,7 +485,7 @@ def test_xarray_open_zarr_per_group(checkpoints, name: str) -> None:
         groups.setdefault(group, {})[leaf] = t
     got: dict[str, Any] = {}
     for group, arrays in groups.items():
-        ds = xr.open_zarr(str(root), group=group, consolidated=False)
+        ds = xr.open_zarr(str(root), group=group, consolidated=consolidated)
         assert set(ds.data_vars) == set(arrays), group
         for leaf in arrays:
             got[f"{group}/{leaf}"] = ds[leaf].values
