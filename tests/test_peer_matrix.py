@@ -2,8 +2,9 @@
 
 Checkpoints (both written by one 2-rank run, ~10 s):
 
-- ``example``: the example MoE job (``zarrckpt.example``) after 2 steps on 2 ranks, as it saves itself
-  (DTensor weights on a 2-D mesh, Adam moments, 0-d ``step`` counters, the uint8 torch RNG state).
+- ``example``: the example MoE job's ``Trainer`` (``zarrckpt.example``) after 2 steps on 2 ranks, its
+  ``state_dict()`` saved by ``zarrckpt.save`` (DTensor weights on a 2-D mesh, Adam moments, 0-d
+  ``step`` counters, the uint8 torch RNG state: 127 arrays); the truth is each DTensor's ``full_tensor()``.
 - ``dtensor``: DTensors of every dtype zarrckpt writes, ``Shard`` split unevenly over the 2 ranks
   (5 rows -> 3 + 2, 5 columns -> 3 + 2, 1 row -> 1 + 0), 0-d tensors, empty tensors, small chunks.
 
@@ -205,6 +206,7 @@ def test_the_checkpoints_hold_every_case(checkpoints) -> None:
     meta = json.loads((root / "zarr.json").read_text())["consolidated_metadata"]["metadata"]
     arrays = {p: m for p, m in meta.items() if m["node_type"] == "array"}
     assert set(arrays) == {_path(k) for k in flat}
+    assert len(arrays) == 58
     assert {m["data_type"] for m in arrays.values()} == {_name(d) for d in DTYPES}
     assert any(m["shape"] == [] for m in arrays.values())
     assert any(0 in m["shape"] for m in arrays.values())
@@ -469,6 +471,19 @@ def test_zarrs_without_strict_falls_back_for_the_extension_types(checkpoints) ->
     _check_all("dtensor", got, flat, "zarrs, strict=False")
     messages = {str(w.message) for w in caught if "ZarrsCodecPipeline" in str(w.message)}
     assert messages == {f"Array is unsupported by ZarrsCodecPipeline: {m}" for m in ZARRS_OPEN_ERRORS.values()}
+
+
+def test_zarrs_nested_config_drops_zarrs_fallback_settings(checkpoints) -> None:
+    """Why ``_zarrs_config`` uses dotted keys: the nested form replaces zarr's codec_pipeline section."""
+    _zarrs()
+    root, _ = checkpoints["dtensor"]
+    batch_size = zarr.config.get("codec_pipeline.batch_size")
+    with zarr.config.set({"codec_pipeline": {"path": "zarrs.ZarrsCodecPipeline", "strict": False}}):
+        assert zarr.config.get("codec_pipeline.batch_size", None) is None
+        with pytest.raises(KeyError, match="batch_size"), pytest.warns(UserWarning, match="ZarrsCodecPipeline"):
+            zarr.open_array(str(root / "model/rows/float8_e5m2"), mode="r", zarr_format=3)
+    with zarr.config.set(_zarrs_config(strict=False)):
+        assert zarr.config.get("codec_pipeline.batch_size") == batch_size
 
 
 # -- xarray ---------------------------------------------------------------------------------------
