@@ -29,9 +29,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from multiproc import run_ranks
 
 import zarrckpt
+from zarrckpt.testing import spawn
 
 zarr = pytest.importorskip("zarr")
 ts = pytest.importorskip("tensorstore")
@@ -169,7 +169,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Pat
     """name -> (root, flat key -> the full tensor that was saved)."""
     base = tmp_path_factory.mktemp("matrix")
     example, dtensor, truth = base / "example", base / "dtensor", base / "example_truth.pt"
-    run_ranks(WORLD, _save_both, str(example), str(dtensor), str(truth))
+    spawn(WORLD, _save_both, str(example), str(dtensor), str(truth))
     return {
         "example": (example, torch.load(truth, weights_only=True)),
         "dtensor": (dtensor, _dtensor_truth()),

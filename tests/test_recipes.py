@@ -25,12 +25,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from multiproc import run_ranks
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 import zarrckpt
+from zarrckpt.testing import spawn
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -132,9 +132,9 @@ def test_readme_fsdp2_recipe_saves_on_2_and_resumes_on_4_and_1(tmp_path: Path) -
     code = readme_block(RECIPE)
     assert "get_state_dict(model, optim)" in code and "set_state_dict(model, optim" in code
     url, ref = str(tmp_path / "step3"), str(tmp_path / "saved.pt")
-    run_ranks(2, _recipe_train_and_save, code, url, ref)
+    spawn(2, _recipe_train_and_save, code, url, ref)
     for world in (4, 1):
-        run_ranks(world, _recipe_resume, code, url, ref)
+        spawn(world, _recipe_resume, code, url, ref)
 
 
 # --------------------------------------------------------------------------- FSDP2 and TP models
@@ -249,14 +249,14 @@ def _scenarios(rank: int, world: int, root: str, steps: list[tuple[str, str, str
 def test_fsdp2_and_tp_models_reshard(tmp_path: Path) -> None:
     """Saved by FSDP2 on 4 and 2 ranks and by dp2 x tp2; each loaded elsewhere, 2-D into 1-D and back."""
     root = str(tmp_path)
-    run_ranks(
+    spawn(
         4,
         _scenarios,
         root,
         [("save", "fsdp", "fsdp4"), ("save", "2d", "dp2tp2"), ("load", "fsdp", "dp2tp2"), ("load", "2d", "fsdp4")],
     )
-    run_ranks(2, _scenarios, root, [("save", "fsdp", "fsdp2"), ("load", "fsdp", "fsdp4"), ("load", "fsdp", "dp2tp2")])
-    run_ranks(
+    spawn(2, _scenarios, root, [("save", "fsdp", "fsdp2"), ("load", "fsdp", "fsdp4"), ("load", "fsdp", "dp2tp2")])
+    spawn(
         1,
         _scenarios,
         root,
