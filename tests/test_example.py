@@ -50,6 +50,18 @@ def test_resume_with_experts_replicated_over_ep_dp(tmp_path: Path) -> None:
     _check(report, 3, resumes)
 
 
+@pytest.mark.slow
+def test_resume_after_a_save_staged_in_the_background(tmp_path: Path) -> None:
+    """Run A saves with async_save(staging="background") and trains on; the next step waits for the
+    copy only before its update. Resuming on the same layout continues run A bit for bit."""
+    t1 = Layout("T1", 2, pp=2, ep=1)
+    resumes = (t1, Layout("T2", 1))
+    report = scenario.run(
+        str(tmp_path), None, k=3, t1=t1, resumes=resumes, progress=lambda _: None, background_staging=True
+    )
+    _check(report, 3, resumes)
+
+
 def _save_one_rank(rank: int, world: int, url: str, steps: int) -> None:
     from zarrckpt.example.trainer import Trainer
 

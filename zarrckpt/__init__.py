@@ -30,7 +30,7 @@ from .errors import (
 
 if TYPE_CHECKING:
     from .api import load, save
-    from .asyncsave import async_save
+    from .asyncsave import AsyncSave, StagingStats, async_save
     from .checkpoint import Checkpoint, TensorView, open
     from .dcp import ZarrReader, ZarrWriter
     from .export import export_safetensors
@@ -44,6 +44,8 @@ _LAZY = {
     "load": "api",
     "save": "api",
     "async_save": "asyncsave",
+    "AsyncSave": "asyncsave",
+    "StagingStats": "asyncsave",
     "Checkpoint": "checkpoint",
     "TensorView": "checkpoint",
     "open": "checkpoint",
@@ -76,6 +78,7 @@ def __dir__() -> list[str]:
 register_with_zarr()  # zarr.open_array() skips the entry points (zarrckpt_dtypes.zarr_types): register on import
 
 __all__ = [
+    "AsyncSave",
     "Checkpoint",
     "CheckpointManager",
     "CheckpointExistsError",
@@ -89,6 +92,7 @@ __all__ = [
     "ModifiedCheckpointError",
     "LocalShard",
     "SaveLayoutError",
+    "StagingStats",
     "StorageError",
     "TensorView",
     "UnsupportedValueError",

@@ -1,11 +1,17 @@
 """``async_save``: stage to host memory, return, and write in the background.
 
-The caller's thread collects the state, agrees on the plan with the other ranks (so layout
-errors raise right away) and copies every local tensor to host memory (pinned when it lives on
-a GPU). A background thread prepares the location, writes each tensor's shards as soon as it
-is staged, and commits. With a staging budget, staged-but-unwritten bytes never exceed it: the
-caller waits for the writer to free room, so a state larger than the budget is partly written
-before ``async_save`` returns.
+The caller's thread collects the state and agrees on the plan with the other ranks (so layout
+errors raise right away). Then every local tensor is copied to host memory (pinned when it
+lives on a GPU): on the caller's thread by default (``staging="caller"``: the call returns once
+the copies are done), or on a staging thread (``staging="background"``: the call returns right
+after planning, and the training loop must call ``wait_staged()`` before it changes the state,
+i.e. before ``optimizer.step()``). A background thread prepares the location, writes each
+tensor's shards as soon as it is staged, and commits. With a staging budget, staged-but-unwritten
+bytes never exceed it: staging waits for the writer to free room.
+
+``ZARRCKPT_CHECK_STAGING=1`` (debugging): a crc32c of every tensor is taken when ``async_save``
+is called and compared with its staged copy, so a state changed before staging finished fails
+the save (nothing is committed) instead of committing a torn checkpoint.
 
 Background collectives use a process group of their own (gloo), created on the first call, so
 they never interleave with the training loop's collectives.
@@ -15,18 +21,20 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
+import crc32c
 import torch
 
 from . import commit as protocol
-from . import integrity, replicas, stateful
+from . import dtypes, integrity, replicas, stateful
 from .dist import Group, side_group
 from .errors import ZarrckptError
 from .localstate import LocalState, LocalTensor, collect
@@ -36,6 +44,7 @@ from .writer import commit_save, write_rank
 
 log = logging.getLogger("zarrckpt")
 _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zarrckpt-async")
+_stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zarrckpt-stage")  # staging="background"
 _last: AsyncSave | None = None
 _lock = threading.Lock()
 # Host staging buffers, kept for the next async_save (no fresh allocation and page faults each
@@ -43,6 +52,8 @@ _lock = threading.Lock()
 _pool: dict[tuple[Any, ...], list[torch.Tensor]] = {}
 _pool_lock = threading.Lock()
 atexit.register(_executor.shutdown, wait=True)  # a save in flight finishes before the process exits
+atexit.register(_stager.shutdown, wait=True)
+Staging = Literal["caller", "background"]
 
 
 @dataclass(frozen=True)
@@ -60,11 +71,25 @@ class StagingStats:
 
 class AsyncSave(Future[None]):
     """What :func:`async_save` returns: a future that completes when the checkpoint is committed
-    (or carries the error), with this rank's :class:`StagingStats` in ``staging``."""
+    (or carries the error). ``staged`` is a future of this rank's :class:`StagingStats`: done
+    once every tensor is copied to host memory (or carrying the error that stopped the copy)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.staging = StagingStats()
+        self.staged: Future[StagingStats] = Future()
+
+    def wait_staged(self, timeout: float | None = None) -> StagingStats:
+        """Block until the state is staged; after this the training loop may change it.
+
+        Raises:
+            Exception: what stopped the copy (the save then commits nothing).
+        """
+        return self.staged.result(timeout)
+
+    @property
+    def staging(self) -> StagingStats:
+        """This rank's staging statistics (waits for staging to finish)."""
+        return self.wait_staged()
 
     def _run(self, fn: Any) -> None:
         """Executor thread: run ``fn`` as this future's work (what ``Executor.submit`` does)."""
@@ -89,16 +114,32 @@ def async_save(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     check_replicas: bool = True,
     allow_pickle: bool = False,
+    staging: Staging = "caller",
 ) -> AsyncSave:
-    """Start saving ``state_dict`` to ``url`` and return once it is staged; every rank calls it.
+    """Start saving ``state_dict`` to ``url``; every rank calls it.
 
-    The returned future (an :class:`AsyncSave`) completes when the checkpoint is committed, or
-    carries the error; its ``staging`` says how the copy to host memory went. One
-    save is in flight at a time: a call first waits for the previous one to finish.
-    ``staging_budget_bytes`` bounds the host memory holding staged copies (default: no bound).
-    ``overwrite``, ``check_replicas`` and ``allow_pickle`` are as for :func:`zarrckpt.save`; layout and replica
-    problems raise here, before the call returns.
+    One save is in flight at a time: a call first waits for the previous one to finish.
+
+    Args:
+        staging: ``"caller"`` (default): return once every tensor is copied to host memory, after
+            which the state may change. ``"background"``: return right after planning; the copies
+            run on a staging thread, and the caller must not change the state (no
+            ``optimizer.step()``) before ``wait_staged()`` returns: a tensor changed earlier
+            would be saved half old, half new. ``ZARRCKPT_CHECK_STAGING=1`` checks that (costs
+            a crc32c of the whole state on the caller's thread).
+        staging_budget_bytes: bound on the host memory holding staged copies (default: none).
+        overwrite, check_replicas, allow_pickle: as for :func:`zarrckpt.save`.
+
+    Returns:
+        An :class:`AsyncSave`: a future that completes when the checkpoint is committed (or
+        carries the error), with ``staged`` / ``wait_staged()`` for the copy to host memory.
+
+    Raises:
+        SaveLayoutError: layout and replica problems, before the call returns (nothing written).
+        ZarrckptError: ``staging`` is neither ``"caller"`` nor ``"background"``.
     """
+    if staging not in ("caller", "background"):
+        raise ZarrckptError(f"async_save: staging must be 'caller' or 'background', not {staging!r}")
     global _last
     with _lock:
         if _last is not None:
@@ -111,11 +152,28 @@ def async_save(
             replicas.check(group, plan, local)
         background = side_group(process_group) if group.active else group
         job = _Job(Storage(url, storage_options), plan, background, overwrite, staging_budget_bytes)
+        if os.environ.get("ZARRCKPT_CHECK_STAGING", "") not in ("", "0"):
+            job.expected = {key: _digest(t.data) for key, t in local.tensors.items()}
         future = AsyncSave()
         _executor.submit(future._run, job.run)
         _last = future
-        future.staging = job.stage(local)
+        if staging == "caller":
+            _stage_into(future.staged, job, local)
+            future.staged.result()  # the copy's error raises here, on the caller's thread
+        else:
+            _stager.submit(_stage_into, future.staged, job, local)
         return future
+
+
+def _stage_into(staged: Future[StagingStats], job: _Job, local: LocalState) -> None:
+    try:
+        staged.set_result(job.stage(local))
+    except BaseException as e:
+        staged.set_exception(e)
+
+
+def _digest(t: torch.Tensor) -> int:
+    return crc32c.crc32c(dtypes.as_numpy(t.detach().cpu().contiguous()).reshape(-1).view("u1").data)
 
 
 @dataclass
@@ -132,6 +190,8 @@ class _Job:
     stage_failed: bool = False
     cond: threading.Condition = field(default_factory=threading.Condition)
     written: integrity.Written = field(default_factory=dict)  # chunk checksums, for the manifest
+    expected: dict[str, int] | None = None  # ZARRCKPT_CHECK_STAGING: key -> crc32c when async_save was called
+    stage_error: BaseException | None = None
 
     def stage(self, local: LocalState) -> StagingStats:
         """Caller's thread: copy each local tensor to host memory, within the budget.
@@ -140,9 +200,9 @@ class _Job:
         """
         try:
             return self._stage(local)
-        except BaseException:
+        except BaseException as e:
             with self.cond:
-                self.stage_failed = True
+                self.stage_failed, self.stage_error = True, e
                 self.staged.append(None)
                 self.cond.notify_all()
             raise
@@ -157,6 +217,12 @@ class _Job:
                 if self.failed:
                     return StagingStats(copied, time.perf_counter() - start, self.peak)
             host = _to_host(tensor.data)
+            if self.expected is not None and _digest(host) != self.expected[tensor.key]:
+                _recycle(host)
+                raise ZarrckptError(
+                    f"async_save: {tensor.key!r} changed before it was staged (ZARRCKPT_CHECK_STAGING): the state "
+                    "was modified (optimizer.step()?) before wait_staged() returned; nothing was committed"
+                )
             with self.cond:
                 self.in_flight += nbytes
                 self.peak = max(self.peak, self.in_flight)
@@ -206,7 +272,9 @@ class _Job:
                 tensor = self.staged.pop(0)
             if tensor is None:
                 if self.stage_failed:
-                    raise ZarrckptError("copying the state to host memory failed on this rank; nothing was committed")
+                    raise ZarrckptError(
+                        "copying the state to host memory failed on this rank; nothing was committed"
+                    ) from self.stage_error
                 break
             one = LocalState({tensor.key: tensor}, {})
             write_rank(self.storage, self.plan, one, rank, {tensor.key}, self.written)

@@ -18,7 +18,7 @@ from functools import partial
 from typing import Any
 
 from .api import load, save
-from .asyncsave import async_save
+from .asyncsave import AsyncSave, Staging, async_save
 from .dist import Group
 from .errors import CheckpointSaveError, ZarrckptError
 from .lifecycle import DEFAULT_GRACE_SECONDS, delete, is_leftover, list_checkpoints, scan
@@ -35,6 +35,9 @@ class CheckpointManager:
     ``grace_seconds``: incomplete checkpoints whose save started longer ago than this are removed
     by ``cleanup()`` even when they are newer than the latest commit (a failed series of saves
     cannot pile up); younger ones may still be being written and are kept.
+    ``staging="background"`` (async saves): ``save()`` returns right after planning and the copy
+    to host memory runs in the background; the loop calls ``wait_staged()`` before
+    ``optimizer.step()``.
     """
 
     def __init__(
@@ -49,12 +52,14 @@ class CheckpointManager:
         process_group: Any = None,
         delete_workers: int = 8,
         grace_seconds: float = DEFAULT_GRACE_SECONDS,
+        staging: Staging = "caller",
     ) -> None:
         if interval < 1 or keep_last < 1 or (keep_every is not None and keep_every < 1):
             raise ZarrckptError("CheckpointManager: interval and keep_last must be >= 1 (keep_every too, if given)")
         self.root = str(root_url).rstrip("/")
         self.interval, self.keep_last, self.keep_every = interval, keep_last, keep_every
         self.use_async = async_save
+        self.staging: Staging = staging  # async saves: "background" returns before the copy (see wait_staged)
         self.storage_options = storage_options
         self.process_group = process_group
         self.grace_seconds = grace_seconds
@@ -83,7 +88,7 @@ class CheckpointManager:
         options = {"storage_options": self.storage_options, "process_group": self.process_group, "overwrite": False}
         future: Future[None]
         if self.use_async:
-            future = async_save(state_dict, url, **options)
+            future = async_save(state_dict, url, staging=self.staging, **options)
             future.add_done_callback(partial(self._log_failure, step))
         else:
             try:
@@ -96,6 +101,26 @@ class CheckpointManager:
         if self.rank == 0:  # queued now, so wait() / close() cannot miss it
             self._background(partial(self._retain_after, future))
         return future
+
+    def wait_staged(self) -> None:
+        """Block until the save in flight has copied the state to host memory. With
+        ``staging="background"``, call it before anything changes the state (``optimizer.step()``);
+        with the default ``"caller"`` staging, and between saves, it returns at once.
+
+        Raises:
+            CheckpointSaveError: the copy failed (nothing is committed; raised once, here).
+        """
+        if self._saving is None:
+            return
+        step, future = self._saving
+        if not isinstance(future, AsyncSave):
+            return
+        try:
+            future.wait_staged()
+        except Exception as e:
+            wait_for([future])  # the save ends too: it commits nothing
+            self._saving = None
+            raise self._failure(step, e) from e
 
     def _failure(self, step: int, error: BaseException) -> CheckpointSaveError:
         return CheckpointSaveError(

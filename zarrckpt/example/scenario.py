@@ -15,6 +15,7 @@ import os
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -72,15 +73,31 @@ def _job(rank: int, world: int, spec: dict[str, Any]) -> None:
     if spec.get("resume"):
         out["load_s"] = timed(lambda: trainer.load(spec["resume"], opts))
         zarrckpt.save(trainer.state_dict(), spec["resave"], storage_options=opts)
+    pending: zarrckpt.AsyncSave | None = None
     while trainer.step < spec["until"]:
-        loss, ids = trainer.train_step()
+        # background staging: the copy overlaps this step's forward and backward, not its update
+        loss, ids = trainer.train_step(before_update=pending.wait_staged if pending is not None else None)
         out["losses"].append(loss)
         out["ids"].append(ids)
         if trainer.step == spec.get("save_at"):
-            out["save_s"] = timed(lambda: zarrckpt.save(trainer.state_dict(), spec["save_url"], storage_options=opts))
+            started: list[zarrckpt.AsyncSave | None] = []
+            out["save_s"] = timed(partial(_save, trainer.state_dict(), spec, started))  # what the loop waits for
+            pending = started[0]
+    if pending is not None:
+        pending.result()  # committed (or raises)
     if rank == 0:
         with open(spec["result"], "w") as f:
             json.dump(out, f)
+
+
+def _save(state: dict[str, Any], spec: dict[str, Any], started: list[zarrckpt.AsyncSave | None]) -> None:
+    """The run's save: synchronous, or (``background_staging``) an async save staged in the background."""
+    url, opts = spec["save_url"], spec["storage_options"]
+    if spec.get("background_staging"):
+        started.append(zarrckpt.async_save(state, url, storage_options=opts, staging="background"))
+    else:
+        zarrckpt.save(state, url, storage_options=opts)
+        started.append(None)
 
 
 def _launch(layout: Layout, **spec: Any) -> dict[str, Any]:
@@ -172,11 +189,23 @@ def run(
     t1: Layout = DEFAULT_T1,
     resumes: tuple[Layout, ...] = DEFAULT_RESUMES,
     progress: Any = print,
+    background_staging: bool = False,
 ) -> Report:
-    """Run the whole scenario under ``root`` (a directory or URL); returns the report."""
+    """Run the whole scenario under ``root`` (a directory or URL); returns the report.
+
+    ``background_staging``: run A saves with ``async_save(..., staging="background")`` and trains
+    on while the state is staged, waiting for it only before the next optimizer update.
+    """
     ckpt = f"{root.rstrip('/')}/runB/step_{k:010d}"
     progress(f"run A: {describe(t1)}, {2 * k} steps, saving at step {k} -> {ckpt}")
-    a = _launch(t1, storage_options=storage_options, until=2 * k, save_at=k, save_url=ckpt)
+    a = _launch(
+        t1,
+        storage_options=storage_options,
+        until=2 * k,
+        save_at=k,
+        save_url=ckpt,
+        background_staging=background_staging,
+    )
     report = Report(k, a["losses"])
     view = zarrckpt.open(ckpt, storage_options=storage_options)
     nbytes = sum(t["bytes"] for t in view.tensors())

@@ -83,7 +83,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"zarrckpt.example.train: bad topology for {world} ranks: {e}", file=sys.stderr)
             return 2
         manager = zarrckpt.CheckpointManager(
-            args.ckpt, interval=args.save_every, keep_last=args.keep_last, storage_options=args.options
+            args.ckpt,
+            interval=args.save_every,
+            keep_last=args.keep_last,
+            storage_options=args.options,
+            staging="background",  # save() returns after planning; the copy overlaps the next forward/backward
         )
         step = _latest(manager)
         if step is not None:
@@ -94,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"starting from scratch on {world} ranks ({topo}), checkpoints to {args.ckpt}", flush=True)
         loss, start, first = float(trainer.losses[-1]), time.perf_counter(), trainer.step
         while trainer.step < args.steps:
-            loss, _ = trainer.train_step()
+            loss, _ = trainer.train_step(before_update=manager.wait_staged)
             manager.save(trainer.step, trainer.state_dict(), force=trainer.step == args.steps)
             if rank == 0 and (trainer.step % args.log_every == 0 or trainer.step == args.steps):
                 rate = (trainer.step - first) / max(time.perf_counter() - start, 1e-9)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -53,8 +54,12 @@ class Trainer:
 
     # -- one training step -------------------------------------------------------------------
 
-    def train_step(self) -> tuple[float, list[int]]:
-        """Run one step on the next global batch; returns (loss, sample ids of the batch)."""
+    def train_step(self, before_update: Callable[[], object] | None = None) -> tuple[float, list[int]]:
+        """Run one step on the next global batch; returns (loss, sample ids of the batch).
+
+        ``before_update`` runs after the backward pass, right before the optimizer changes the
+        parameters and moments: where a loop waits for a background-staged save
+        (``CheckpointManager.wait_staged``)."""
         cfg, topo, g = self.cfg, self.topo, self.g
         ids, tokens = self.loader.next_batch()
         jitter = 1 + self.train.router_jitter * (2 * torch.rand(cfg.layers, self.train.batch, cfg.seq_len) - 1)
@@ -94,6 +99,8 @@ class Trainer:
         total = torch.stack([sq, local_loss.double()])
         dist.all_reduce(total)
         norm, loss_value = math.sqrt(total[0].item()), total[1].item()
+        if before_update is not None:
+            before_update()
         self._adam(grads, min(1.0, self.train.clip / (norm + 1e-6)))
         self.step += 1
         self.tokens += self.train.batch * cfg.seq_len
