@@ -24,6 +24,7 @@ import binascii
 import json
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import crc32c
@@ -113,8 +114,6 @@ def compare(arrays: dict[str, ArrayMeta], recorded: Any, bad: Any) -> tuple[dict
     every array whose metadata differs from what was committed. ``bad`` makes the error for a
     malformed record.
     """
-    from dataclasses import replace
-
     if not isinstance(recorded, dict):
         raise bad(f"field 'attributes.zarrckpt.integrity.arrays' must be an object, not {type(recorded).__name__}")
     modified: dict[str, str] = {}

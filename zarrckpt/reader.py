@@ -12,7 +12,7 @@ then the chunks where it says (:func:`_read_any`), so that read cannot be planne
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import crc32c
 import numpy as np
@@ -49,9 +49,8 @@ def read_regions(
     ``any_layout``: read shards laid out by any Zarr writer (``allow_modified``), see :func:`_read_any`.
     """
     if any_layout:
-        return sum(storage.run_all(lambda t: _guarded(storage, t, _read_any), plan_reads(requests)))
-    reads = plan_fetches(requests, storage.caps, partial=partial)
-    return sum(storage.run_all(lambda r: _guarded(storage, r.task, lambda s, _: run(s, r)), reads))
+        return _run_all(storage, plan_reads(requests))
+    return _run_all(storage, plan_fetches(requests, storage.caps, partial=partial))
 
 
 def verify_array(storage: Storage, meta: ArrayMeta, *, any_layout: bool = False) -> int:
@@ -61,20 +60,21 @@ def verify_array(storage: Storage, meta: ArrayMeta, *, any_layout: bool = False)
     Returns the bytes fetched; raises CorruptChunkError for the first problem found.
     """
     reads = plan_verify(meta, storage.caps)
-    if any_layout:
-        return sum(storage.run_all(lambda r: _guarded(storage, r.task, _read_any), reads))
-    return sum(storage.run_all(lambda r: _guarded(storage, r.task, lambda s, _: run(s, r)), reads))
+    return _run_all(storage, [r.task for r in reads] if any_layout else reads)
 
 
-def _guarded(storage: Storage, task: ShardTask, read: Callable[[Storage, ShardTask], int]) -> int:
-    try:
-        return read(storage, task)
-    except FileNotFoundError:
-        raise CorruptChunkError(
-            f"shard object {storage.where(task.path)} of {task.meta.key!r} is missing",
-            key=task.meta.key,
-            chunk=task.path,
-        ) from None
+def _run_all(storage: Storage, work: Sequence[ShardRead | ShardTask]) -> int:
+    """Run shard reads concurrently: planned ones, or tasks for :func:`_read_any`; the bytes fetched."""
+
+    def one(item: ShardRead | ShardTask) -> int:
+        task = item if isinstance(item, ShardTask) else item.task
+        try:
+            return _read_any(storage, task) if isinstance(item, ShardTask) else run(storage, item)
+        except FileNotFoundError:
+            where, key = storage.where(task.path), task.meta.key
+            raise CorruptChunkError(f"shard object {where} of {key!r} is missing", key=key, chunk=task.path) from None
+
+    return sum(storage.run_all(one, work))
 
 
 def run(storage: Storage, read: ShardRead) -> int:
