@@ -21,7 +21,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check zarrckpt zarrckpt_dtypes tests benchmarks
 	$(BIN)/ruff format --check zarrckpt zarrckpt_dtypes tests benchmarks
-	$(BIN)/mypy zarrckpt zarrckpt_dtypes
+	$(BIN)/mypy --strict zarrckpt zarrckpt_dtypes  # exceptions: pyproject [tool.mypy]
 
 test: lint
 	$(BIN)/python -m pytest -q

@@ -11,7 +11,7 @@ sees it: ``DTensor`` s on the ``meta`` device (no memory) under a fake process g
 (``torch.testing._internal.distributed.fake_pg``) that gives each simulated rank its real mesh
 coordinate, turned into descriptions by the real ``zarrckpt.localstate.collect(...).describe()``
 and JSON-encoded exactly as ``zarrckpt.dist.Group.all_gather_json`` does. It then times the real
-planning code (``zarrckpt.plan.build_save_plan``, ``SavePlan.shards_of`` / ``metadata_of``, the
+planning code (``zarrckpt.plan.build_save_plan``, ``ZarrSavePlan.shards_of`` / ``metadata_of``, the
 ``Manifest``), counts objects, requests and bytes, and plans a resharding load into a different
 layout with the real load-side code (``Manifest.loads``, ``zarrckpt.fetch.plan_fetches``).
 Finally it predicts save and load times from stated bandwidth and request-rate assumptions.
@@ -55,7 +55,7 @@ from zarrckpt.format import ArrayMeta, Manifest, group_paths
 from zarrckpt.keys import flat_key, iter_leaves
 from zarrckpt.layout import Box, Shape
 from zarrckpt.localstate import collect
-from zarrckpt.plan import SavePlan, build_save_plan
+from zarrckpt.plan import ZarrSavePlan, build_save_plan
 from zarrckpt.shard import ShardLayout
 from zarrckpt.storecaps import OBJECT_STORE
 
@@ -267,13 +267,13 @@ def decode(raws: Sequence[bytes]) -> list[Any]:
     return [json.loads(raw) for raw in raws]
 
 
-def plan_on_rank(raws: Sequence[bytes], rank: int) -> tuple[SavePlan, int, int]:
+def plan_on_rank(raws: Sequence[bytes], rank: int) -> tuple[ZarrSavePlan, int, int]:
     """Everything a rank computes before writing: decode, plan, its shards and its zarr.json share."""
     plan = build_save_plan(decode(raws))
     return plan, len(plan.shards_of(rank)), len(plan.metadata_of(rank))
 
 
-def manifest_of(plan: SavePlan) -> bytes:
+def manifest_of(plan: ZarrSavePlan) -> bytes:
     """The committed root zarr.json (consolidated metadata and the commit record of every chunk's
     crc32c, from what every rank reports it wrote), as rank 0 writes it."""
     written: integrity.Written = {}
@@ -321,7 +321,7 @@ class SaveCounts:
 SIZE_BINS = [(4 * 2**10, "< 4 KiB"), (2**20, "4 KiB - 1 MiB"), (16 * 2**20, "1 - 16 MiB"), (math.inf, ">= 16 MiB")]
 
 
-def save_counts(plan: SavePlan, manifest: bytes) -> SaveCounts:
+def save_counts(plan: ZarrSavePlan, manifest: bytes) -> SaveCounts:
     world = plan.world_size
     per_bytes, per_puts = [0] * world, [0] * world
     bins = dict.fromkeys((label for _, label in SIZE_BINS), 0)
@@ -595,8 +595,8 @@ def render(r: Results) -> str:
         f"## Planning time (save, {w:,} ranks)",
         "",
         "Every rank gathers all descriptions (`Group.all_gather_json`), decodes them and builds the whole plan "
-        "(coverage check, shard grids, writers), then takes its own shards (`SavePlan.shards_of`) and its share of "
-        "`zarr.json` documents (`SavePlan.metadata_of`). The coordinator (rank 0) also builds the manifest. "
+        "(coverage check, shard grids, writers), then takes its own shards (`ZarrSavePlan.shards_of`) and its share of "
+        "`zarr.json` documents (`ZarrSavePlan.metadata_of`). The coordinator (rank 0) also builds the manifest. "
         "Budget: 10 s.",
         "",
         *_table(

@@ -304,9 +304,9 @@ print(arr.dtype, arr.shape)
 
 def test_cli_constants_match_the_library() -> None:
     from zarrckpt.export import DEFAULT_MAX_SHARD_BYTES, parse_size
-    from zarrckpt.importer import KINDS
+    from zarrckpt.importer import SOURCE_KINDS
 
-    assert cli.IMPORT_KINDS == KINDS
+    assert cli.IMPORT_KINDS == SOURCE_KINDS
     assert parse_size(cli.DEFAULT_SHARD_SIZE) == DEFAULT_MAX_SHARD_BYTES
 
 

@@ -923,7 +923,7 @@ def test_launch_train_checkpoint_to_s3_and_resume(s3_url, s3_requests, tmp_path)
     assert _done_step(first.stdout) == 4
     saved = zarrckpt.list_checkpoints(url, storage_options=options)
     assert saved == {"step_0000000002": "committed", "step_0000000004": "committed"}
-    assert zarrckpt.open(f"{url}/step_0000000004", storage_options=options).topology["world_size"] == 2
+    assert zarrckpt.open(f"{url}/step_0000000004", storage_options=options).saved_world_size == 2
 
     # 2. The exact command the script prints for one process, run as printed: the PP2
     #    checkpoint resharded onto one rank.
@@ -939,7 +939,7 @@ def test_launch_train_checkpoint_to_s3_and_resume(s3_url, s3_requests, tmp_path)
     assert _resumed_from(second.stdout) == [4]
     assert _done_step(second.stdout) == 6
     ckpt6 = zarrckpt.open(f"{url}/step_0000000006", storage_options=options)
-    assert ckpt6.topology["world_size"] == 1
+    assert ckpt6.saved_world_size == 1
 
     # 3. The Slurm script on a one-node "allocation": srun and scontrol are stand-ins that
     #    run the command locally; torchrun meets through a real c10d rendezvous.

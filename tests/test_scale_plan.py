@@ -22,7 +22,7 @@ from zarrckpt.errors import SaveLayoutError
 from zarrckpt.fetch import plan_reads
 from zarrckpt.format import Manifest, group_paths
 from zarrckpt.layout import Box, cell_box
-from zarrckpt.plan import SavePlan, build_save_plan
+from zarrckpt.plan import ZarrSavePlan, build_save_plan
 
 
 def _load_scale_model() -> Any:
@@ -47,7 +47,7 @@ def raws() -> list[bytes]:
 
 
 @pytest.fixture(scope="module")
-def plan(raws: list[bytes]) -> SavePlan:
+def plan(raws: list[bytes]) -> ZarrSavePlan:
     return build_save_plan(sm.decode(raws))
 
 
@@ -60,7 +60,7 @@ def test_descriptions_share_specs(raws: list[bytes]) -> None:
     assert desc["specs"][spec]["topology"]["placements"] == ["Shard(dim=0)"]
 
 
-def test_plan_has_the_shards_the_layout_implies(plan: SavePlan) -> None:
+def test_plan_has_the_shards_the_layout_implies(plan: ZarrSavePlan) -> None:
     params = DIMS.params()
     world = SAVE.world
     assert len(plan.arrays) == 4 * len(params) + 2 * world  # weight, 2 moments, step; 2 RNG states per rank
@@ -75,7 +75,7 @@ def test_plan_has_the_shards_the_layout_implies(plan: SavePlan) -> None:
     assert plan.values["trainer.step"] == sm.STEP and plan.values["optim.param_groups.model.norm.weight.lr"] == 3e-4
 
 
-def test_every_tensor_is_tiled_exactly_once_by_a_holder(plan: SavePlan, raws: list[bytes]) -> None:
+def test_every_tensor_is_tiled_exactly_once_by_a_holder(plan: ZarrSavePlan, raws: list[bytes]) -> None:
     descs = sm.decode(raws)
     for key, owner in plan.owners.items():
         meta = plan.arrays[key]
@@ -88,7 +88,7 @@ def test_every_tensor_is_tiled_exactly_once_by_a_holder(plan: SavePlan, raws: li
             assert held.intersect(cell) == cell, (key, idx, rank)
 
 
-def test_writers_per_rank(plan: SavePlan) -> None:
+def test_writers_per_rank(plan: ZarrSavePlan) -> None:
     """Each rank writes its own box of every tensor of its stage; replicated step counters are
     written once, by the lowest rank of the stage."""
     writes = Counter(rank for owner in plan.owners.values() for rank in owner.values())
@@ -103,7 +103,7 @@ def test_writers_per_rank(plan: SavePlan) -> None:
     assert len(docs) == len(set(docs)) == len(plan.arrays) + len(group_paths(list(plan.arrays.values())))
 
 
-def test_compact_and_full_descriptions_plan_alike(plan: SavePlan, raws: list[bytes]) -> None:
+def test_compact_and_full_descriptions_plan_alike(plan: ZarrSavePlan, raws: list[bytes]) -> None:
     full = build_save_plan(sm.decode([sm.inline_specs(raw) for raw in raws]))
     assert full.arrays == plan.arrays and full.owners == plan.owners and full.values == plan.values
     assert {k: a.topology for k, a in full.arrays.items()} == {k: a.topology for k, a in plan.arrays.items()}
@@ -126,7 +126,7 @@ def test_a_misdeclared_box_is_caught_although_its_spec_is_shared(raws: list[byte
     assert any("claimed twice" in p for p in problems) and any("held by no rank" in p for p in problems)
 
 
-def test_resharding_load_plan_covers_every_target_region(plan: SavePlan) -> None:
+def test_resharding_load_plan_covers_every_target_region(plan: ZarrSavePlan) -> None:
     manifest = Manifest.loads(sm.manifest_of(plan), "test")
     for rank in (0, 1, LOAD.world - 1):
         with sm.fake_rank(rank, LOAD.world):

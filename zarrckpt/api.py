@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence, Set
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -24,10 +23,13 @@ from .localstate import BYTES_TYPES, LocalShard, collect, tensor_box
 from .plan import DEFAULT_CHUNK_BYTES, build_save_plan
 from .reader import Request, allocate, read_regions
 from .storage import Storage
+from .types import URL, ArrayKind
 from .writer import commit_save, write_rank
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 log = logging.getLogger("zarrckpt")
-URL = str | os.PathLike[str]
 
 
 def save(
@@ -35,7 +37,7 @@ def save(
     url: URL,
     *,
     storage_options: dict[str, Any] | None = None,
-    process_group: Any = None,
+    process_group: ProcessGroup | None = None,
     overwrite: bool = False,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     check_replicas: bool = True,
@@ -47,9 +49,18 @@ def save(
     lowest rank. Returns once the checkpoint is committed.
 
     Args:
+        state_dict: a nested dict of tensors (plain, DTensor or :class:`~zarrckpt.LocalShard`),
+            numpy arrays, byte strings and plain values (numbers, strings, lists, dicts, ...);
+            objects with ``state_dict()`` / ``load_state_dict()`` (a model, an optimizer) are
+            saved as their ``state_dict()``. Keys are flattened with dots, as DCP does.
+        url: where to save: a local path or any fsspec URL (``s3://bucket/run/step_100``).
+        storage_options: passed to fsspec for ``url`` (credentials, endpoint, ...).
+        process_group: the ranks taking part; None: the default group (one process when
+            ``torch.distributed`` is not initialised).
         overwrite: replace a committed checkpoint (or the leftovers of a failed save) at ``url``.
             The old checkpoint is un-committed and deleted *before* the new one is written: if
             this save then fails, both are lost. Without it an existing checkpoint is an error.
+        chunk_bytes: the target size of an inner chunk (the unit of a read and of a checksum).
         check_replicas: ranks holding the same block compare a crc32c digest of all its bytes
             (about 0.1 s per GiB per rank); ``False`` skips that for large DDP-style replicas.
         allow_pickle: store values of other types (arbitrary classes) pickled, marked as such;
@@ -57,10 +68,20 @@ def save(
             ``UnsupportedValueError`` naming the key and type, before anything is written.
 
     Raises:
-        SaveLayoutError: the ranks' tensors do not cover every global tensor exactly once, or
-            replicas differ; nothing is written.
+        SaveLayoutError: the ranks' tensors do not cover every global tensor exactly once, ranks
+            disagree on a value, or replicas differ; nothing is written.
+        UnsupportedValueError: a value cannot be stored without pickle (and ``allow_pickle`` is
+            False), has an unsupported dtype, or is a DTensor with a ``Partial`` placement;
+            nothing is written.
+        InvalidKeyError: a key cannot be stored (an empty segment, ``..``, a leading ``__``, a
+            ``/``, or a key that is also the prefix of another); nothing is written.
         CheckpointExistsError: a checkpoint exists and ``overwrite`` is False, or another save
             took the location over (of two racing saves, exactly one commits).
+        IncompleteCheckpointError: ``overwrite`` is False and ``url`` holds another save in
+            progress (or one that died before committing), or a deletion in progress.
+        StorageError: the storage refused or failed a request (bucket, permissions, network).
+        ZarrckptError: ``url`` holds files that are not a zarrckpt checkpoint (refused, even with
+            ``overwrite``), or the save failed on another rank (named in the message).
     """
     group = Group(process_group)
     start = time.perf_counter()
@@ -88,7 +109,7 @@ def load(
     url: URL,
     *,
     storage_options: dict[str, Any] | None = None,
-    process_group: Any = None,
+    process_group: ProcessGroup | None = None,
     strict: bool = True,
     keys: Sequence[str] | None = None,
     cast: bool = False,
@@ -109,6 +130,14 @@ def load(
     fresh optimizer's ``state``) is always an error: it would load nothing.
 
     Args:
+        state_dict: the target, shaped like what was saved: tensors (plain, DTensor or
+            :class:`~zarrckpt.LocalShard`, on any device) are filled in place; objects with
+            ``state_dict()`` / ``load_state_dict()`` receive theirs.
+        url: the checkpoint: a local path or any fsspec URL.
+        storage_options: passed to fsspec for ``url`` (credentials, endpoint, ...).
+        process_group: the ranks taking part; None: the default group (one process when
+            ``torch.distributed`` is not initialised). Any number of ranks can load a checkpoint,
+            whatever number saved it.
         strict: ``False`` loads the keys both sides have and logs the rest.
         keys: fnmatch patterns (``["model.*"]``): only the target's and the checkpoint's keys
             matching one of them take part; the rest of the target is left untouched.
@@ -124,10 +153,16 @@ def load(
             before anything is loaded.
 
     Raises:
-        LayoutMismatchError: the target does not match the checkpoint (keys, shapes, dtypes).
+        LayoutMismatchError: the target does not match the checkpoint (keys, shapes, dtypes);
+            ``.differences`` lists every difference. Nothing is loaded.
         CorruptChunkError: a shard object is missing, truncated or fails a checksum.
         ModifiedCheckpointError: chunks or metadata to load differ from what was committed.
+        UnsupportedValueError: a value to load was saved pickled and ``allow_pickle`` is False.
+        CheckpointNotFoundError: nothing at all is stored at ``url``.
         IncompleteCheckpointError: nothing was committed at ``url``, or it was overwritten meanwhile.
+        InvalidCheckpointError: the checkpoint's metadata is malformed or of a newer format version.
+        StorageError: the storage refused or failed a request (bucket, permissions, network).
+        ZarrckptError: the load failed on another rank (named in the message).
     """
     group = Group(process_group)
     storage = Storage(url, storage_options)
@@ -243,9 +278,9 @@ def _compare(key: str, value: Any, manifest: Manifest, cast: bool = False) -> li
         if isinstance(value, (torch.Tensor, LocalShard, np.ndarray, *BYTES_TYPES)):
             return [f"{key}: saved a plain value, expected a {type(value).__name__}"]
         return []
-    if meta.kind == "bytes":
+    if meta.kind == ArrayKind.BYTES:
         return [] if isinstance(value, BYTES_TYPES) else [f"{key}: saved bytes, expected {type(value).__name__}"]
-    if meta.kind == "ndarray" and isinstance(value, np.ndarray):
+    if meta.kind == ArrayKind.NDARRAY and isinstance(value, np.ndarray):
         shape, dtype = tuple(value.shape), dtypes.zarr_name(torch.from_numpy(np.empty(0, value.dtype)).dtype)
     elif isinstance(value, (torch.Tensor, LocalShard)):
         _, global_shape, _, _ = tensor_box(value)
@@ -274,7 +309,7 @@ def _plan_targets(
         if meta is None:
             continue
         box = target_box(meta, value)
-        if meta.kind == "bytes":
+        if meta.kind == ArrayKind.BYTES:
             buf = allocate(meta)
             requests.append(Request(meta, box, buf))
             finish.append(partial(_set_bytes, state_dict, path, buf, type(value)))
@@ -289,7 +324,7 @@ def target_box(meta: ArrayMeta, value: Any) -> Box:
     """The region of the saved array ``meta`` that a target leaf receives: all of it for bytes and
     numpy arrays, the tensor's own box (its shard, for a DTensor) otherwise. Pure; the scale model
     plans loads with it."""
-    if meta.kind == "bytes" or isinstance(value, np.ndarray):
+    if meta.kind == ArrayKind.BYTES or isinstance(value, np.ndarray):
         return Box.full(meta.shape)
     return tensor_box(value)[2]
 

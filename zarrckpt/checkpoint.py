@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import json
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -25,23 +26,41 @@ from .keys import nest
 from .layout import Box
 from .reader import Request, read_regions, verify_array
 from .storage import Storage
+from .types import URL, Role
 
 if TYPE_CHECKING:
     import torch
 
 
 def open(
-    url: Any, *, storage_options: dict[str, Any] | None = None, partial_reads: bool = True, allow_modified: bool = False
+    url: URL, *, storage_options: dict[str, Any] | None = None, partial_reads: bool = True, allow_modified: bool = False
 ) -> Checkpoint:
     """Open the committed checkpoint at ``url`` for reading (no process group needed).
 
-    ``partial_reads``: when an index needs only a small part of an inner chunk, fetch just those
-    bytes. Such reads cannot check the chunk's crc32c (it covers the whole chunk); pass False to
-    always read and verify whole inner chunks. :meth:`Checkpoint.verify` always reads everything.
+    Reads the manifest only (one GET); tensors are read when indexed (:class:`TensorView`).
 
-    ``allow_modified``: read a checkpoint another tool changed after it was committed as it is
-    now (any valid shard layout; chunk checksums still checked). Without it, reading a tensor or
-    the values that changed raises ``ModifiedCheckpointError``.
+    Args:
+        url: the checkpoint: a local path or any fsspec URL (``s3://bucket/run/step_100``).
+        storage_options: passed to fsspec for ``url`` (credentials, endpoint, ...).
+        partial_reads: when an index needs only a small part of an inner chunk, fetch just those
+            bytes. Such reads cannot check the chunk's crc32c (it covers the whole chunk); pass
+            False to always read and verify whole inner chunks. :meth:`Checkpoint.verify` always
+            reads everything.
+        allow_modified: read a checkpoint another tool changed after it was committed as it is
+            now (any valid shard layout; chunk checksums still checked). Without it, reading a
+            tensor or the values that changed raises ``ModifiedCheckpointError``.
+
+    Returns:
+        The checkpoint, a read-only mapping of tensor key -> :class:`TensorView`.
+
+    Raises:
+        CheckpointNotFoundError: nothing at all is stored at ``url``.
+        IncompleteCheckpointError: ``url`` holds a save that never committed (failed or still
+            running), or a deletion in progress.
+        InvalidCheckpointError: the manifest is malformed, of a newer format version, or not a
+            zarrckpt checkpoint.
+        StorageError: the storage refused or failed the request (bucket, permissions, network).
+        ZarrckptError: ``url`` is empty, or fsspec cannot open storage for it.
     """
     storage = Storage(url, storage_options)
     manifest = protocol.read_manifest(storage)
@@ -50,13 +69,30 @@ def open(
 
 @dataclass(frozen=True)
 class Checkpoint:
+    """A committed checkpoint, opened read-only by :func:`open`: a mapping of tensor key -> :class:`TensorView`.
+
+    ``len(ckpt)``, ``key in ckpt`` and ``for key in ckpt`` (sorted) go over the stored tensors and
+    byte arrays; plain values (step, config) are in :attr:`metadata`. Nothing but the manifest is
+    read until a tensor is indexed. Made by :func:`open`, not constructed directly.
+
+    Attributes:
+        storage: where the checkpoint is (``storage.url`` is its URL).
+        manifest: the committed manifest: every array's metadata and the saved values.
+        partial_reads: as passed to :func:`open`.
+        allow_modified: as passed to :func:`open`.
+    """
+
     storage: Storage
     manifest: Manifest
     partial_reads: bool = True
     allow_modified: bool = False
 
     def keys(self) -> list[str]:
-        """Tensor keys, sorted."""
+        """The keys of the stored arrays (tensors, byte strings, numpy arrays).
+
+        Returns:
+            The keys, sorted (flattened, dot-separated: ``"model.fc.weight"``).
+        """
         return sorted(self.manifest.arrays)
 
     def __len__(self) -> int:
@@ -69,6 +105,18 @@ class Checkpoint:
         return iter(self.keys())
 
     def __getitem__(self, key: str) -> TensorView:
+        """The stored tensor ``key``, not read yet: index the view to read it.
+
+        Args:
+            key: a tensor key, as :meth:`keys` lists it.
+
+        Returns:
+            A lazy view of the tensor.
+
+        Raises:
+            KeyNotFoundError: no tensor ``key``; the message suggests the closest keys. It is a
+                ``KeyError`` too.
+        """
         meta = self.manifest.arrays.get(key)
         if meta is None:
             close = difflib.get_close_matches(key, list(self.manifest.arrays), n=3, cutoff=0.6)
@@ -79,16 +127,42 @@ class Checkpoint:
     @property
     def metadata(self) -> dict[str, Any]:
         """The non-tensor state (step, config, ...), nested as it was saved, each value of its saved
-        type; a value saved pickled shows as a placeholder (``open()`` never unpickles)."""
+        type; a value saved pickled shows as a placeholder (``open()`` never unpickles).
+
+        Raises:
+            ModifiedCheckpointError: the saved values were edited after commit (and the checkpoint
+                was not opened with ``allow_modified=True``).
+        """
         integrity.refuse_modified(self.manifest.modified, [], self.storage.url)
         return nest({k: values.describe(v) for k, v in self.manifest.values.items()})
 
     @property
+    def saved_world_size(self) -> int:
+        """The number of ranks that saved the checkpoint (any number of ranks can load it)."""
+        return self.manifest.world_size
+
+    @property
     def topology(self) -> dict[str, Any]:
-        return {"world_size": self.manifest.world_size}
+        """Deprecated: ``{"world_size": ckpt.saved_world_size}``, the only thing it ever held.
+
+        Use :attr:`saved_world_size`; each tensor's own placements are in its ``zarr.json``. Emits a
+        ``DeprecationWarning``.
+        """
+        warnings.warn(
+            "Checkpoint.topology is deprecated: it holds only the world size; use Checkpoint.saved_world_size",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return {"world_size": self.saved_world_size}
 
     def tensors(self) -> list[dict[str, Any]]:
-        """One row per tensor: key, role, shape, dtype, bytes, shard and inner-chunk shape."""
+        """A table of the stored arrays, sorted by key, as ``zarrckpt ls --json`` prints it.
+
+        Returns:
+            One dict per array: ``key``, ``role`` (a :class:`~zarrckpt.types.Role`), ``shape``,
+            ``dtype`` (the Zarr data type name), ``bytes``, ``shard`` and ``chunk`` (the shard and
+            inner-chunk shapes).
+        """
         return [
             {
                 "key": m.key,
@@ -105,11 +179,22 @@ class Checkpoint:
     def verify(self, *, progress: bool = False) -> VerifySummary:
         """Check completeness and every checksum of every tensor (reads the whole checkpoint).
 
-        Returns a summary dict: ``{"tensors", "bytes_read", "seconds", "problems": [...]}``; an
-        empty ``problems`` list means every shard object is present and every chunk verifies.
-        It prints as one line (``print(ckpt.verify())``) and shows as a table in notebooks.
-        ``progress=True`` draws a progress bar on stderr meanwhile (redrawn in place on a terminal or
-        in a notebook; elsewhere a plain line every 30 s and at the end).
+        Problems found (a missing or truncated shard, a chunk failing its checksum, an array's
+        ``zarr.json`` changed after commit, a storage failure while reading) are listed in the
+        result, not raised.
+
+        Args:
+            progress: draw a progress bar on stderr meanwhile (redrawn in place on a terminal or in
+                a notebook; elsewhere a plain line every 30 s and at the end).
+
+        Returns:
+            A summary dict: ``{"tensors", "bytes_read", "seconds", "problems": [...]}``; an empty
+            ``problems`` list means every shard object is present and every chunk verifies. It
+            prints as one line (``print(ckpt.verify())``) and shows as a table in notebooks.
+
+        Raises:
+            IncompleteCheckpointError: problems were found, and the checkpoint was overwritten or
+                deleted while it was being verified (which explains them).
         """
         start = time.perf_counter()
         problems = [f"modified after commit: {why}" for _, why in sorted(self.manifest.modified.items())]
@@ -172,33 +257,47 @@ class Checkpoint:
 
 @dataclass(frozen=True)
 class TensorView:
-    """A stored tensor, read lazily: ``view[5, :4]`` reads only the chunks that index touches."""
+    """A stored tensor, read lazily: ``view[5, :4]`` reads only the chunks that index touches.
+
+    Got from a :class:`Checkpoint` (``ckpt["model.fc.weight"]``). Indexing (``view[...]``),
+    :meth:`read` and :meth:`numpy` read data; everything else comes from the manifest.
+
+    Attributes:
+        checkpoint: the checkpoint it is in.
+        meta: the array's stored metadata (shape, dtype, shard and chunk shapes, role, kind).
+    """
 
     checkpoint: Checkpoint
     meta: ArrayMeta
 
     @property
     def key(self) -> str:
+        """The tensor's key in the checkpoint."""
         return self.meta.key
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The global shape, whatever sharding saved it."""
         return self.meta.shape
 
     @property
     def dtype(self) -> torch.dtype:
+        """The stored dtype, as a torch dtype (imports torch)."""
         return dtypes.torch_dtype(self.meta.dtype)
 
     @property
-    def role(self) -> str:
+    def role(self) -> Role:
+        """What the tensor is for (model weight, optimizer moment, buffer, ...), inferred at save."""
         return self.meta.role
 
     @property
     def nbytes(self) -> int:
+        """The size of the whole tensor in bytes."""
         return self.meta.nbytes
 
     @property
     def path(self) -> str:
+        """Where the array is stored (its URL), for other Zarr readers."""
         return self.checkpoint.storage.where(self.meta.path)
 
     def __repr__(self) -> str:
@@ -208,18 +307,54 @@ class TensorView:
         return tensor_html(self)
 
     def __getitem__(self, index: Any) -> torch.Tensor:
-        """The indexed part as a tensor: ints (negative too), slices (with steps), ``...``."""
+        """Read the indexed part, fetching only the inner chunks it touches.
+
+        Args:
+            index: an int (negative too), a slice (with steps), ``...``, or a tuple of them, as
+                for a tensor of :attr:`shape`.
+
+        Returns:
+            A new CPU tensor of :attr:`dtype` (ints drop their dimension, as in torch).
+
+        Raises:
+            ZarrckptError: the index is not of ints, slices and one ``...``, has too many
+                entries, or an int is out of range.
+            CorruptChunkError: a shard object is missing or truncated, or a chunk fails its checksum.
+            ModifiedCheckpointError: the tensor was changed after commit (and the checkpoint was not
+                opened with ``allow_modified=True``).
+            IncompleteCheckpointError: the checkpoint was overwritten or deleted while being read.
+            StorageError: the storage failed a request beyond its retries.
+        """
         import torch
 
         out = torch.from_numpy(self._raw(index))
         return out.view(self.dtype) if out.dtype != self.dtype else out
 
     def read(self) -> torch.Tensor:
-        """The whole tensor."""
+        """Read the whole tensor: ``view[...]``.
+
+        Returns:
+            A new CPU tensor of :attr:`shape` and :attr:`dtype`.
+
+        Raises:
+            CorruptChunkError, ModifiedCheckpointError, IncompleteCheckpointError, StorageError:
+                as for indexing.
+        """
         return self[...]
 
     def numpy(self, index: Any = Ellipsis) -> np.ndarray:
-        """As numpy (bfloat16 / float8 as ``ml_dtypes`` types, bit-exact)."""
+        """Read the indexed part (all of it by default) as numpy, without torch.
+
+        Args:
+            index: as for indexing the view; ``...`` (the default) reads the whole tensor.
+
+        Returns:
+            A new C-contiguous array; bfloat16 / float8 as ``ml_dtypes`` types, bit-exact.
+
+        Raises:
+            ZarrckptError, CorruptChunkError, ModifiedCheckpointError, IncompleteCheckpointError,
+                StorageError: as for indexing.
+        """
 
         raw = self._raw(index)
         values = dtypes.value_dtype(self.meta.dtype)

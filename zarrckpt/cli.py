@@ -30,8 +30,9 @@ from zarrckpt.display import human, pretty
 from zarrckpt.keys import ROLES
 from zarrckpt.lifecycle import Entry, scan
 from zarrckpt.storage import Storage
+from zarrckpt.types import SourceKind
 
-IMPORT_KINDS = ("dcp", "torch", "safetensors")  # zarrckpt.importer.KINDS (a test keeps them equal)
+IMPORT_KINDS = tuple(kind.value for kind in SourceKind)  # zarrckpt.importer.SOURCE_KINDS (a test keeps them equal)
 DEFAULT_SHARD_SIZE = "5GB"  # zarrckpt.export.DEFAULT_MAX_SHARD_BYTES (a test keeps them equal)
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE
 _STEP_NAME = re.compile(r"step[_-]?(\d+)")  # CheckpointManager's step_0000001000, or step-1000
@@ -141,7 +142,7 @@ def cmd_info(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
         "tensors": len(rows),
         "bytes": sum(r["bytes"] for r in rows),
         "bytes_by_role": dict(sorted(by_role.items())),
-        "topology": ckpt.topology,
+        "topology": {"world_size": ckpt.saved_world_size},
         "library": manifest.library or None,
         "created": manifest.created or None,
         "save_id": manifest.save_id,
@@ -155,7 +156,7 @@ def cmd_info(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
     print(f"total        {human(info['bytes'])} ({info['bytes']} bytes)")
     for role, n in info["bytes_by_role"].items():
         print(f"  {role:<20} {human(n)}")
-    print(f"world size   {ckpt.topology.get('world_size')} (at save)")
+    print(f"world size   {ckpt.saved_world_size} (at save)")
     for name in ("library", "created", "save_id"):
         if info[name] is not None:
             print(f"{name.replace('_', ' '):<12} {info[name]}")

@@ -13,13 +13,11 @@ from __future__ import annotations
 import dataclasses
 import io
 import itertools
-import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint import StorageReader, StorageWriter
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -36,7 +34,7 @@ from torch.distributed.checkpoint.planner import (
     SavePlanner,
     WriteItemType,
 )
-from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
 from . import commit as protocol
@@ -50,9 +48,8 @@ from .localstate import BYTES_TYPES, LocalState, LocalTensor, collect
 from .plan import DEFAULT_CHUNK_BYTES, build_save_plan, metadata_docs
 from .reader import Request, allocate, read_regions
 from .storage import Storage
+from .types import URL, ArrayKind
 from .writer import write_metadata, write_rank
-
-URL = str | os.PathLike[str]
 
 
 def _done(value: Any) -> Future[Any]:
@@ -86,13 +83,13 @@ class ZarrWriter(StorageWriter):
         self.allow_pickle = allow_pickle
         self._save_id = ""
 
-    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+    def reset(self, checkpoint_id: URL | None = None) -> None:
         if checkpoint_id is not None:
             self.storage = Storage(checkpoint_id, self.storage_options)
         self._save_id = ""
 
     @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+    def validate_checkpoint_id(cls, checkpoint_id: URL) -> bool:
         """True for a URL fsspec can open."""
         return _opens(checkpoint_id)
 
@@ -224,7 +221,7 @@ def _describe(plan: SavePlan) -> dict[str, Any]:
         tensors[key] = {
             "shape": list(item.tensor_data.size),
             "dtype": dtypes.zarr_name(item.tensor_data.properties.dtype),
-            "kind": "tensor",
+            "kind": ArrayKind.TENSOR,
             "box": [list(chunk.offsets), list(chunk.sizes)],
             "topology": {},
         }
@@ -235,7 +232,7 @@ def _holds_tensors(obj: Any) -> bool:
     return any(isinstance(v, torch.Tensor) for _, v in iter_leaves(obj))
 
 
-def _opens(checkpoint_id: str | os.PathLike[str]) -> bool:
+def _opens(checkpoint_id: URL) -> bool:
     try:
         Storage(checkpoint_id)
     except (ZarrckptError, TypeError, ValueError):
@@ -266,13 +263,13 @@ class ZarrReader(StorageReader):
         self.allow_modified = allow_modified
         self.manifest: Manifest | None = None
 
-    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+    def reset(self, checkpoint_id: URL | None = None) -> None:
         if checkpoint_id is not None:
             self.storage = Storage(checkpoint_id, self.storage_options)
         self.manifest = None
 
     @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+    def validate_checkpoint_id(cls, checkpoint_id: URL) -> bool:
         """True when ``checkpoint_id`` holds a zarrckpt checkpoint."""
         try:
             return protocol.is_zarrckpt_manifest(Storage(checkpoint_id))
@@ -291,7 +288,7 @@ class ZarrReader(StorageReader):
         for key, meta in manifest.arrays.items():
             if key.startswith(inside):
                 continue
-            if meta.kind != "tensor":
+            if meta.kind != ArrayKind.TENSOR:
                 md[key] = BytesStorageMetadata()
                 continue
             chunks = [
@@ -384,9 +381,9 @@ class ZarrReader(StorageReader):
 
 
 def _as_value(meta: ArrayMeta, buf: np.ndarray) -> Any:
-    if meta.kind == "bytes":
+    if meta.kind == ArrayKind.BYTES:
         return {"bytearray": bytearray, "BytesIO": io.BytesIO}.get(meta.python_type, bytes)(buf.tobytes())
-    if meta.kind == "ndarray":
+    if meta.kind == ArrayKind.NDARRAY:
         return buf
     return torch.from_numpy(buf).view(dtypes.torch_dtype(meta.dtype)) if buf.dtype.itemsize else torch.from_numpy(buf)
 

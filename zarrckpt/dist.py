@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as torch_dist
@@ -15,14 +15,17 @@ import torch.distributed as torch_dist
 from .errors import ZarrckptError
 from .gcpause import gc_paused
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 T = TypeVar("T")
-_side_groups: dict[int, Any] = {}
+_side_groups: dict[int, ProcessGroup] = {}
 
 
 class Group:
     """The ranks taking part in one save or load."""
 
-    def __init__(self, process_group: Any = None) -> None:
+    def __init__(self, process_group: ProcessGroup | None = None) -> None:
         self.pg = process_group
         self.active = torch_dist.is_available() and torch_dist.is_initialized()
         self.rank = torch_dist.get_rank(process_group) if self.active else 0
@@ -88,7 +91,7 @@ class Group:
         return result  # type: ignore[return-value]
 
 
-def side_group(process_group: Any = None) -> Group:
+def side_group(process_group: ProcessGroup | None = None) -> Group:
     """A :class:`Group` over the same ranks as ``process_group`` on a gloo group of its own (made once per
     group, collectively on first use), so collectives of a background thread never interleave with the
     caller's. Inactive (1 rank) when ``process_group`` is."""

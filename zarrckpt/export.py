@@ -34,6 +34,7 @@ from .checkpoint import open as open_checkpoint
 from .display import Progress
 from .errors import UnsupportedValueError, ZarrckptError
 from .keys import ROLES
+from .types import URL, Role
 
 __all__ = [
     "DEFAULT_BLOCK_BYTES",
@@ -100,10 +101,10 @@ class _Item:
 
 
 def export_safetensors(
-    url_or_checkpoint: str | os.PathLike[str] | Checkpoint,
+    url_or_checkpoint: URL | Checkpoint,
     out_dir: str | os.PathLike[str],
     *,
-    roles: Iterable[str] | None = None,
+    roles: Iterable[Role | str] | None = None,
     dtype: str | torch.dtype | None = None,
     include: str | Sequence[str] | None = None,
     max_shard_bytes: int | str = DEFAULT_MAX_SHARD_BYTES,
@@ -118,17 +119,44 @@ def export_safetensors(
     One ``model.safetensors`` when everything fits in ``max_shard_bytes``; otherwise
     ``model-00001-of-0000N.safetensors`` ... plus ``model.safetensors.index.json``
     (``{"metadata": {"total_size"}, "weight_map": {name: file}}``). A tensor larger than
-    ``max_shard_bytes`` gets a file of its own.
+    ``max_shard_bytes`` gets a file of its own. Tensors are streamed in blocks of at most
+    ``block_bytes``, so memory stays bounded whatever their size. Files are written under
+    temporary names and renamed into place at the end (the index last). Non-tensor values
+    (step, config) are not exported.
 
-    ``roles`` keeps only tensors of those roles (``main_weight``, ``first_moment``,
-    ``second_moment``, ``optimizer_step``, ``buffer``, ``other``); ``include`` keeps only keys
-    matching one of the fnmatch patterns; ``dtype`` ("bf16", "fp16", "fp32") casts floating-point
-    tensors (integer and bool tensors are written as they are); ``strip_prefix`` removes a
-    leading prefix (``"model."``) from tensor names. Non-tensor values (step, config) are not
-    exported. ``out_dir`` is a local directory; it must be empty or absent unless ``overwrite``,
-    which replaces the safetensors files of an earlier export there.
+    Args:
+        url_or_checkpoint: the checkpoint: a URL (opened with :func:`zarrckpt.open`) or an open
+            :class:`~zarrckpt.Checkpoint`.
+        out_dir: a local directory (or ``file://`` URL); it must be empty or absent unless
+            ``overwrite``.
+        roles: keep only tensors of these roles (:class:`~zarrckpt.types.Role` members or their
+            names: ``main_weight``, ``first_moment``, ``second_moment``, ``optimizer_step``,
+            ``buffer``, ``other``).
+        dtype: ``"bf16"``, ``"fp16"`` or ``"fp32"`` (or the torch dtype): cast floating-point
+            tensors to it; integer and bool tensors are written as they are.
+        include: keep only keys matching one of these fnmatch patterns.
+        max_shard_bytes: the largest file, in bytes or as ``"5GB"``, ``"500MiB"``.
+        strip_prefix: remove this leading prefix (``"model."``) from tensor names.
+        storage_options: passed to fsspec when ``url_or_checkpoint`` is a URL.
+        progress: draw a progress bar on stderr.
+        overwrite: replace the safetensors files of an earlier export in ``out_dir``.
+        block_bytes: the most bytes read from the checkpoint at a time, per tensor.
 
-    Returns a summary: ``{"out", "files", "tensors", "bytes", "dtype", "seconds"}``.
+    Returns:
+        A summary: ``{"source", "out", "files", "index", "tensors", "bytes", "dtype",
+        "seconds"}`` (``index`` is None for a single file, ``dtype`` None without a cast).
+
+    Raises:
+        ZarrckptError: an unknown role, dtype or size; no tensor left to export; two keys that
+            become one name after ``strip_prefix``; ``out_dir`` not empty (without
+            ``overwrite``), not a local directory, or not creatable.
+        UnsupportedValueError: a selected tensor's dtype has no safetensors equivalent (leave it
+            out with ``include`` or ``roles``).
+        IncompleteCheckpointError: the checkpoint was overwritten or deleted during the export
+            (nothing is published), or ``url_or_checkpoint`` holds no committed checkpoint.
+        CorruptChunkError: a chunk read fails its checksum or is missing
+            (``ModifiedCheckpointError``: it changed after commit).
+        CheckpointNotFoundError, InvalidCheckpointError, StorageError: as for :func:`zarrckpt.open`.
     """
     start = time.perf_counter()
     ckpt = (
@@ -185,12 +213,12 @@ def export_safetensors(
 
 def _select(
     ckpt: Checkpoint,
-    roles: Iterable[str] | None,
+    roles: Iterable[Role | str] | None,
     include: str | Sequence[str] | None,
     cast: torch.dtype | None,
     strip_prefix: str | None,
 ) -> list[_Item]:
-    wanted = None if roles is None else set(roles)
+    wanted = None if roles is None else {r.value if isinstance(r, Role) else r for r in roles}
     if wanted is not None:
         unknown = sorted(wanted - set(ROLES))
         if unknown or not wanted:

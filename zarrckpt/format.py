@@ -15,12 +15,13 @@ from .errors import InvalidCheckpointError, InvalidKeyError
 from .jsondoc import Bad, check_extensions, finite_float, get_field, meaning, no_constant, shape_field, short
 from .keys import ROLES, key_to_path, validate_keys
 from .layout import Shape
+from .types import ArrayKind, Role
 
 FORMAT_VERSION = 1
 MANIFEST = "zarr.json"
 PENDING = ".zarrckpt-pending.json"  # a save is writing here (or died doing so)
 DELETING = ".zarrckpt-deleting.json"  # a deletion is removing this checkpoint (or died doing so)
-KINDS = ("tensor", "bytes", "ndarray")
+ARRAY_KINDS: tuple[str, ...] = tuple(kind.value for kind in ArrayKind)  # an array's stored "kind"s
 BYTES_TYPE_NAMES = ("bytes", "bytearray", "BytesIO")
 MAX_ELEMENTS = 2**62
 
@@ -34,8 +35,8 @@ class ArrayMeta:
     dtype: str
     shard_shape: Shape
     chunk_shape: Shape
-    role: str = "other"
-    kind: str = "tensor"
+    role: Role = Role.OTHER
+    kind: ArrayKind = ArrayKind.TENSOR
     topology: dict[str, Any] = field(default_factory=dict, compare=False)
     python_type: str = ""  # kind "bytes": the saved value's type when not bytes ("bytearray" or "BytesIO")
     committed_crc32c: bytes = field(default=b"", compare=False, repr=False)  # integrity.py: the commit's record
@@ -145,13 +146,13 @@ class ArrayMeta:
                 f"field 'dimension_names' must list one name (a string or null) per dimension "
                 f"({len(shape)}), not {short(names)}"
             )
-        if role not in ROLES or kind not in KINDS:
+        if role not in ROLES or kind not in ARRAY_KINDS:
             raise bad(f"unknown role {short(role)} or kind {short(kind)}")
         if kind == "bytes" and (dtype != "uint8" or len(shape) != 1):
             raise bad(f"a bytes value must be stored as 1-D uint8, not {len(shape)}-D {dtype}")
         if get_field(doc, attrs + "order", str, bad, "C") != "C" or doc.get("storage_transformers"):
             raise bad("only C order and no storage transformers are supported")
-        meta = cls(key, shape, dtype, shard, chunk, role, kind, topology, python_type)
+        meta = cls(key, shape, dtype, shard, chunk, Role(role), ArrayKind(kind), topology, python_type)
         expected = meta.to_json()
         for name in ("zarr_format", "node_type", "chunk_grid", "chunk_key_encoding", "fill_value", "codecs"):
             if meaning(name, doc.get(name), meta.itemsize) != meaning(name, expected[name], meta.itemsize):

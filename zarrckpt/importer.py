@@ -39,10 +39,11 @@ from .errors import (
 )
 from .export import SAFETENSORS_DTYPES
 from .keys import flat_key, iter_leaves
+from .types import URL, SourceKind
 
-__all__ = ["KINDS", "detect_kind", "import_checkpoint", "read_safetensors"]
+__all__ = ["SOURCE_KINDS", "SourceKind", "detect_kind", "import_checkpoint", "read_safetensors"]
 
-KINDS = ("dcp", "torch", "safetensors")
+SOURCE_KINDS: tuple[str, ...] = tuple(kind.value for kind in SourceKind)  # what import_checkpoint(kind=) takes
 MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 
 _ST_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
@@ -50,29 +51,51 @@ _ST_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
 def import_checkpoint(
     src: str | os.PathLike[str],
-    url: str | os.PathLike[str],
+    url: URL,
     *,
-    kind: str | None = None,
+    kind: SourceKind | str | None = None,
     storage_options: dict[str, Any] | None = None,
     overwrite: bool = False,
 ) -> dict[str, Any]:
     """Convert the checkpoint at local path ``src`` into a zarrckpt checkpoint at ``url``.
 
-    ``kind`` is ``"dcp"`` (a ``torch.distributed.checkpoint`` directory), ``"torch"`` (a
-    ``torch.save`` file) or ``"safetensors"`` (a ``.safetensors`` file, a directory of them, or a
-    ``*.safetensors.index.json``); by default it is detected from the files. Keys are the
-    source's keys, flattened the way :func:`zarrckpt.save` flattens nested dicts (dotted paths).
-    Runs in one process, no process group. Returns a summary:
-    ``{"source", "kind", "url", "tensors", "values", "bytes", "seconds"}`` (``tensors`` counts
-    every stored array, byte strings included; ``values`` the plain JSON values).
+    Keys are the source's keys, flattened the way :func:`zarrckpt.save` flattens nested dicts
+    (dotted paths). Runs in one process, no process group. Nothing is unpickled beyond what
+    ``torch.load(weights_only=True)`` admits.
+
+    Args:
+        src: a local file or directory holding the source checkpoint.
+        url: where to save the zarrckpt checkpoint: a local path or any fsspec URL.
+        kind: the source's kind (a :class:`~zarrckpt.types.SourceKind` or its name): ``"dcp"`` (a
+            ``torch.distributed.checkpoint`` directory), ``"torch"`` (a ``torch.save`` file) or
+            ``"safetensors"`` (a ``.safetensors`` file, a directory of them, or a
+            ``*.safetensors.index.json``). None: detected from the files.
+        storage_options: passed to fsspec for ``url``.
+        overwrite: replace a committed checkpoint at ``url`` (as ``save(..., overwrite=True)``).
+
+    Returns:
+        A summary: ``{"source", "kind", "url", "tensors", "values", "bytes", "seconds"}``
+        (``tensors`` counts every stored array, byte strings included; ``values`` the plain JSON
+        values).
+
+    Raises:
+        ZarrckptError: ``src`` does not exist, is of an unknown or undetectable kind, or is not a
+            valid checkpoint of its kind (a damaged file, a bad safetensors header or index).
+        UnsupportedValueError: the source holds objects ``torch.load(weights_only=True)`` refuses,
+            is not a dict, or has a tensor of a dtype zarrckpt cannot store.
+        CheckpointExistsError: a committed checkpoint exists at ``url`` and ``overwrite`` is
+            False (checked before the source is read).
+        SaveLayoutError, InvalidKeyError, IncompleteCheckpointError, StorageError: as for
+            :func:`zarrckpt.save`.
     """
     start = time.perf_counter()
     path = Path(os.fspath(src))
     if not path.exists():
         raise ZarrckptError(f"import source {str(path)!r} does not exist (expected a local file or directory)")
-    kind = kind or detect_kind(path)
-    if kind not in KINDS:
-        raise ZarrckptError(f"unknown source kind {kind!r}: choose one of {', '.join(KINDS)}")
+    found = kind or detect_kind(path)
+    if found not in SOURCE_KINDS:
+        raise ZarrckptError(f"unknown source kind {found!r}: choose one of {', '.join(SOURCE_KINDS)}")
+    kind = SourceKind(found)
     try:  # fail on a bad URL or an existing checkpoint before reading a large source
         open_checkpoint(url, storage_options=storage_options)
     except (CheckpointNotFoundError, IncompleteCheckpointError):
@@ -83,9 +106,9 @@ def import_checkpoint(
                 f"a committed checkpoint already exists at {os.fspath(url)!r}; pass overwrite=True (--overwrite) "
                 "to replace it"
             )
-    if kind == "dcp":
+    if kind == SourceKind.DCP:
         state = _read_dcp(path)
-    elif kind == "torch":
+    elif kind == SourceKind.TORCH:
         state = _read_torch(path)
     else:
         state = read_safetensors(path)
@@ -111,13 +134,13 @@ def import_checkpoint(
     }
 
 
-def detect_kind(path: Path) -> str:
+def detect_kind(path: Path) -> SourceKind:
     """``"dcp"``, ``"torch"`` or ``"safetensors"`` from the files at ``path``."""
     if path.is_dir():
         if (path / ".metadata").is_file():
-            return "dcp"
+            return SourceKind.DCP
         if any(path.glob("*.safetensors")) or any(path.glob("*.safetensors.index.json")):
-            return "safetensors"
+            return SourceKind.SAFETENSORS
         if (path / "zarr.json").is_file():
             raise ZarrckptError(f"{str(path)!r} is a Zarr checkpoint already; open it with zarrckpt.open")
         raise ZarrckptError(
@@ -125,16 +148,16 @@ def detect_kind(path: Path) -> str:
             "(.metadata) or safetensors files (*.safetensors, *.safetensors.index.json); force one with --from"
         )
     if path.name.endswith((".safetensors", ".safetensors.index.json")):
-        return "safetensors"
+        return SourceKind.SAFETENSORS
     try:
         with path.open("rb") as f:
             head = f.read(9)
     except OSError as e:
         raise ZarrckptError(f"cannot read import source {str(path)!r}: {e}") from e
     if zipfile.is_zipfile(path) or head.startswith(b"\x80\x02\x8a\x0a"):
-        return "torch"
+        return SourceKind.TORCH
     if len(head) == 9 and head[8:9] == b"{" and 2 <= struct.unpack("<Q", head[:8])[0] <= MAX_HEADER:
-        return "safetensors"
+        return SourceKind.SAFETENSORS
     raise ZarrckptError(
         f"cannot tell what kind of checkpoint {str(path)!r} is: not a torch.save file (zip or legacy pickle) "
         "nor a safetensors file; force one with --from dcp|torch|safetensors"
@@ -313,7 +336,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def _dcp_reader(path: Path) -> Any:
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class SafeReader(FileSystemReader):
@@ -333,8 +356,8 @@ def _dcp_reader(path: Path) -> Any:
 
 
 def _dcp_planner() -> Any:
-    from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     class SafePlanner(DefaultLoadPlanner):
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
@@ -355,8 +378,8 @@ def _dcp_planner() -> Any:
 
 
 def _read_dcp(path: Path) -> dict[str, Any]:
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
     if not (path / ".metadata").is_file():
         raise ZarrckptError(f"{str(path)!r} is not a DCP checkpoint: it has no .metadata file")
@@ -370,7 +393,7 @@ def _read_dcp(path: Path) -> dict[str, Any]:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "torch.distributed is disabled ... single process"
-            dcp.load(state, storage_reader=reader, planner=_dcp_planner(), no_dist=True)
+            dcp_load(state, storage_reader=reader, planner=_dcp_planner(), no_dist=True)
     except ZarrckptError:
         raise
     except Exception as e:  # DCP wraps reader failures in CheckpointException

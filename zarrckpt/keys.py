@@ -12,10 +12,11 @@ from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
 from .errors import InvalidKeyError
+from .types import Role
 
 Path = tuple[str | int, ...]
 
-ROLES = ("main_weight", "first_moment", "second_moment", "optimizer_step", "buffer", "other")
+ROLES: tuple[str, ...] = tuple(role.value for role in Role)  # the stored role names, in Role's order
 _OPTIM_TOPS = {"optim", "optimizer", "optimizers", "optim_state", "optimizer_state"}
 _OTHER_TOPS = {"rng", "rng_state", "trainer", "dataloader", "data", "extra", "scheduler", "lr_scheduler", "meta"}
 _BUFFER_NAMES = {"running_mean", "running_var", "num_batches_tracked", "inv_freq", "position_ids", "mask"}
@@ -110,20 +111,20 @@ def key_to_path(key: str) -> str:
     return key.replace(".", "/")
 
 
-def infer_role(key: str, is_floating: bool) -> str:
+def infer_role(key: str, is_floating: bool) -> Role:
     """Guess a tensor's role from the standard ``state_dict()`` / ``get_state_dict()`` structure."""
     segs = key.split(".")
     last = segs[-1]
     if segs[0] in _OPTIM_TOPS or (len(segs) >= 3 and "state" in segs[:-1]):
         return {
-            "exp_avg": "first_moment",
-            "momentum_buffer": "first_moment",
-            "exp_avg_sq": "second_moment",
-            "max_exp_avg_sq": "second_moment",
-            "step": "optimizer_step",
-        }.get(last, "other")
+            "exp_avg": Role.FIRST_MOMENT,
+            "momentum_buffer": Role.FIRST_MOMENT,
+            "exp_avg_sq": Role.SECOND_MOMENT,
+            "max_exp_avg_sq": Role.SECOND_MOMENT,
+            "step": Role.OPTIMIZER_STEP,
+        }.get(last, Role.OTHER)
     if segs[0] in _OTHER_TOPS:
-        return "other"
+        return Role.OTHER
     if last in _BUFFER_NAMES or not is_floating:
-        return "buffer"
-    return "main_weight"
+        return Role.BUFFER
+    return Role.MAIN_WEIGHT

@@ -7,7 +7,6 @@ that dies half-way leaves a prefix that says what it is, and ``collect_garbage``
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,9 +14,9 @@ from . import commit as protocol
 from .errors import ZarrckptError
 from .format import DELETING, MANIFEST, PENDING
 from .storage import Storage
+from .types import URL
 
 log = logging.getLogger("zarrckpt")
-URL = str | os.PathLike[str]
 DEFAULT_GRACE_SECONDS = 3600.0
 
 

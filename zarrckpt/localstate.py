@@ -16,6 +16,7 @@ from . import dtypes
 from .errors import UnsupportedValueError
 from .keys import flat_key, iter_leaves
 from .layout import Box, Shape
+from .types import ArrayKind
 from .values import encode
 
 BYTES_TYPES = (bytes, bytearray, io.BytesIO)  # stored as 1-D uint8 arrays, restored as the target's type
@@ -30,7 +31,7 @@ class LocalTensor:
     shape: Shape  # global shape
     box: Box  # where ``data`` sits in the global tensor
     dtype: str
-    kind: str = "tensor"  # tensor | bytes | ndarray
+    kind: ArrayKind = ArrayKind.TENSOR
     topology: dict[str, Any] = field(default_factory=dict)
     python_type: str = ""  # bytes values: "bytearray" or "BytesIO" when not plain bytes
 
@@ -132,13 +133,14 @@ def _collect_leaf(state: LocalState, key: str, value: Any, allow_pickle: bool) -
         data = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
         python_type = "" if isinstance(value, bytes) else type(value).__name__
         box = Box.full((len(raw),))
-        state.tensors[key] = LocalTensor(key, data, (len(raw),), box, "uint8", "bytes", {}, python_type)
+        state.tensors[key] = LocalTensor(key, data, (len(raw),), box, "uint8", ArrayKind.BYTES, {}, python_type)
     elif isinstance(value, np.ndarray):
         name = dtypes.numpy_name(value.dtype)
         data = torch.from_numpy(np.ascontiguousarray(value).reshape(value.shape))  # 0-d stays 0-d
-        state.tensors[key] = LocalTensor(key, data, value.shape, Box.full(value.shape), name, "ndarray")
+        state.tensors[key] = LocalTensor(key, data, value.shape, Box.full(value.shape), name, ArrayKind.NDARRAY)
     elif isinstance(value, (torch.Tensor, LocalShard)):
         data, shape, box, topology = tensor_box(value)
-        state.tensors[key] = LocalTensor(key, data, shape, box, dtypes.zarr_name(data.dtype), "tensor", topology)
+        dtype = dtypes.zarr_name(data.dtype)
+        state.tensors[key] = LocalTensor(key, data, shape, box, dtype, ArrayKind.TENSOR, topology)
     else:
         state.values[key] = encode(value, key, allow_pickle)

@@ -14,12 +14,17 @@ from .format import ArrayMeta, group_json, group_paths
 from .gcpause import gc_paused
 from .keys import infer_role, validate_keys
 from .layout import Box, Claim, Shape, coverage_problems, inner_chunk_shape, owner_of_cells, shard_shape_for
+from .types import ArrayKind, Role
 
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
-class SavePlan:
+class ZarrSavePlan:
+    """What a save writes, the same on every rank: every array's metadata, which rank writes each of its
+    shards, and the plain values. Not DCP's ``SavePlan`` (one rank's write items), which
+    :class:`zarrckpt.ZarrWriter` turns into one of these."""
+
     arrays: dict[str, ArrayMeta]
     owners: dict[str, dict[Shape, int]]  # key -> shard grid index -> the one rank that writes it
     values: dict[str, Any]
@@ -27,11 +32,15 @@ class SavePlan:
     replicated: frozenset[str] = frozenset()  # keys of which some block is held by several ranks
 
     def shards_of(self, rank: int) -> list[tuple[ArrayMeta, Shape]]:
+        """The shards ``rank`` writes: (array, shard grid index) pairs."""
         return [(self.arrays[k], idx) for k, owner in self.owners.items() for idx, r in owner.items() if r == rank]
 
     def metadata_of(self, rank: int) -> list[tuple[str, bytes]]:
         """The ``zarr.json`` documents (groups, then arrays) ``rank`` writes: spread round-robin."""
         return metadata_docs(list(self.arrays.values()), rank, self.world_size)
+
+
+SavePlan = ZarrSavePlan  # the old name, until zarrckpt.asyncsave imports the new one (issue 14)
 
 
 def metadata_docs(arrays: list[ArrayMeta], rank: int = 0, world_size: int = 1) -> list[tuple[str, bytes]]:
@@ -55,7 +64,7 @@ class _Grid:
     replicated: bool
 
 
-def build_save_plan(descriptions: Sequence[dict[str, Any]], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> SavePlan:
+def build_save_plan(descriptions: Sequence[dict[str, Any]], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> ZarrSavePlan:
     """Check that ranks agree and every global tensor is covered exactly once; choose grids and writers.
 
     ``descriptions[r]`` is rank r's ``LocalState.describe()`` (``tensors`` maps each key to an
@@ -69,7 +78,7 @@ def build_save_plan(descriptions: Sequence[dict[str, Any]], chunk_bytes: int = D
         return _build(descriptions, chunk_bytes)
 
 
-def _build(descriptions: Sequence[dict[str, Any]], chunk_bytes: int) -> SavePlan:
+def _build(descriptions: Sequence[dict[str, Any]], chunk_bytes: int) -> ZarrSavePlan:
     problems: list[str] = []
     tensors: dict[str, tuple[list[int], list[dict[str, Any]]]] = {}  # key -> (holder ranks, their specs)
     values: dict[str, tuple[list[int], list[Any]]] = {}
@@ -119,9 +128,9 @@ def _build(descriptions: Sequence[dict[str, Any]], chunk_bytes: int) -> SavePlan
             shard_shape=grid.shard,
             chunk_shape=grid.chunk,
             role=infer_role(key, first["dtype"].startswith(("float", "bfloat")))
-            if first["kind"] == "tensor"
-            else "other",
-            kind=first["kind"],
+            if first["kind"] == ArrayKind.TENSOR
+            else Role.OTHER,
+            kind=ArrayKind(first["kind"]),
             topology=dict(grid.topology),
             python_type=first.get("python_type", ""),
         )
@@ -134,7 +143,7 @@ def _build(descriptions: Sequence[dict[str, Any]], chunk_bytes: int) -> SavePlan
             + "\n  ".join(problems[:50])
         )
     values_ = {k: v[1][0] for k, v in sorted(values.items())}
-    return SavePlan(arrays, owners, values_, len(descriptions), frozenset(replicated))
+    return ZarrSavePlan(arrays, owners, values_, len(descriptions), frozenset(replicated))
 
 
 def _check(key: str, ranks: list[int], specs: list[dict[str, Any]]) -> list[str]:

@@ -19,10 +19,10 @@ from . import dtypes
 from .dist import Group
 from .errors import SaveLayoutError
 from .localstate import LocalState
-from .plan import SavePlan
+from .plan import ZarrSavePlan
 
 
-def digests(plan: SavePlan, local: LocalState) -> dict[str, list[Any]]:
+def digests(plan: ZarrSavePlan, local: LocalState) -> dict[str, list[Any]]:
     """This rank's ``key -> [block offsets, crc32c of all its bytes]`` for the replicated keys it holds."""
     out: dict[str, list[Any]] = {}
     for key in sorted(plan.replicated):
@@ -48,7 +48,7 @@ def differences(views: Sequence[dict[str, list[Any]]]) -> list[str]:
     return problems
 
 
-def check(group: Group, plan: SavePlan, local: LocalState) -> None:
+def check(group: Group, plan: ZarrSavePlan, local: LocalState) -> None:
     """Raise SaveLayoutError on every rank when the replicas of some block differ (one collective, if any)."""
     if not plan.replicated or not group.active:
         return

@@ -21,6 +21,7 @@ from fsspec.implementations.local import LocalFileSystem
 from .errors import StorageError, ZarrckptError
 from .retry import RetryPolicy, current_policy, is_transient
 from .storecaps import LOCAL_FILES, OBJECT_STORE, default_concurrency
+from .types import URL
 
 log = logging.getLogger("zarrckpt")
 
@@ -43,7 +44,7 @@ class Storage:
 
     def __init__(
         self,
-        url: str | os.PathLike[str],
+        url: URL,
         storage_options: dict[str, Any] | None = None,
         *,
         concurrency: int = 0,
@@ -287,7 +288,7 @@ class Storage:
         """Seconds since the object at ``path`` was last modified (None if absent or unknown)."""
         full = self._abs(path)
         try:
-            stamp = self._request("checking", path, lambda: self.fs.modified(full))
+            stamp: datetime = self._request("checking", path, lambda: self.fs.modified(full))
         except (FileNotFoundError, NotImplementedError, StorageError):
             return None
         if stamp.tzinfo is None:

@@ -15,7 +15,7 @@ from .errors import CheckpointExistsError
 from .format import ArrayMeta, Manifest, library_name
 from .layout import Shape, cell_box
 from .localstate import LocalState
-from .plan import SavePlan
+from .plan import ZarrSavePlan
 from .shard import chunk_crcs, chunks_per_shard, encode_shard
 from .storage import Storage
 
@@ -24,7 +24,7 @@ log = logging.getLogger("zarrckpt")
 
 def write_rank(
     storage: Storage,
-    plan: SavePlan,
+    plan: ZarrSavePlan,
     local: LocalState,
     rank: int,
     keys: Collection[str] | None = None,
@@ -65,7 +65,7 @@ def write_metadata(storage: Storage, docs: list[tuple[str, bytes]]) -> int:
     return sum(storage.run_all(lambda doc: _put(storage, doc[0], [doc[1]]), docs, writing=True))
 
 
-def commit_save(storage: Storage, group: Group, plan: SavePlan, save_id: str, written: integrity.Written) -> None:
+def commit_save(storage: Storage, group: Group, plan: ZarrSavePlan, save_id: str, written: integrity.Written) -> None:
     """After every rank wrote its shards: the ``zarr.json`` documents, then rank 0 commits the
     manifest with the record of every chunk written (gathered from all ranks, one collective)."""
     views = group.gather_json(integrity.to_json(written))

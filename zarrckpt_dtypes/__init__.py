@@ -69,7 +69,8 @@ def value_dtype(name: str) -> np.dtype:
         return np.dtype(row.numpy)
     import ml_dtypes
 
-    return np.dtype(getattr(ml_dtypes, row.numpy))
+    scalar: type[np.generic] = getattr(ml_dtypes, row.numpy)
+    return np.dtype(scalar)
 
 
 def fill_value(name: str) -> bool | int | float | list[float]:

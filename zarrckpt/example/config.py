@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from enum import StrEnum
 from typing import Any
 
 
@@ -52,6 +53,15 @@ class TrainConfig:
         return {"model": asdict(model), "train": {**asdict(self), "betas": list(self.betas)}}
 
 
+class ExpertDP(StrEnum):
+    """What the ``ep_dp`` ranks of an expert group do with its expert tensors (``--expert-dp``)."""
+
+    SHARDED = "sharded"
+    """They split them along the second dimension."""
+    REPLICATED = "replicated"
+    """Each holds all of them (a replica)."""
+
+
 @dataclass(frozen=True)
 class Topology:
     """How ``world`` ranks split the model: ``pp`` stages x ``ep`` expert groups x ``ep_dp`` replicas.
@@ -59,15 +69,16 @@ class Topology:
     Rank ``r`` is stage ``r // dp``; inside a stage, ``dp_rank = r % dp`` splits into
     ``ep_rank = dp_rank // ep_dp`` (which experts) and ``epdp_rank = dp_rank % ep_dp``.
     Dense parameters are sharded over the ``dp`` ranks of their stage; expert tensors over
-    ``ep`` along the expert dimension and, when ``expert_dp == "sharded"``, over ``ep_dp``
-    along their second dimension (otherwise replicated there).
+    ``ep`` along the expert dimension and, when ``expert_dp`` is :attr:`ExpertDP.SHARDED`, over
+    ``ep_dp`` along their second dimension (otherwise replicated there).
     """
 
     world: int
     pp: int = 1
     ep: int = 0
     """0 picks gcd(experts, dp)."""
-    expert_dp: str = "replicated"
+    expert_dp: ExpertDP = ExpertDP.REPLICATED
+    """An :class:`ExpertDP` or its name (``"sharded"``): :meth:`resolved` makes it the member."""
 
     @property
     def dp(self) -> int:
@@ -86,9 +97,9 @@ class Topology:
         ep = self.ep or math.gcd(model.experts, self.dp)
         if model.experts % ep or self.dp % ep:
             raise ValueError(f"ep={ep} must divide the experts ({model.experts}) and the ranks per stage ({self.dp})")
-        if self.expert_dp not in ("sharded", "replicated"):
+        if self.expert_dp not in tuple(ExpertDP):
             raise ValueError(f"expert_dp must be 'sharded' or 'replicated', not {self.expert_dp!r}")
-        return Topology(self.world, self.pp, ep, self.expert_dp)
+        return Topology(self.world, self.pp, ep, ExpertDP(self.expert_dp))
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(stage, ep_rank, epdp_rank) of a global rank."""
@@ -104,4 +115,5 @@ class Topology:
         return range(stage * per, (stage + 1) * per)
 
     def __str__(self) -> str:
-        return f"PP{self.pp}xEP{self.ep}xEP-DP{self.ep_dp}" + (" (sharded)" if self.expert_dp == "sharded" else "")
+        sharded = " (sharded)" if self.expert_dp == ExpertDP.SHARDED else ""
+        return f"PP{self.pp}xEP{self.ep}xEP-DP{self.ep_dp}{sharded}"

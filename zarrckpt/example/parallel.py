@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from .config import Topology
+from .config import ExpertDP, Topology
 from .model import ExpertComm
 
 # DTensor warns on every gather of a [Shard(0), Shard(0)] weight that it takes two all_gathers
@@ -46,11 +46,11 @@ class Groups:
     def placements(self, expert: bool) -> list[Placement]:
         if not expert:
             return [Shard(0), Shard(0)]
-        return [Shard(0), Shard(1) if self.topo.expert_dp == "sharded" else Replicate()]
+        return [Shard(0), Shard(1) if self.topo.expert_dp == ExpertDP.SHARDED else Replicate()]
 
     def owns_gradient(self, expert: bool) -> bool:
         """Whether this rank's shard is the one counted in the global grad norm (not a replica)."""
-        return not expert or self.topo.expert_dp == "sharded" or self.epdp_rank == 0
+        return not expert or self.topo.expert_dp == ExpertDP.SHARDED or self.epdp_rank == 0
 
 
 def make_groups(topo: Topology) -> Groups:
@@ -95,7 +95,7 @@ def compute_weight(param: DTensor, g: Groups, expert: bool) -> torch.Tensor:
     """The weight a step computes with: full for dense, this EP rank's experts (all columns) for experts."""
     if not expert:
         return param.full_tensor()
-    if g.topo.expert_dp == "sharded" and g.topo.ep_dp > 1:
+    if g.topo.expert_dp == ExpertDP.SHARDED and g.topo.ep_dp > 1:
         return param.redistribute(g.mesh, [Shard(0), Replicate()]).to_local()
     return param.to_local()
 
@@ -152,9 +152,11 @@ class EPComm(ExpertComm):
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         if self.g.topo.ep == 1:
             return x
-        return _Gather.apply(x, self.g.ep_group, self.g.ep_rank, self.g.topo.ep)
+        out: torch.Tensor = _Gather.apply(x, self.g.ep_group, self.g.ep_rank, self.g.topo.ep)  # type: ignore[no-untyped-call]
+        return out
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.g.topo.ep == 1:
             return x
-        return _Reduce.apply(x, self.g.ep_group, self.g.ep_rank, self.g.topo.ep)
+        out: torch.Tensor = _Reduce.apply(x, self.g.ep_group, self.g.ep_rank, self.g.topo.ep)  # type: ignore[no-untyped-call]
+        return out

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import zarrckpt
 
 from ..testing import spawn
-from .config import ModelConfig, Topology, TrainConfig
+from .config import ExpertDP, ModelConfig, Topology, TrainConfig
 from .trainer import Trainer
 
 LOSS_TOLERANCE = 1e-5
@@ -43,15 +43,15 @@ class Layout:
     world: int
     pp: int = 1
     ep: int = 0
-    expert_dp: str = "replicated"
+    expert_dp: ExpertDP = ExpertDP.REPLICATED
 
     def topology(self) -> Topology:
         return Topology(self.world, self.pp, self.ep, self.expert_dp).resolved(ModelConfig())
 
 
-DEFAULT_T1 = Layout("T1", 8, pp=2, ep=2, expert_dp="sharded")
+DEFAULT_T1 = Layout("T1", 8, pp=2, ep=2, expert_dp=ExpertDP.SHARDED)
 DEFAULT_RESUMES = (
-    Layout("T1", 8, pp=2, ep=2, expert_dp="sharded"),
+    Layout("T1", 8, pp=2, ep=2, expert_dp=ExpertDP.SHARDED),
     Layout("T2", 4, pp=1, ep=4),
     Layout("T3", 1),
 )

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import zarrckpt
 
 from ..testing import free_port
-from .config import ModelConfig, Topology, TrainConfig
+from .config import ExpertDP, ModelConfig, Topology, TrainConfig
 from .trainer import Trainer
 
 
@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--keep-last", type=int, default=3)
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (divides 4 and the world size)")
     p.add_argument("--ep", type=int, default=0, help="expert-parallel groups (default gcd(8, world/pp))")
-    p.add_argument("--expert-dp", choices=["sharded", "replicated"], default="replicated")
+    p.add_argument("--expert-dp", choices=[e.value for e in ExpertDP], default=ExpertDP.REPLICATED.value)
     p.add_argument("--storage-options", default=os.environ.get("ZARRCKPT_STORAGE_OPTIONS"), help="JSON object")
     p.add_argument("--seed", type=int, default=TrainConfig.seed)
     p.add_argument("--backend", choices=["gloo"], default="gloo", help="the example computes on the CPU")

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import spawn as mp_spawn
 
 
 def free_port() -> int:
@@ -54,4 +54,4 @@ def spawn(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120
 
     ``fn`` and ``args`` must be picklable (``fn`` a module-level function).
     """
-    mp.spawn(_entry, args=(world, free_port(), timeout_s, fn, args), nprocs=world, join=True)
+    mp_spawn(_entry, args=(world, free_port(), timeout_s, fn, args), nprocs=world, join=True)
