@@ -24,11 +24,12 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import crc32c
 import torch
@@ -38,9 +39,13 @@ from . import dtypes, integrity, replicas, stateful
 from .dist import Group, side_group
 from .errors import ZarrckptError
 from .localstate import LocalState, LocalTensor, collect
-from .plan import DEFAULT_CHUNK_BYTES, SavePlan, build_save_plan
+from .plan import DEFAULT_CHUNK_BYTES, ZarrSavePlan, build_save_plan
 from .storage import Storage
+from .types import URL
 from .writer import commit_save, write_rank
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 log = logging.getLogger("zarrckpt")
 _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zarrckpt-async")
@@ -104,11 +109,11 @@ class AsyncSave(Future[None]):
 
 
 def async_save(
-    state_dict: Any,
-    url: Any,
+    state_dict: Mapping[str, Any],
+    url: URL,
     *,
     storage_options: dict[str, Any] | None = None,
-    process_group: Any = None,
+    process_group: ProcessGroup | None = None,
     overwrite: bool = False,
     staging_budget_bytes: int | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -179,7 +184,7 @@ def _digest(t: torch.Tensor) -> int:
 @dataclass
 class _Job:
     storage: Storage
-    plan: SavePlan
+    plan: ZarrSavePlan
     group: Group
     overwrite: bool
     budget: int | None

@@ -15,13 +15,17 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .api import load, save
 from .asyncsave import AsyncSave, Staging, async_save
 from .dist import Group
 from .errors import CheckpointSaveError, ZarrckptError
 from .lifecycle import DEFAULT_GRACE_SECONDS, delete, is_leftover, list_checkpoints, scan
+from .types import URL
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 log = logging.getLogger("zarrckpt")
 _STEP = re.compile(r"^step_(\d{10})$")
@@ -38,18 +42,32 @@ class CheckpointManager:
     ``staging="background"`` (async saves): ``save()`` returns right after planning and the copy
     to host memory runs in the background; the loop calls ``wait_staged()`` before
     ``optimizer.step()``.
+
+    Args:
+        root_url: where the checkpoints go (``<root>/step_<10-digit step>``).
+        interval: save when the step is a multiple of this (``save(..., force=True)`` saves anyway).
+        keep_last: how many of the most recent committed checkpoints retention keeps.
+        keep_every: also keep every step that is a multiple of this (None: none).
+        async_save: save with :func:`zarrckpt.async_save` (default) or synchronously.
+        storage_options, process_group: as for :func:`zarrckpt.save`.
+        delete_workers: threads deleting old checkpoints (rank 0).
+        grace_seconds: see above.
+        staging: ``"caller"`` or ``"background"``, as for :func:`zarrckpt.async_save`.
+
+    Raises:
+        ZarrckptError: ``interval``, ``keep_last`` or ``keep_every`` below 1.
     """
 
     def __init__(
         self,
-        root_url: str,
+        root_url: URL,
         *,
         interval: int,
         keep_last: int,
         keep_every: int | None = None,
         async_save: bool = True,
         storage_options: dict[str, Any] | None = None,
-        process_group: Any = None,
+        process_group: ProcessGroup | None = None,
         delete_workers: int = 8,
         grace_seconds: float = DEFAULT_GRACE_SECONDS,
         staging: Staging = "caller",
@@ -85,14 +103,14 @@ class CheckpointManager:
         if step < 0 or (not force and step % self.interval):
             return None
         url = self.url(step)
-        options = {"storage_options": self.storage_options, "process_group": self.process_group, "overwrite": False}
+        opts, group = self.storage_options, self.process_group
         future: Future[None]
         if self.use_async:
-            future = async_save(state_dict, url, staging=self.staging, **options)
+            future = async_save(state_dict, url, storage_options=opts, process_group=group, staging=self.staging)
             future.add_done_callback(partial(self._log_failure, step))
         else:
             try:
-                save(state_dict, url, **options)
+                save(state_dict, url, storage_options=opts, process_group=group)
             except Exception as e:
                 raise self._failure(step, e) from e
             future = Future()
@@ -161,9 +179,10 @@ class CheckpointManager:
 
         Every rank calls it; rank 0 decides which step, so all ranks load the same one.
         """
-        step = Group(self.process_group).all_gather_json(self.latest() if self.rank == 0 else None)[0]
-        if step is None:
+        chosen = Group(self.process_group).all_gather_json(self.latest() if self.rank == 0 else None)[0]
+        if chosen is None:
             return None
+        step = int(chosen)
         load(
             state_dict, self.url(step), storage_options=self.storage_options, process_group=self.process_group, **kwargs
         )

@@ -40,9 +40,6 @@ class ZarrSavePlan:
         return metadata_docs(list(self.arrays.values()), rank, self.world_size)
 
 
-SavePlan = ZarrSavePlan  # the old name, until zarrckpt.asyncsave imports the new one (issue 14)
-
-
 def metadata_docs(arrays: list[ArrayMeta], rank: int = 0, world_size: int = 1) -> list[tuple[str, bytes]]:
     """Rank ``rank``'s round-robin share of the group and array ``zarr.json`` documents of ``arrays``."""
     nodes = [(p, None) for p in group_paths(arrays)] + [(a.path, a) for a in arrays]
