@@ -117,3 +117,21 @@ def test_object_store_round_trip_4_to_3(backend: str, request: pytest.FixtureReq
     url, opts = request.getfixturevalue(f"{backend}_url")
     spawn(4, _save_mixed, url, opts)
     spawn(3, _load_mixed, url, opts, 4)
+
+
+def _load_expecting(rank: int, world: int, url: str, kind: str, match: str) -> None:
+    error = getattr(zarrckpt, kind)
+    try:
+        zarrckpt.load({"w": torch.zeros(4)}, url)
+    except error as e:  # the same type on every rank, though only rank 0 read the manifest
+        assert match in str(e), (rank, str(e))
+    else:
+        raise AssertionError(f"rank {rank}: no {kind}")
+
+
+@pytest.mark.slow
+def test_a_missing_or_uncommitted_checkpoint_raises_the_same_error_on_every_rank(tmp_path: Path) -> None:
+    spawn(3, _load_expecting, str(tmp_path / "nothing"), "CheckpointNotFoundError", "nothing is stored there")
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / ".zarrckpt-pending.json").write_text("{}")
+    spawn(3, _load_expecting, str(tmp_path / "half"), "IncompleteCheckpointError", "never committed")

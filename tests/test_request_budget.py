@@ -173,3 +173,23 @@ def test_prefix_rule() -> None:
     assert not S3Request("GET", "/b", {"prefix": ["run-1/"]}, None, 200, 10, 0).touches("b/run")
     delete = S3Request("POST", "/b", {"delete": [""]}, None, 200, 10, 99)
     assert not delete.touches("b/run") and delete.touches("b")
+
+
+def _load_experts(rank: int, world: int, url: str, opts: dict[str, Any]) -> None:
+    per = EXPERTS // world
+    lo = rank * per
+    target = zarrckpt.LocalShard(torch.zeros(per, ROWS, COLS), (EXPERTS, ROWS, COLS), (lo, 0, 0))
+    zarrckpt.load({"model": {"experts": {"w1": target}}}, url, storage_options=opts)
+    assert torch.equal(target.data, _expert_block(lo, lo + per))
+
+
+def test_a_load_reads_the_manifest_once_per_job(
+    experts_url: tuple[str, dict[str, Any]], s3_requests: RequestLog
+) -> None:
+    """4 ranks load: rank 0 reads the manifest and hands its bytes to the others (one GET, not 4),
+    and makes the end-of-load check (one more), whatever the world size."""
+    url, opts = experts_url
+    s3_requests.clear()
+    spawn(4, _load_experts, url, opts)
+    manifest = [r for r in s3_requests.requests() if r.path == f"/{url[5:]}/zarr.json"]
+    assert [(r.kind, r.range) for r in manifest] == [("GET", "bytes=0-"), ("GET", "bytes=0-")]

@@ -16,7 +16,7 @@ from . import commit as protocol
 from . import dtypes, integrity, replicas, stateful, values
 from .dist import Group
 from .errors import LayoutMismatchError, ZarrckptError
-from .format import ArrayMeta, Manifest
+from .format import MANIFEST, ArrayMeta, Manifest
 from .keys import Path, flat_key, iter_leaves, nest, set_leaf
 from .layout import Box
 from .localstate import BYTES_TYPES, LocalShard, collect, tensor_box
@@ -166,7 +166,9 @@ def load(
     """
     group = Group(process_group)
     storage = Storage(url, storage_options)
-    manifest = group.run_together(lambda: protocol.read_manifest(storage), "opening the checkpoint")
+    # one GET per job: rank 0 reads the manifest, every rank parses the same bytes
+    raw = group.on_rank0(lambda: protocol.read_manifest_bytes(storage), "opening the checkpoint")
+    manifest = group.run_together(lambda: Manifest.loads(raw, storage.where(MANIFEST)), "opening the checkpoint")
     manifest = manifest.as_is() if allow_modified else manifest
     state_dict, after_load = stateful.resolve(state_dict)
     start = time.perf_counter()
@@ -215,15 +217,25 @@ def load(
     try:
         nbytes = group.run_together(lambda: read_regions(storage, requests, any_layout=allow_modified), "reading")
     except ZarrckptError:
-        protocol.check_unchanged(storage, manifest.save_id)  # an overwrite explains it better
+        _check_unchanged(group, storage, manifest.save_id)  # an overwrite explains it better
         raise
-    protocol.check_unchanged(storage, manifest.save_id)
+    _check_unchanged(group, storage, manifest.save_id)
     for fn in finish:
         fn()
     for key, value in (plain | nested).items():
         set_leaf(state_dict, leaves[key][0], value)
     after_load()
     log.info("loaded %s: this rank read %.1f MB in %.2fs", storage.url, nbytes / 1e6, time.perf_counter() - start)
+
+
+def _check_unchanged(group: Group, storage: Storage, save_id: str) -> None:
+    """The end-of-load check (the manifest is still this save's), by rank 0 for every rank."""
+
+    def check() -> bytes:
+        protocol.check_unchanged(storage, save_id)
+        return b""
+
+    group.on_rank0(check, "checking that the checkpoint is unchanged")
 
 
 def _selected(key: str, patterns: Sequence[str]) -> bool:

@@ -35,8 +35,13 @@ COMMITTED, INCOMPLETE, DELETING_STATE = "committed", "incomplete", "deleting"
 
 def read_manifest(storage: Storage) -> Manifest:
     """The committed manifest, or a clear error saying why there is none."""
+    return Manifest.loads(read_manifest_bytes(storage), storage.where(MANIFEST))
+
+
+def read_manifest_bytes(storage: Storage) -> bytes:
+    """The committed manifest's bytes (unparsed), or a clear error saying why there is none."""
     try:
-        raw = storage.read(MANIFEST, 0)  # an open range: s3fs skips its HEAD for the size
+        return storage.read(MANIFEST, 0)  # an open range: s3fs skips its HEAD for the size
     except FileNotFoundError:
         if storage.is_empty():
             raise CheckpointNotFoundError(f"no checkpoint at {storage.url!r}: nothing is stored there") from None
@@ -49,7 +54,6 @@ def read_manifest(storage: Storage) -> Manifest:
             f"{storage.url!r} holds a checkpoint that was never committed (no {MANIFEST} manifest): its save "
             "failed or is still running. Load an earlier checkpoint, or save again with overwrite=True."
         ) from None
-    return Manifest.loads(raw, storage.where(MANIFEST))
 
 
 def prepare(storage: Storage, overwrite: bool) -> str:

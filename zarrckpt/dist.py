@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 import torch.distributed as torch_dist
 
+from . import errors
 from .errors import ZarrckptError
 from .gcpause import gc_paused
 
@@ -66,6 +67,40 @@ class Group:
         with gc_paused():
             return [json.loads(bytes(b[:n].cpu().numpy())) for b, n in zip(bufs, lengths, strict=True)]
 
+    def broadcast_bytes(self, data: bytes) -> bytes:
+        """Rank 0's ``data`` on every rank (what the others pass is ignored)."""
+        if not self.active:
+            return data
+        root = torch_dist.get_global_rank(self.pg, 0) if self.pg is not None else 0
+        length = torch.tensor([len(data) if self.rank == 0 else 0], dtype=torch.int64, device=self.device)
+        torch_dist.broadcast(length, root, group=self.pg)
+        buf = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
+        if self.rank == 0 and data:
+            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        torch_dist.broadcast(buf, root, group=self.pg)
+        return bytes(buf.cpu().numpy())
+
+    def on_rank0(self, fn: Callable[[], bytes], what: str) -> bytes:
+        """Run ``fn`` on rank 0 only and hand its result to every rank; if it fails, every rank
+        raises an error of the same zarrckpt type (the others with the message of rank 0's)."""
+        if not self.active:
+            return fn()
+        result, error = b"", None
+        if self.rank == 0:
+            try:
+                result = fn()
+            except Exception as e:
+                error = e
+        status = json.loads(self.broadcast_bytes(json.dumps(_describe(error)).encode()))
+        if error is not None:
+            raise error
+        if status is not None:
+            kind = getattr(errors, status[0], None)
+            if isinstance(kind, type) and issubclass(kind, ZarrckptError):
+                raise kind(status[1])
+            raise ZarrckptError(f"{what} failed on rank 0: {status[0]}: {status[1]}")
+        return self.broadcast_bytes(result)
+
     def barrier(self) -> None:
         if self.active:
             torch_dist.barrier(group=self.pg)
@@ -89,6 +124,10 @@ class Group:
             rank, msg = failed[0]
             raise ZarrckptError(f"{what} failed on rank {rank}: {msg}")
         return result  # type: ignore[return-value]
+
+
+def _describe(error: BaseException | None) -> list[str] | None:
+    return None if error is None else [type(error).__name__, str(error)]
 
 
 def side_group(process_group: ProcessGroup | None = None) -> Group:
