@@ -57,7 +57,13 @@ def test_report_renders_every_section(tmp_path):
     libs = ["zarrckpt", "dcp", "tensorstore", "raw", "raw8"]
     meas = {"s": 1.0, "call_s": 0.1, "rss_peak": 2**30, "rss_extra": 2**20, "rchar": 1.05e9, "read_bytes": 0.0}
     run: dict = {f"{op}/{lib}": dict(meas) for op in ops for lib in libs}
-    run |= {f"{op}/{lib}": {"blocked": 0.05, "total": 1.2} for op in ("async_first", "async_repeat") for lib in libs}
+    async_libs = [*libs, "zarrckpt-background"]  # async_save(..., staging="background")
+    run |= {
+        f"{op}/{lib}": {"blocked": 0.05, "staged": 0.3, "total": 1.2}
+        for op in ("async_first", "async_repeat")
+        for lib in async_libs
+    }
+    run |= {f"{op}/zarrckpt-background": dict(meas) for op in ("async_first_call", "async_repeat_call")}
     hits = {"requests": 10, "bytes_in": 10**9, "bytes_out": 10**9}
     run |= {f"{op}/{lib}/s3": hits for op in ("s3_save", "s3_reshard") for lib in ("zarrckpt", "dcp")}
     run["files"] = {"zarrckpt": (334, 10**9, 10**9)}

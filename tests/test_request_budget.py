@@ -193,3 +193,51 @@ def test_a_load_reads_the_manifest_once_per_job(
     spawn(4, _load_experts, url, opts)
     manifest = [r for r in s3_requests.requests() if r.path == f"/{url[5:]}/zarr.json"]
     assert [(r.kind, r.range) for r in manifest] == [("GET", "bytes=0-"), ("GET", "bytes=0-")]
+
+
+def _rows_target(lo: int, hi: int) -> dict[str, Any]:
+    return {"w": zarrckpt.LocalShard(torch.zeros(hi - lo, 1024), (512, 1024), (lo, 0))}
+
+
+def test_chunks_are_read_without_the_shard_index(s3_url: tuple[str, dict[str, Any]], s3_requests: RequestLog) -> None:
+    """A 2 MiB shard of 8 inner chunks (64 rows each); rows 100:300 need chunks 1-4: one ranged GET,
+    no index GET (each chunk is checked against the crc32c the commit recorded for it)."""
+    url, opts = s3_url
+    full = torch.arange(512 * 1024, dtype=torch.float32).reshape(512, 1024)
+    zarrckpt.save({"w": full}, url, storage_options=opts, chunk_bytes=256 * 1024)
+    s3_requests.clear()
+    target = _rows_target(100, 300)
+    zarrckpt.load(target, url, storage_options=opts)
+    assert torch.equal(target["w"].data, full[100:300])
+    chunk = 64 * 1024 * 4 + 4
+    start = 16 * 8 + 4 + chunk  # chunk 1, right after the index and chunk 0
+    shard = [(r.kind, r.range) for r in s3_requests.requests() if r.path.endswith("/w/c/0/0")]
+    assert shard == [("GET", f"bytes={start}-{start + 4 * chunk - 1}")]
+
+
+def test_a_rewritten_layout_is_explained_by_the_index(
+    s3_url: tuple[str, dict[str, Any]], s3_requests: RequestLog
+) -> None:
+    """Another writer put the same chunks in reverse order: the index-less read fails its checksum,
+    the reader then fetches the index and reports the rewrite (not "corrupted")."""
+    import struct
+
+    import crc32c
+
+    url, opts = s3_url
+    full = torch.arange(512 * 1024, dtype=torch.float32).reshape(512, 1024)
+    zarrckpt.save({"w": full}, url, storage_options=opts, chunk_bytes=256 * 1024)
+    rows = [full[64 * k : 64 * (k + 1)].numpy().tobytes() for k in range(8)]
+    head = 16 * 8 + 4
+    entries, body = [], b""
+    for k in reversed(range(8)):
+        entries.append((k, head + len(body), len(rows[k]) + 4))
+        body += rows[k] + struct.pack("<I", crc32c.crc32c(rows[k]))
+    index = b"".join(struct.pack("<QQ", o, n) for _, o, n in sorted(entries))
+    fs, root = fsspec.core.url_to_fs(url, **opts)
+    fs.pipe_file(f"{root}/w/c/0/0", index + struct.pack("<I", crc32c.crc32c(index)) + body)
+    with pytest.raises(zarrckpt.ModifiedCheckpointError, match="not laid out as zarrckpt wrote it"):
+        zarrckpt.load(_rows_target(100, 300), url, storage_options=opts)
+    target = _rows_target(100, 300)
+    zarrckpt.load(target, url, storage_options=opts, allow_modified=True)
+    assert torch.equal(target["w"].data, full[100:300])

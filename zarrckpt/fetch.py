@@ -8,7 +8,10 @@ storage does well (:class:`~zarrckpt.storecaps.ReadCaps`) shapes the plan:
   needed, or when it is small (the extra bytes cost less than a request), and it fits one request;
 - otherwise the index, then one ranged read per run of adjacent needed chunks (at most
   MAX_REQUEST_BYTES each); on local files a run whose chunks each go whole into one destination
-  is read straight into those destinations (one vectored read).
+  is read straight into those destinations (one vectored read). On object stores, when the
+  manifest has a commit record (every chunk's crc32c), the index GET is left out: each chunk is
+  checked against its committed crc32c, and the reader fetches the index only to explain a chunk
+  that fails (a shard another tool rewrote).
 
 With ``partial=True`` (lazy views), an inner chunk of which only a small part is needed is not
 read whole: only the byte ranges holding that part are (chunks are uncompressed C-order
@@ -16,8 +19,8 @@ elements, see :mod:`zarrckpt.partial`), ranges at most RANGE_MERGE_GAP apart in 
 index folded into the first read when it is that close. Such a piece cannot be checked against
 the chunk's crc32c (it covers the whole chunk); the index is still verified.
 
-Every plan starts with a fetch holding the shard index, which the reader verifies before it
-uses any chunk; every chunk read whole has its crc32c checked.
+Every plan but those just described starts with a fetch holding the shard index, which the
+reader verifies before it uses any chunk; every chunk read whole has its crc32c checked.
 """
 
 from __future__ import annotations
@@ -160,7 +163,10 @@ def plan_shard(task: ShardTask, caps: ReadCaps, partial: bool = False) -> ShardR
     needed = sorted(task.needs)
     if caps.per_request_cost and reads_whole(layout, needed):
         return ShardRead(task, layout, (Fetch(0, None, index=True, chunks=tuple(needed)),))
-    fetches = [Fetch(0, layout.index_nbytes, index=True)]
+    # object stores, with the commit record: each chunk read whole is checked against the crc32c
+    # committed for it, which the index cannot add to; the index is read only to explain a failure
+    skip_index = caps.per_request_cost and bool(task.meta.committed_crc32c)
+    fetches = [] if skip_index else [Fetch(0, layout.index_nbytes, index=True)]
     for run in _runs(needed, layout):
         start = layout.offset(run[0])
         assert start is not None

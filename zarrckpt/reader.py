@@ -1,9 +1,10 @@
 """Run read plans (:mod:`zarrckpt.fetch`): fetch byte ranges of shard objects, verify, copy into place.
 
-Every plan's first fetch holds the shard index: its crc32c and every entry the plan uses are
-checked against zarrckpt's layout before any chunk is used. Every chunk read whole has its
+When a plan fetches the shard index (always first), its crc32c and every entry the plan uses
+are checked against zarrckpt's layout before any chunk is used. Every chunk read whole has its
 crc32c checked, and, when the manifest has a commit record, compared with the committed one
-(:mod:`zarrckpt.integrity`). Pieces of partly read chunks (lazy views) cannot be checked.
+(:mod:`zarrckpt.integrity`); a chunk read without the index that fails is explained by fetching
+the index then. Pieces of partly read chunks (lazy views) cannot be checked.
 
 ``any_layout`` (``allow_modified``) reads shards another Zarr writer laid out: the index first,
 then the chunks where it says (:func:`_read_any`), so that read cannot be planned ahead.
@@ -96,6 +97,8 @@ def run(storage: Storage, read: ShardRead) -> int:
         with storage.reading(path, fetch.start, fetch.end) as blob:
             fetched += len(blob)
             if fetch.end is not None and len(blob) < fetch.end - fetch.start:
+                if not any(f.index for f in read.fetches) and fetch.chunks:
+                    _explain(storage, read, fetch.chunks[0])
                 raise CorruptChunkError(
                     f"shard object {storage.where(path)} of {task.meta.key!r} is truncated "
                     f"({fetch.start + len(blob)} bytes, needed {fetch.end})",
@@ -110,13 +113,27 @@ def run(storage: Storage, read: ShardRead) -> int:
                     _check_entry(index[k], layout, task.meta, path, k)
             for k in fetch.chunks:
                 at = _offset(layout, k) - fetch.start
-                _copy_chunk(task, k, blob[at : at + layout.chunk_nbytes], path)
+                try:
+                    _copy_chunk(task, k, blob[at : at + layout.chunk_nbytes], path)
+                except CorruptChunkError:
+                    if not any(f.index for f in read.fetches):  # read by the commit record alone
+                        _explain(storage, read, k)
+                    raise
             for k, lo, hi in fetch.pieces:
                 first, buf = scratch[k]
                 at = _offset(layout, k) + lo - fetch.start
                 buf[lo - first : hi - first] = np.frombuffer(blob[at : at + hi - lo], dtype=np.uint8)
     _scatter_pieces(task, scratch)
     return fetched
+
+
+def _explain(storage: Storage, read: ShardRead, k: int) -> None:
+    """A chunk read without its shard's index failed: raise ModifiedCheckpointError if the index
+    (now fetched) shows another writer's layout; else return, and the chunk's own error stands."""
+    task, layout = read.task, read.layout
+    with storage.reading(task.path, 0, layout.index_nbytes) as raw:
+        index = decode_index(bytes(raw), layout.n_chunks, storage.where(task.path), task.meta.key)
+    _check_entry(index[k], layout, task.meta, task.path, k)
 
 
 def _offset(layout: ShardLayout, k: int) -> int:
