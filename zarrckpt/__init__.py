@@ -31,13 +31,14 @@ from .errors import (
 if TYPE_CHECKING:
     from .api import load, save
     from .asyncsave import AsyncSave, StagingStats, async_save
-    from .checkpoint import Checkpoint, TensorView, open
+    from .checkpoint import Checkpoint, open
     from .dcp import ZarrReader, ZarrWriter
     from .export import export_safetensors
     from .importer import import_checkpoint
     from .lifecycle import collect_garbage, delete, list_checkpoints
     from .localstate import LocalShard
     from .manager import CheckpointManager
+    from .tensorview import TensorView
     from .zarr_dtypes import register_zarr_dtypes as register_zarr_dtypes
 
 _LAZY = {
@@ -47,7 +48,7 @@ _LAZY = {
     "AsyncSave": "asyncsave",
     "StagingStats": "asyncsave",
     "Checkpoint": "checkpoint",
-    "TensorView": "checkpoint",
+    "TensorView": "tensorview",
     "open": "checkpoint",
     "ZarrReader": "dcp",
     "ZarrWriter": "dcp",

@@ -15,21 +15,19 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from . import commit as protocol
-from . import dtypes, integrity, values
-from .display import Progress, VerifySummary, checkpoint_html, tensor_html
+from . import integrity, values
+from .display import Progress, VerifySummary, checkpoint_html
 from .errors import InvalidCheckpointError, KeyNotFoundError, ModifiedCheckpointError, ZarrckptError
 from .format import ArrayMeta, Manifest
 from .keys import nest
-from .layout import Box
-from .reader import Request, read_regions, verify_array
+from .reader import verify_array
 from .storage import Storage
-from .types import URL, Role
+from .tensorview import TensorView
+from .types import URL
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 
 def open(
@@ -253,167 +251,3 @@ class Checkpoint:
     def __repr__(self) -> str:
         total = sum(m.nbytes for m in self.manifest.arrays.values())
         return f"<zarrckpt.Checkpoint {self.storage.url!r}: {len(self)} tensors, {total / 1e6:.1f} MB>"
-
-
-@dataclass(frozen=True)
-class TensorView:
-    """A stored tensor, read lazily: ``view[5, :4]`` reads only the chunks that index touches.
-
-    Got from a :class:`Checkpoint` (``ckpt["model.fc.weight"]``). Indexing (``view[...]``),
-    :meth:`read` and :meth:`numpy` read data; everything else comes from the manifest.
-
-    Attributes:
-        checkpoint: the checkpoint it is in.
-        meta: the array's stored metadata (shape, dtype, shard and chunk shapes, role, kind).
-    """
-
-    checkpoint: Checkpoint
-    meta: ArrayMeta
-
-    @property
-    def key(self) -> str:
-        """The tensor's key in the checkpoint."""
-        return self.meta.key
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The global shape, whatever sharding saved it."""
-        return self.meta.shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The stored dtype, as a torch dtype (imports torch)."""
-        return dtypes.torch_dtype(self.meta.dtype)
-
-    @property
-    def role(self) -> Role:
-        """What the tensor is for (model weight, optimizer moment, buffer, ...), inferred at save."""
-        return self.meta.role
-
-    @property
-    def nbytes(self) -> int:
-        """The size of the whole tensor in bytes."""
-        return self.meta.nbytes
-
-    @property
-    def path(self) -> str:
-        """Where the array is stored (its URL), for other Zarr readers."""
-        return self.checkpoint.storage.where(self.meta.path)
-
-    def __repr__(self) -> str:
-        return f"<TensorView {self.key!r} {list(self.shape)} {self.meta.dtype} role={self.role}>"
-
-    def _repr_html_(self) -> str:
-        return tensor_html(self)
-
-    def __getitem__(self, index: Any) -> torch.Tensor:
-        """Read the indexed part, fetching only the inner chunks it touches.
-
-        Args:
-            index: an int (negative too), a slice (with steps), ``...``, or a tuple of them, as
-                for a tensor of :attr:`shape`.
-
-        Returns:
-            A new CPU tensor of :attr:`dtype` (ints drop their dimension, as in torch).
-
-        Raises:
-            ZarrckptError: the index is not of ints, slices and one ``...``, has too many
-                entries, or an int is out of range.
-            CorruptChunkError: a shard object is missing or truncated, or a chunk fails its checksum.
-            ModifiedCheckpointError: the tensor was changed after commit (and the checkpoint was not
-                opened with ``allow_modified=True``).
-            IncompleteCheckpointError: the checkpoint was overwritten or deleted while being read.
-            StorageError: the storage failed a request beyond its retries.
-        """
-        import torch
-
-        out = torch.from_numpy(self._raw(index))
-        return out.view(self.dtype) if out.dtype != self.dtype else out
-
-    def read(self) -> torch.Tensor:
-        """Read the whole tensor: ``view[...]``.
-
-        Returns:
-            A new CPU tensor of :attr:`shape` and :attr:`dtype`.
-
-        Raises:
-            CorruptChunkError, ModifiedCheckpointError, IncompleteCheckpointError, StorageError:
-                as for indexing.
-        """
-        return self[...]
-
-    def numpy(self, index: Any = Ellipsis) -> np.ndarray:
-        """Read the indexed part (all of it by default) as numpy, without torch.
-
-        Args:
-            index: as for indexing the view; ``...`` (the default) reads the whole tensor.
-
-        Returns:
-            A new C-contiguous array; bfloat16 / float8 as ``ml_dtypes`` types, bit-exact.
-
-        Raises:
-            ZarrckptError, CorruptChunkError, ModifiedCheckpointError, IncompleteCheckpointError,
-                StorageError: as for indexing.
-        """
-
-        raw = self._raw(index)
-        values = dtypes.value_dtype(self.meta.dtype)
-        return raw.view(values) if raw.dtype != values else raw
-
-    def _raw(self, index: Any) -> np.ndarray:
-        box, local = _plan_index(index, self.shape)
-        buf = np.empty(box.sizes, dtype=dtypes.storage_dtype(self.meta.dtype))
-        if box.volume:
-            ckpt = self.checkpoint
-            integrity.refuse_modified(ckpt.manifest.modified, [self.key], ckpt.storage.url)
-            try:
-                read_regions(
-                    ckpt.storage,
-                    [Request(self.meta, box, buf)],
-                    partial=ckpt.partial_reads,
-                    any_layout=ckpt.allow_modified,
-                )
-            except ZarrckptError:
-                protocol.check_unchanged(ckpt.storage, ckpt.manifest.save_id)  # an overwrite explains it better
-                raise
-        return np.array(buf[local])  # a C-contiguous copy; 0-d stays 0-d
-
-
-def _plan_index(index: Any, shape: tuple[int, ...]) -> tuple[Box, tuple[Any, ...]]:
-    """The bounding box an index reads, and how to index that box to get the result."""
-    items = list(index) if isinstance(index, tuple) else [index]
-    if sum(i is Ellipsis for i in items) > 1:
-        raise ZarrckptError("an index can hold at most one '...'")
-    if Ellipsis in items:
-        at = items.index(Ellipsis)
-        items[at : at + 1] = [slice(None)] * (len(shape) - len(items) + 1)
-    if len(items) > len(shape):
-        raise ZarrckptError(f"too many indices ({len(items)}) for a tensor of shape {list(shape)}")
-    items += [slice(None)] * (len(shape) - len(items))
-    lo: list[int] = []
-    size: list[int] = []
-    local: list[Any] = []
-    for d, (item, n) in enumerate(zip(items, shape, strict=True)):
-        if isinstance(item, (int, np.integer)) and not isinstance(item, bool):
-            i = int(item) + n if item < 0 else int(item)
-            if not 0 <= i < n:
-                raise ZarrckptError(f"index {item} is out of range for dimension {d} of size {n}")
-            lo.append(i)
-            size.append(1)
-            local.append(0)
-        elif isinstance(item, slice):
-            r = range(*item.indices(n))
-            if len(r) == 0:
-                lo.append(0)
-                size.append(0)
-                local.append(slice(0, 0))
-                continue
-            first, last = min(r[0], r[-1]), max(r[0], r[-1])
-            lo.append(first)
-            size.append(last - first + 1)
-            start = r[0] - first
-            stop = start + len(r) * r.step
-            local.append(slice(start, stop if stop >= 0 else None, r.step))
-        else:
-            raise ZarrckptError(f"unsupported index {item!r} for dimension {d}: use ints, slices and '...'")
-    return Box(tuple(lo), tuple(size)), tuple(local)

@@ -17,7 +17,8 @@ from .layout import grid_shape
 from .shard import chunks_per_shard
 
 if TYPE_CHECKING:
-    from .checkpoint import Checkpoint, TensorView
+    from .checkpoint import Checkpoint
+    from .tensorview import TensorView
 
 MAX_ROWS = 50  # tensors listed in a checkpoint's HTML table
 MAX_METADATA_CHARS = 4000

@@ -29,11 +29,12 @@ import torch
 
 from . import commit as protocol
 from . import dtypes
-from .checkpoint import Checkpoint, TensorView
+from .checkpoint import Checkpoint
 from .checkpoint import open as open_checkpoint
 from .display import Progress
 from .errors import UnsupportedValueError, ZarrckptError
 from .keys import ROLES
+from .tensorview import TensorView
 from .types import URL, Role
 
 __all__ = [
