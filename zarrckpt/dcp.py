@@ -49,7 +49,7 @@ from .plan import DEFAULT_CHUNK_BYTES, build_save_plan, metadata_docs
 from .reader import Request, allocate, read_regions
 from .storage import Storage
 from .types import URL, ArrayKind
-from .writer import write_metadata, write_rank
+from .writer import committed_manifest, write_metadata, write_rank
 
 
 def _done(value: Any) -> Future[Any]:
@@ -196,15 +196,8 @@ class ZarrWriter(StorageWriter):
         if metadata.planner_data is not None:
             dcp["planner_data"] = values.encode(metadata.planner_data, "Metadata.planner_data", self.allow_pickle)
         write_metadata(self.storage, metadata_docs(list(arrays.values())))  # after every rank's shards
-        manifest = Manifest(
-            self._save_id,
-            dict(sorted(arrays.items())),
-            dict(sorted(values_.items())),
-            len(results),
-            protocol.now(),
-            library_name() + " (dcp)",
-            dcp,
-            integrity.records(arrays, crcs),
+        manifest = committed_manifest(
+            self._save_id, arrays, values_, len(results), crcs, library=library_name() + " (dcp)", dcp=dcp
         )
         protocol.commit(self.storage, manifest)
 

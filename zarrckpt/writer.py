@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from . import commit as protocol
@@ -73,13 +73,34 @@ def commit_save(storage: Storage, group: Group, plan: ZarrSavePlan, save_id: str
 
     def commit() -> None:
         if group.rank == 0:
-            record = integrity.records(plan.arrays, views)
-            manifest = Manifest(
-                save_id, plan.arrays, plan.values, plan.world_size, protocol.now(), library_name(), integrity=record
-            )
-            protocol.commit(storage, manifest)
+            protocol.commit(storage, committed_manifest(save_id, plan.arrays, plan.values, plan.world_size, views))
 
     group.run_together(commit, "committing")
+
+
+def committed_manifest(
+    save_id: str,
+    arrays: Mapping[str, ArrayMeta],
+    values: Mapping[str, Any],
+    world_size: int,
+    written: Sequence[Mapping[str, Mapping[str, str]]],
+    *,
+    library: str | None = None,
+    dcp: dict[str, Any] | None = None,
+) -> Manifest:
+    """The manifest a commit writes (every save path builds it here): arrays and values in key
+    order, the commit time, the writing library, and the record of every chunk ``written`` (each
+    writer's :func:`zarrckpt.integrity.to_json`); raises when some shard was written by no one."""
+    return Manifest(
+        save_id,
+        dict(sorted(arrays.items())),
+        dict(sorted(values.items())),
+        world_size,
+        protocol.now(),
+        library or library_name(),
+        dcp or {},
+        integrity.records(arrays, written),
+    )
 
 
 def _put(storage: Storage, path: str, parts: list[bytes] | list[Any]) -> int:
