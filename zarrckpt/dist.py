@@ -38,34 +38,35 @@ class Group:
 
     def all_gather_json(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (JSON-serialisable), in rank order."""
-        raw = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+        raw = _encode(obj)
         if not self.active:
             return [json.loads(raw)]
         length = torch.tensor([len(raw)], dtype=torch.int64, device=self.device)
-        lengths = [torch.zeros_like(length) for _ in range(self.size)]
-        torch_dist.all_gather(lengths, length, group=self.pg)
-        longest = int(max(int(n.item()) for n in lengths))
-        buf = torch.zeros(longest, dtype=torch.uint8, device=self.device)
-        buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else buf[:0]
+        sizes = [torch.zeros_like(length) for _ in range(self.size)]
+        torch_dist.all_gather(sizes, length, group=self.pg)
+        lengths = [int(n.item()) for n in sizes]
+        buf = self._padded(raw, max(lengths))
         bufs = [torch.empty_like(buf) for _ in range(self.size)]
         torch_dist.all_gather(bufs, buf, group=self.pg)
-        with gc_paused():
-            return [json.loads(bytes(b[: int(n.item())].cpu().numpy())) for b, n in zip(bufs, lengths, strict=True)]
+        return _decode(bufs, lengths)
 
     def gather_json(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (JSON-serialisable) in rank order on rank 0; ``[]`` on the others."""
         if not self.active:
             return self.all_gather_json(obj)
-        raw = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+        raw = _encode(obj)
         lengths = [int(n) for n in self.all_gather_json(len(raw))]
-        buf = torch.zeros(max(lengths), dtype=torch.uint8, device=self.device)
-        buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else buf[:0]
+        buf = self._padded(raw, max(lengths))
         bufs = [torch.empty_like(buf) for _ in range(self.size)] if self.rank == 0 else None
         torch_dist.gather(buf, bufs, group=self.pg, group_dst=0)
-        if bufs is None:
-            return []
-        with gc_paused():
-            return [json.loads(bytes(b[:n].cpu().numpy())) for b, n in zip(bufs, lengths, strict=True)]
+        return [] if bufs is None else _decode(bufs, lengths)
+
+    def _padded(self, raw: bytes, size: int) -> torch.Tensor:
+        """``raw`` in a uint8 tensor of ``size`` bytes on this group's device (zero-padded)."""
+        buf = torch.zeros(size, dtype=torch.uint8, device=self.device)
+        if raw:
+            buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        return buf
 
     def broadcast_bytes(self, data: bytes) -> bytes:
         """Rank 0's ``data`` on every rank (what the others pass is ignored)."""
@@ -124,6 +125,15 @@ class Group:
             rank, msg = failed[0]
             raise ZarrckptError(f"{what} failed on rank {rank}: {msg}")
         return result  # type: ignore[return-value]
+
+
+def _encode(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _decode(bufs: list[torch.Tensor], lengths: list[int]) -> list[Any]:
+    with gc_paused():
+        return [json.loads(bytes(b[:n].cpu().numpy())) for b, n in zip(bufs, lengths, strict=True)]
 
 
 def _describe(error: BaseException | None) -> list[str] | None:

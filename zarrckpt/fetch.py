@@ -120,6 +120,11 @@ class ShardRead:
     def nbytes(self) -> int:
         return sum(f.nbytes(self.layout) for f in self.fetches)
 
+    @property
+    def reads_index(self) -> bool:
+        """Whether a fetch holds the shard index (else chunks are checked by the commit record alone)."""
+        return any(f.index for f in self.fetches)
+
 
 def plan_reads(requests: Sequence[Request]) -> list[ShardTask]:
     """Group the inner chunks the requests need by shard."""

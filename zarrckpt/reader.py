@@ -97,7 +97,7 @@ def run(storage: Storage, read: ShardRead) -> int:
         with storage.reading(path, fetch.start, fetch.end) as blob:
             fetched += len(blob)
             if fetch.end is not None and len(blob) < fetch.end - fetch.start:
-                if not any(f.index for f in read.fetches) and fetch.chunks:
+                if not read.reads_index and fetch.chunks:
                     _explain(storage, read, fetch.chunks[0])
                 raise CorruptChunkError(
                     f"shard object {storage.where(path)} of {task.meta.key!r} is truncated "
@@ -116,7 +116,7 @@ def run(storage: Storage, read: ShardRead) -> int:
                 try:
                     _copy_chunk(task, k, blob[at : at + layout.chunk_nbytes], path)
                 except CorruptChunkError:
-                    if not any(f.index for f in read.fetches):  # read by the commit record alone
+                    if not read.reads_index:
                         _explain(storage, read, k)
                     raise
             for k, lo, hi in fetch.pieces:
