@@ -230,3 +230,24 @@ def test_a_shard_no_rank_wrote_is_not_committed() -> None:
     both = integrity.to_json({"w": {1: b"\x02" * 8}})
     table = base64.b64decode(integrity.records({"w": meta}, [one, both])["w"]["chunk_crc32c"])
     assert table == b"\x01" * 8 + b"\x02" * 8
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda rec: rec.update(chunk_crc32c="not base64!"), "not base64"),
+        (lambda rec: rec.update(chunk_crc32c="AAAA"), "do not fit its shard and chunk grid"),
+        (lambda rec: rec.clear() or rec.update(x=1) or None, "is now"),
+    ],
+    ids=["not-base64", "wrong-length", "no-shape"],
+)
+def test_a_malformed_commit_record_is_refused_clearly(ckpt: Path, edit: Any, match: str) -> None:
+    """A record that cannot be the one zarrckpt wrote is an error, never a silently skipped check
+    (the attributes digest is recomputed, as a careful hand edit would)."""
+    doc = _manifest(ckpt)
+    info = doc["attributes"]["zarrckpt"]
+    edit(info["integrity"]["arrays"]["model/w"])
+    info["attributes_crc32c"] = integrity.attributes_digest(info)
+    (ckpt / "zarr.json").write_text(json.dumps(doc))
+    with pytest.raises(ZarrckptError, match=match):
+        zarrckpt.load(_target(), ckpt)
