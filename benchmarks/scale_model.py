@@ -48,7 +48,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # registers t
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 from zarrckpt import integrity
-from zarrckpt.api import target_box
+from zarrckpt.api import target_boxes
 from zarrckpt.dtypes import storage_dtype
 from zarrckpt.fetch import Request, plan_fetches
 from zarrckpt.format import ArrayMeta, Manifest, group_paths
@@ -56,6 +56,7 @@ from zarrckpt.keys import flat_key, iter_leaves
 from zarrckpt.layout import Box, Shape
 from zarrckpt.localstate import collect
 from zarrckpt.plan import ZarrSavePlan, build_save_plan
+from zarrckpt.rankdesc import RankDescription
 from zarrckpt.shard import ShardLayout, chunks_per_shard
 from zarrckpt.storecaps import OBJECT_STORE
 
@@ -229,7 +230,7 @@ def gather_descriptions(dims: Dims, layout: Layout) -> list[bytes]:
     raws = []
     for rank in range(layout.world):
         with fake_rank(rank, layout.world):
-            desc = collect(rank_state(dims, layout, rank)).describe()
+            desc = collect(rank_state(dims, layout, rank)).describe().to_json()
         raws.append(json.dumps(desc, separators=(",", ":"), allow_nan=False).encode())
     return raws
 
@@ -262,9 +263,9 @@ def measure(fn: Callable[[], Any], reps: int) -> tuple[Timing, Any]:
 # -- save: what every rank computes, and what it leads to -------------------------------------------------
 
 
-def decode(raws: Sequence[bytes]) -> list[Any]:
-    """What ``Group.all_gather_json`` does with the gathered buffers on every rank."""
-    return [json.loads(raw) for raw in raws]
+def decode(raws: Sequence[bytes]) -> list[RankDescription]:
+    """What every rank does with the gathered buffers (``Group.all_gather_json``, then ``writer.plan_save``)."""
+    return [RankDescription.from_json(json.loads(raw)) for raw in raws]
 
 
 def plan_on_rank(raws: Sequence[bytes], rank: int) -> tuple[ZarrSavePlan, int, int]:
@@ -376,8 +377,7 @@ def load_requests(state: dict[str, Any], manifest: Manifest) -> tuple[list[Reque
         keys.append(key)
         meta = manifest.arrays.get(key)
         if meta is not None:
-            box = target_box(meta, value)
-            requests.append(Request(meta, box, _nowhere(meta, box)))
+            requests += [Request(meta, box, _nowhere(meta, box)) for box in target_boxes(meta, value)]
     return requests, sorted(keys)
 
 
@@ -503,7 +503,6 @@ class Results:
     generate_s: float
     describe: Timing  # one rank's collect(state).describe(), JSON-encoded
     raws: list[int]  # description bytes per rank
-    legacy_raws: list[int]
     per_rank: Timing
     coordinator: Timing
     decode: Timing
@@ -511,7 +510,6 @@ class Results:
     own_share: Timing
     manifest_build: Timing
     manifest_parse: Timing
-    legacy_per_rank: Timing | None
     counts: SaveCounts
     loads: dict[str, LoadCounts]
     assumptions: Assumptions
@@ -607,10 +605,6 @@ def render(r: Results) -> str:
                 ["**one rank, all of the above**", f"**{r.per_rank}**"],
                 ["manifest (`Manifest(...).dumps()`)", r.manifest_build],
                 ["**coordinator (rank 0), all of the above**", f"**{r.coordinator}**"],
-                [
-                    "one rank, if every key were described in full (no `specs`; as `zarrckpt.dcp` builds them)",
-                    r.legacy_per_rank or "-",
-                ],
                 [f"(not planning) simulating the {w:,} ranks' state dicts and `describe()`", f"{r.generate_s:.0f} s"],
             ],
         ),
@@ -626,7 +620,6 @@ def render(r: Results) -> str:
                 ],
                 [f"all {w:,} (what each rank decodes)", _mb(sum(r.raws))],
                 ["received per rank (`all_gather` pads to the longest)", _mb(max(r.raws) * len(r.raws))],
-                ["before: one full description per tensor", _mb(sum(r.legacy_raws))],
             ],
         ),
         "",
@@ -734,8 +727,7 @@ def _summary(r: Results) -> list[str]:
         f"- Planning a save at {r.save.world:,} ranks: {r.per_rank.wall:.1f} s per rank ({r.per_rank.cpu:.1f} s CPU), "
         f"{r.coordinator.wall:.1f} s at the coordinator ({r.coordinator.cpu:.1f} s CPU) -- budget 10 s (before this "
         "issue's changes: 10.7-12.6 s).",
-        f"- Gathered descriptions: {_mb(sum(r.raws))} ({_mb(sum(r.legacy_raws))} before). Manifest: "
-        f"{_mb(c.manifest_bytes)} for {c.arrays:,} arrays.",
+        f"- Gathered descriptions: {_mb(sum(r.raws))}. Manifest: {_mb(c.manifest_bytes)} for {c.arrays:,} arrays.",
         f"- One checkpoint: {c.shard_objects:,} shard objects, {c.puts:,} PUTs, "
         f"{_gib(c.object_bytes + c.doc_bytes + c.manifest_bytes)} written = "
         f"{(c.object_bytes + c.doc_bytes + c.manifest_bytes) / (12 * r.dims.n_params):.5f} x 12P.",
@@ -801,15 +793,6 @@ def _prediction_table(r: Results) -> list[str]:
 # -- main -------------------------------------------------------------------------------------------------------
 
 
-def inline_specs(raw: bytes) -> bytes:
-    """A description with every tensor's spec written out in full (the format before ``specs``, which
-    ``zarrckpt.dcp`` still builds)."""
-    desc = json.loads(raw)
-    specs = desc.pop("specs")
-    desc["tensors"] = {k: specs[i] for k, i in desc["tensors"].items()}
-    return json.dumps(desc, separators=(",", ":"), allow_nan=False).encode()
-
-
 def run(dims: Dims, save: Layout, loads: dict[str, Layout], reps: int, profile: Path | None) -> Results:
     start = time.perf_counter()
     raws = gather_descriptions(dims, save)
@@ -817,7 +800,7 @@ def run(dims: Dims, save: Layout, loads: dict[str, Layout], reps: int, profile: 
     last = save.world - 1
     with fake_rank(last, save.world):
         state = rank_state(dims, save, last)
-        describe_t, _ = measure(lambda: json.dumps(collect(state).describe(), separators=(",", ":")), reps)
+        describe_t, _ = measure(lambda: json.dumps(collect(state).describe().to_json(), separators=(",", ":")), reps)
     per_rank, _ = measure(lambda: plan_on_rank(raws, last), reps)
     coordinator, _ = measure(lambda: manifest_of(plan_on_rank(raws, 0)[0]), reps)
     decode_t, descs = measure(lambda: decode(raws), reps)
@@ -825,8 +808,6 @@ def run(dims: Dims, save: Layout, loads: dict[str, Layout], reps: int, profile: 
     own_t, _ = measure(lambda: (plan.shards_of(last), plan.metadata_of(last)), reps)
     manifest_t, manifest = measure(lambda: manifest_of(plan), reps)
     parse_t, _ = measure(lambda: Manifest.loads(manifest, "scale model"), reps)
-    legacy = [inline_specs(raw) for raw in raws]
-    legacy_t, _ = measure(lambda: plan_on_rank(legacy, last), reps)
     if profile is not None:
         profile.mkdir(parents=True, exist_ok=True)
         prof = cProfile.Profile()
@@ -842,7 +823,6 @@ def run(dims: Dims, save: Layout, loads: dict[str, Layout], reps: int, profile: 
         generate_s=generate_s,
         describe=describe_t,
         raws=[len(x) for x in raws],
-        legacy_raws=[len(x) for x in legacy],
         per_rank=per_rank,
         coordinator=coordinator,
         decode=decode_t,
@@ -850,7 +830,6 @@ def run(dims: Dims, save: Layout, loads: dict[str, Layout], reps: int, profile: 
         own_share=own_t,
         manifest_build=manifest_t,
         manifest_parse=parse_t,
-        legacy_per_rank=legacy_t,
         counts=save_counts(plan, manifest),
         loads={name: plan_load(dims, lay, manifest, reps) for name, lay in loads.items()},
         assumptions=Assumptions(ranks_per_node=save.ranks_per_node),

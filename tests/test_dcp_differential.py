@@ -418,28 +418,7 @@ def test_dtensor_resharding(tmp_path: Path, save_world: int, load_world: int, tw
     spawn(load_world, _ranks_load, str(tmp_path), two_d, dtype)
 
 
-def _sharded_tensor(rank: int, world: int, root: str) -> None:
-    from torch.distributed._shard.sharded_tensor import Shard as STShard
-    from torch.distributed._shard.sharded_tensor import init_from_local_shards
-    from torch.distributed._shard.sharding_spec import ShardMetadata
-
-    shards = [  # 4 row blocks of an 8x3 tensor, 2 on each rank
-        STShard(
-            torch.full((2, 3), float(2 * rank + i)), ShardMetadata([2 * (2 * rank + i), 0], [2, 3], f"rank:{rank}/cpu")
-        )
-        for i in range(2)
-    ]
-    st = init_from_local_shards(shards, [8, 3])
-    with pytest.raises(BaseException, match=r"SaveLayoutError.*several chunks of one tensor"):  # DCP wraps it
-        dcp.save({"st": st}, storage_writer=zarrckpt.ZarrWriter(f"{root}/zarr"))
-    dist.barrier()
-
-
-@pytest.mark.slow
-def test_sharded_tensor_with_several_chunks_per_rank_is_refused_clearly(tmp_path: Path) -> None:
-    """Not yet supported (README): refused with a SaveLayoutError before anything is committed."""
-    spawn(2, _sharded_tensor, str(tmp_path))
-    assert not (tmp_path / "zarr" / "zarr.json").exists()
+# A ShardedTensor with several local shards per rank: tests/test_multipart.py.
 
 
 def _fsdp2(world: int, seed: int) -> tuple[Any, Any]:

@@ -13,18 +13,18 @@ import numpy as np
 import torch
 
 from . import commit as protocol
-from . import dtypes, integrity, replicas, stateful, values
+from . import dtypes, integrity, stateful, values
 from .dist import Group
 from .errors import LayoutMismatchError, ZarrckptError
 from .format import MANIFEST, ArrayMeta, Manifest
 from .keys import Path, flat_key, iter_leaves, nest, set_leaf
 from .layout import Box
-from .localstate import BYTES_TYPES, LocalShard, collect, tensor_box
-from .plan import DEFAULT_CHUNK_BYTES, build_save_plan
+from .localstate import BYTES_TYPES, collect, is_tensor_target, tensor_info, tensor_parts
+from .plan import DEFAULT_CHUNK_BYTES
 from .reader import Request, allocate, read_regions
 from .storage import Storage
 from .types import URL, ArrayKind
-from .writer import commit_save, write_rank
+from .writer import commit_save, plan_save, write_rank
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -87,13 +87,11 @@ def save(
     start = time.perf_counter()
     resolved, _ = stateful.resolve(state_dict)
     local = group.run_together(lambda: collect(resolved, allow_pickle), "collecting the state dict")
-    plan = build_save_plan(group.all_gather_json(local.describe()), chunk_bytes)
-    if check_replicas:
-        replicas.check(group, plan, local)
+    plan = plan_save(group, local, chunk_bytes, check_replicas)
     storage = Storage(url, storage_options)
     save_id = group.run_together(lambda: protocol.prepare(storage, overwrite) if group.rank == 0 else "", "preparing")
     written: integrity.Written = {}
-    nbytes = group.run_together(lambda: write_rank(storage, plan, local, group.rank, None, written), "writing shards")
+    nbytes = group.run_together(lambda: write_rank(storage, plan, local, group.rank, written), "writing shards")
     commit_save(storage, group, plan, save_id, written)
     log.info(
         "saved %s: %d tensors, this rank wrote %.1f MB in %.2fs",
@@ -287,25 +285,22 @@ def _compare(key: str, value: Any, manifest: Manifest, cast: bool = False) -> li
     """How a target leaf differs from what was saved under ``key`` (empty when it can be loaded)."""
     meta = manifest.arrays.get(key)
     if meta is None:  # saved as a plain value
-        if isinstance(value, (torch.Tensor, LocalShard, np.ndarray, *BYTES_TYPES)):
+        if is_tensor_target(value) or isinstance(value, (np.ndarray, *BYTES_TYPES)):
             return [f"{key}: saved a plain value, expected a {type(value).__name__}"]
         return []
     if meta.kind == ArrayKind.BYTES:
         return [] if isinstance(value, BYTES_TYPES) else [f"{key}: saved bytes, expected {type(value).__name__}"]
     if meta.kind == ArrayKind.NDARRAY and isinstance(value, np.ndarray):
         shape, dtype = tuple(value.shape), dtypes.zarr_name(torch.from_numpy(np.empty(0, value.dtype)).dtype)
-    elif isinstance(value, (torch.Tensor, LocalShard)):
-        _, global_shape, _, _ = tensor_box(value)
-        shape, dtype = (
-            global_shape,
-            dtypes.zarr_name(value.data.dtype if isinstance(value, LocalShard) else value.dtype),
-        )
+    elif is_tensor_target(value):
+        shape, torch_dtype = tensor_info(value)
+        dtype = dtypes.zarr_name(torch_dtype)
     else:
         return [f"{key}: saved a {meta.kind} {list(meta.shape)} {meta.dtype}, expected a {type(value).__name__}"]
     out = []
     if shape != meta.shape:
         out.append(f"{key}: shape {list(meta.shape)} saved vs {list(shape)} expected")
-    if dtype != meta.dtype and not (cast and isinstance(value, (torch.Tensor, LocalShard))):
+    if dtype != meta.dtype and not (cast and is_tensor_target(value)):
         out.append(f"{key}: dtype {meta.dtype} saved vs {dtype} expected (load(..., cast=True) converts)")
     return out
 
@@ -320,25 +315,24 @@ def _plan_targets(
         meta = manifest.arrays.get(key)
         if meta is None:
             continue
-        box = target_box(meta, value)
         if meta.kind == ArrayKind.BYTES:
             buf = allocate(meta)
-            requests.append(Request(meta, box, buf))
+            requests.append(Request(meta, Box.full(meta.shape), buf))
             finish.append(partial(_set_bytes, state_dict, path, buf, type(value)))
         elif isinstance(value, np.ndarray):
-            requests.append(Request(meta, box, value.view(dtypes.storage_dtype(meta.dtype))))
+            requests.append(Request(meta, Box.full(meta.shape), value.view(dtypes.storage_dtype(meta.dtype))))
         else:
-            requests.append(_tensor_request(meta, box, tensor_box(value)[0], finish))
+            requests += [_tensor_request(meta, box, data, finish) for data, _, box, _ in tensor_parts(value)]
     return requests, finish
 
 
-def target_box(meta: ArrayMeta, value: Any) -> Box:
-    """The region of the saved array ``meta`` that a target leaf receives: all of it for bytes and
-    numpy arrays, the tensor's own box (its shard, for a DTensor) otherwise. Pure; the scale model
-    plans loads with it."""
+def target_boxes(meta: ArrayMeta, value: Any) -> list[Box]:
+    """The regions of the saved array ``meta`` that a target leaf receives: all of it for bytes and
+    numpy arrays, the tensor's own parts (its shard, for a DTensor) otherwise. Pure; the scale
+    model plans loads with it."""
     if meta.kind == ArrayKind.BYTES or isinstance(value, np.ndarray):
-        return Box.full(meta.shape)
-    return tensor_box(value)[2]
+        return [Box.full(meta.shape)]
+    return [box for _, _, box, _ in tensor_parts(value)]
 
 
 def _set_bytes(state_dict: MutableMapping[str, Any], path: Path, buf: np.ndarray, make: type) -> None:

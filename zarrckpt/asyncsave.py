@@ -35,14 +35,16 @@ import crc32c
 import torch
 
 from . import commit as protocol
-from . import dtypes, integrity, replicas, stateful
+from . import dtypes, integrity, stateful
 from .dist import Group, side_group
 from .errors import ZarrckptError
+from .format import ArrayMeta
+from .layout import Shape
 from .localstate import LocalState, LocalTensor, collect
-from .plan import DEFAULT_CHUNK_BYTES, ZarrSavePlan, build_save_plan
+from .plan import DEFAULT_CHUNK_BYTES, ZarrSavePlan
 from .storage import Storage
 from .types import URL
-from .writer import commit_save, write_rank
+from .writer import commit_save, plan_save, write_rank
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -152,13 +154,11 @@ def async_save(
         group = Group(process_group)
         resolved, _ = stateful.resolve(state_dict)
         local = group.run_together(lambda: collect(resolved, allow_pickle), "collecting the state dict")
-        plan = build_save_plan(group.all_gather_json(local.describe()), chunk_bytes)
-        if check_replicas:
-            replicas.check(group, plan, local)
+        plan = plan_save(group, local, chunk_bytes, check_replicas)
         background = side_group(process_group) if group.active else group
         job = _Job(Storage(url, storage_options), plan, background, overwrite, staging_budget_bytes)
         if os.environ.get("ZARRCKPT_CHECK_STAGING", "") not in ("", "0"):
-            job.expected = {key: _digest(t.data) for key, t in local.tensors.items()}
+            job.expected = {id(t): _digest(t.data) for t in local.parts()}
         future = AsyncSave()
         _executor.submit(future._run, job.run)
         _last = future
@@ -195,7 +195,7 @@ class _Job:
     stage_failed: bool = False
     cond: threading.Condition = field(default_factory=threading.Condition)
     written: integrity.Written = field(default_factory=dict)  # chunk checksums, for the manifest
-    expected: dict[str, int] | None = None  # ZARRCKPT_CHECK_STAGING: key -> crc32c when async_save was called
+    expected: dict[int, int] | None = None  # ZARRCKPT_CHECK_STAGING: id(part) -> crc32c at the call
     stage_error: BaseException | None = None
 
     def stage(self, local: LocalState) -> StagingStats:
@@ -215,14 +215,14 @@ class _Job:
     def _stage(self, local: LocalState) -> StagingStats:
         start = time.perf_counter()
         copied = 0
-        for tensor in local.tensors.values():
+        for tensor in local.parts():
             nbytes = tensor.data.nbytes
             with self.cond:
                 self.cond.wait_for(partial(self._ready_for, nbytes))
                 if self.failed:
                     return StagingStats(copied, time.perf_counter() - start, self.peak)
             host = _to_host(tensor.data)
-            if self.expected is not None and _digest(host) != self.expected[tensor.key]:
+            if self.expected is not None and _digest(host) != self.expected[id(tensor)]:
                 _recycle(host)
                 raise ZarrckptError(
                     f"async_save: {tensor.key!r} changed before it was staged (ZARRCKPT_CHECK_STAGING): the state "
@@ -268,6 +268,9 @@ class _Job:
 
     def _write_all(self) -> None:
         rank = self.group.rank
+        mine: dict[str, list[tuple[ArrayMeta, Shape]]] = {}
+        for meta, idx in self.plan.shards_of(rank):
+            mine.setdefault(meta.key, []).append((meta, idx))
         if self.budget is None:  # no bound: let the copy the caller waits on finish before writes compete with it
             with self.cond:
                 self.cond.wait_for(lambda: bool(self.staged) and self.staged[-1] is None)
@@ -281,8 +284,10 @@ class _Job:
                         "copying the state to host memory failed on this rank; nothing was committed"
                     ) from self.stage_error
                 break
-            one = LocalState({tensor.key: tensor}, {})
-            write_rank(self.storage, self.plan, one, rank, {tensor.key}, self.written)
+            one = LocalState({tensor.key: [tensor]}, {})
+            write_rank(
+                self.storage, self.plan, one, rank, self.written, shards=mine.get(tensor.key, []), held_only=True
+            )
             _recycle(tensor.data)
             with self.cond:
                 self.in_flight -= tensor.data.nbytes

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
+    MetadataIndex,
     StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
@@ -32,6 +33,7 @@ from torch.distributed.checkpoint.planner import (
     LoadPlanner,
     SavePlan,
     SavePlanner,
+    WriteItem,
     WriteItemType,
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
@@ -40,7 +42,7 @@ from torch.futures import Future
 from . import commit as protocol
 from . import dtypes, integrity, pickling, values
 from .dist import Group
-from .errors import SaveLayoutError, ZarrckptError
+from .errors import ZarrckptError
 from .format import ArrayMeta, Manifest, library_name
 from .keys import iter_leaves, nest, validate_keys
 from .layout import Box, Shape, cell_box, grid_shape
@@ -112,35 +114,25 @@ class ZarrWriter(StorageWriter):
         With DCP's plan caching, the plans of a repeated save are empty and unusable: DCP then
         hands ``write_data`` the cached plans, which carry the grids chosen the first time.
         """
-        zplan = build_save_plan([_describe(plan) for plan in plans], self.chunk_bytes)
+        zplan = build_save_plan([_parts(plan, _meta_tensor)[0].describe() for plan in plans], self.chunk_bytes)
         self._save_id = protocol.prepare(self.storage, self.overwrite)
         return [dataclasses.replace(p, storage_data=(zplan, rank)) for rank, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         zplan, rank = plan.storage_data
-        local = LocalState({}, {})
-        objects: dict[str, Any] = {}
-        results = []
-        tensors = []
-        for item in plan.items:
-            key = item.index.fqn
-            data = planner.resolve_data(item)
-            if item.type == WriteItemType.BYTE_IO:
-                objects[key] = pickling.from_planner(data, key)
-                continue
-            if not isinstance(data, torch.Tensor) or item.tensor_data is None:
-                raise ZarrckptError(f"{key}: DCP resolved a tensor write item to {type(data).__name__}")
-            chunk = item.tensor_data.chunk
-            meta = zplan.arrays[key]
-            box = Box(tuple(chunk.offsets), tuple(chunk.sizes))
-            local.tensors[key] = LocalTensor(key, data, meta.shape, box, meta.dtype)
-            tensors.append((item, data.nbytes))
+        objects = {
+            item.index.fqn: pickling.from_planner(planner.resolve_data(item), item.index.fqn)
+            for item in plan.items
+            if item.type == WriteItemType.BYTE_IO
+        }
+        local, items = _parts(plan, lambda item: _resolved_tensor(planner, item, zplan.arrays[item.index.fqn]))
         written: integrity.Written = {}
-        write_rank(self.storage, zplan, local, rank, None, written)
-        for item, nbytes in tensors:
-            key = item.index.fqn
+        write_rank(self.storage, zplan, local, rank, written)
+        results = []
+        for key, parts in items.items():  # the record of a key's shards rides on its first item
             crcs = integrity.to_json({key: written.get(key, {})})
-            results.append(WriteResult(item.index, nbytes, {"arrays": {key: zplan.arrays[key]}, "crc32c": crcs}))
+            data = {"arrays": {key: zplan.arrays[key]}, "crc32c": crcs}
+            results += [WriteResult(i, t.data.nbytes, data if n == 0 else {}) for n, (i, t) in enumerate(parts)]
         if objects:
             results += self._write_objects(objects, {item.index.fqn: item.index for item in plan.items})
         return _done(results)
@@ -159,7 +151,7 @@ class ZarrWriter(StorageWriter):
         extra = collect(flat, self.allow_pickle)
         own = build_save_plan([extra.describe()], self.chunk_bytes)
         written: integrity.Written = {}
-        write_rank(self.storage, own, extra, 0, None, written)  # the zarr.json documents come in finish()
+        write_rank(self.storage, own, extra, 0, written)  # the zarr.json documents come in finish()
         results = []
         for key in objects:
             if key in own.arrays:
@@ -202,23 +194,43 @@ class ZarrWriter(StorageWriter):
         protocol.commit(self.storage, manifest)
 
 
-def _describe(plan: SavePlan) -> dict[str, Any]:
-    """A rank's tensor chunks as :func:`zarrckpt.plan.build_save_plan` reads them."""
-    tensors: dict[str, Any] = {}
+_Items = dict[str, list[tuple[MetadataIndex, LocalTensor]]]  # key -> its write items and their parts
+
+
+def _parts(plan: SavePlan, data_of: Callable[[WriteItem], torch.Tensor]) -> tuple[LocalState, _Items]:
+    """A rank's tensor write items as the parts of global tensors it holds (the data of each from
+    ``data_of``), which every save path describes and writes alike."""
+    local, items = LocalState({}, {}), _Items()
     for item in plan.items:
         if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
             continue
-        key, chunk = item.index.fqn, item.tensor_data.chunk
-        if key in tensors:
-            raise SaveLayoutError(f"{key}: a rank holds several chunks of one tensor; ZarrWriter supports one")
-        tensors[key] = {
-            "shape": list(item.tensor_data.size),
-            "dtype": dtypes.zarr_name(item.tensor_data.properties.dtype),
-            "kind": ArrayKind.TENSOR,
-            "box": [list(chunk.offsets), list(chunk.sizes)],
-            "topology": {},
-        }
-    return {"tensors": tensors, "values": {}}
+        chunk = item.tensor_data.chunk
+        box = Box(tuple(chunk.offsets), tuple(chunk.sizes))
+        data = data_of(item)
+        part = LocalTensor(item.index.fqn, data, tuple(item.tensor_data.size), box, dtypes.zarr_name(data.dtype))
+        local.add(part)
+        items.setdefault(part.key, []).append((item.index, part))
+    return local, items
+
+
+def _meta_tensor(item: WriteItem) -> torch.Tensor:
+    assert item.tensor_data is not None
+    return torch.empty(tuple(item.tensor_data.chunk.sizes), dtype=item.tensor_data.properties.dtype, device="meta")
+
+
+def _resolved_tensor(planner: SavePlanner, item: WriteItem, meta: ArrayMeta) -> torch.Tensor:
+    """The planner's data for a tensor write item, checked against what was planned for it."""
+    key, data = item.index.fqn, planner.resolve_data(item)
+    assert item.tensor_data is not None
+    sizes = tuple(item.tensor_data.chunk.sizes)
+    if not isinstance(data, torch.Tensor):
+        raise ZarrckptError(f"{key}: DCP resolved a tensor write item to {type(data).__name__}")
+    if tuple(data.shape) != sizes or dtypes.zarr_name(data.dtype) != meta.dtype:
+        raise ZarrckptError(
+            f"{key}: the planner resolved a {dtypes.zarr_name(data.dtype)} {list(data.shape)} tensor for a chunk "
+            f"planned as {meta.dtype} {list(sizes)}; nothing was committed"
+        )
+    return data
 
 
 def _holds_tensors(obj: Any) -> bool:

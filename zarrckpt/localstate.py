@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import io
-import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +15,7 @@ from . import dtypes
 from .errors import UnsupportedValueError
 from .keys import flat_key, iter_leaves
 from .layout import Box, Shape
+from .rankdesc import RankDescription, TensorSpec
 from .types import ArrayKind
 from .values import encode
 
@@ -24,7 +24,7 @@ BYTES_TYPES = (bytes, bytearray, io.BytesIO)  # stored as 1-D uint8 arrays, rest
 
 @dataclass
 class LocalTensor:
-    """This rank's part of one global tensor."""
+    """This rank's part of one global tensor (a rank may hold several parts of one tensor)."""
 
     key: str
     data: torch.Tensor  # the local part (DTensor: its local shard), on any device
@@ -35,39 +35,34 @@ class LocalTensor:
     topology: dict[str, Any] = field(default_factory=dict)
     python_type: str = ""  # bytes values: "bytearray" or "BytesIO" when not plain bytes
 
-    def describe(self) -> dict[str, Any]:
-        return {
-            "shape": list(self.shape),
-            "dtype": self.dtype,
-            "kind": self.kind,
-            "box": [list(self.box.offsets), list(self.box.sizes)],
-            "topology": self.topology,
-            **({"python_type": self.python_type} if self.python_type else {}),
-        }
+    def spec(self) -> TensorSpec:
+        return TensorSpec(self.shape, self.dtype, self.kind, self.box, self.topology, self.python_type)
 
 
 @dataclass
 class LocalState:
-    tensors: dict[str, LocalTensor]
+    tensors: dict[str, list[LocalTensor]]  # key -> this rank's parts of it (usually one)
     values: dict[str, Any]  # key -> JSON-ready value
 
-    def describe(self) -> dict[str, Any]:
-        """What this rank holds, as JSON for :func:`zarrckpt.plan.build_save_plan`.
+    def add(self, tensor: LocalTensor) -> None:
+        self.tensors.setdefault(tensor.key, []).append(tensor)
 
-        Compact: each distinct tensor description (shape, dtype, kind, box, topology) is
-        listed once in ``specs`` and ``tensors`` maps each key to its index there. A weight and
-        its Adam moments, or the same shard of every layer, share one entry, so the gathered
-        descriptions stay small and cheap to decode at thousands of ranks.
-        """
-        specs: list[dict[str, Any]] = []
-        index: dict[str, int] = {}
-        tensors: dict[str, int] = {}
-        for key, t in self.tensors.items():
-            desc = t.describe()
-            tensors[key] = index.setdefault(json.dumps(desc, sort_keys=True), len(specs))
-            if tensors[key] == len(specs):
-                specs.append(desc)
-        return {"specs": specs, "tensors": tensors, "values": self.values}
+    def parts(self) -> Iterator[LocalTensor]:
+        for parts in self.tensors.values():
+            yield from parts
+
+    def part_holding(self, key: str, box: Box) -> LocalTensor | None:
+        """The part of ``key`` that holds all of ``box`` (None when no part does)."""
+        for part in self.tensors.get(key, ()):
+            inside = zip(part.box.offsets, box.offsets, box.ends, part.box.ends, strict=True)
+            if all(lo <= o and e <= hi for lo, o, e, hi in inside):
+                return part
+        return None
+
+    def describe(self) -> RankDescription:
+        """What this rank holds, for :func:`zarrckpt.plan.build_save_plan` (every save path's
+        one description of a rank)."""
+        return RankDescription.of(((t.key, t.spec()) for t in self.parts()), self.values)
 
 
 @dataclass(frozen=True)
@@ -115,6 +110,52 @@ def tensor_box(value: torch.Tensor | LocalShard) -> tuple[torch.Tensor, Shape, B
     return local, tuple(value.shape), Box(tuple(offset), tuple(local_shape)), topology
 
 
+Part = tuple[torch.Tensor, Shape, Box, dict[str, Any]]  # (local data, global shape, its box, topology)
+
+
+def is_local_shards(value: Any) -> bool:
+    """A list or tuple of :class:`LocalShard`: several blocks of one global tensor on this rank."""
+    return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(v, LocalShard) for v in value)
+
+
+def is_tensor_target(value: Any) -> bool:
+    """A value saved as (and loaded into) a global tensor: a tensor, DTensor, ShardedTensor,
+    :class:`LocalShard`, or a list of LocalShards."""
+    return isinstance(value, (torch.Tensor, LocalShard)) or is_local_shards(value)
+
+
+def tensor_parts(value: torch.Tensor | LocalShard | Sequence[LocalShard]) -> list[Part]:
+    """The parts of a global tensor this rank holds: one for a tensor, DTensor or LocalShard;
+    each local shard of a ShardedTensor or each entry of a list of LocalShards (possibly none)."""
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+
+    if isinstance(value, ShardedTensor):
+        shape = tuple(value.size())
+        return [
+            (s.tensor, shape, Box(tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes)), {})
+            for s in value.local_shards()
+        ]
+    if isinstance(value, (torch.Tensor, LocalShard)):
+        return [tensor_box(value)]
+    parts = [tensor_box(v) for v in value]
+    shapes = {p[1] for p in parts}
+    if len(shapes) > 1:
+        raise UnsupportedValueError(f"LocalShards of one tensor give different global shapes {sorted(shapes)}")
+    return parts
+
+
+def tensor_info(value: torch.Tensor | LocalShard | Sequence[LocalShard]) -> tuple[Shape, torch.dtype]:
+    """The global shape and the dtype of a tensor target (whatever this rank holds of it)."""
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+
+    if isinstance(value, ShardedTensor):
+        return tuple(value.size()), value.metadata().tensor_properties.dtype
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape), value.dtype
+    first = value if isinstance(value, LocalShard) else value[0]
+    return tuple(first.global_shape), first.data.dtype
+
+
 def collect(state_dict: Mapping[str, Any], allow_pickle: bool = False) -> LocalState:
     """Split a (nested) state dict into this rank's tensor parts and JSON values (:mod:`zarrckpt.values`)."""
     state = LocalState({}, {})
@@ -133,14 +174,13 @@ def _collect_leaf(state: LocalState, key: str, value: Any, allow_pickle: bool) -
         data = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
         python_type = "" if isinstance(value, bytes) else type(value).__name__
         box = Box.full((len(raw),))
-        state.tensors[key] = LocalTensor(key, data, (len(raw),), box, "uint8", ArrayKind.BYTES, {}, python_type)
+        state.add(LocalTensor(key, data, (len(raw),), box, "uint8", ArrayKind.BYTES, {}, python_type))
     elif isinstance(value, np.ndarray):
         name = dtypes.numpy_name(value.dtype)
         data = torch.from_numpy(np.ascontiguousarray(value).reshape(value.shape))  # 0-d stays 0-d
-        state.tensors[key] = LocalTensor(key, data, value.shape, Box.full(value.shape), name, ArrayKind.NDARRAY)
-    elif isinstance(value, (torch.Tensor, LocalShard)):
-        data, shape, box, topology = tensor_box(value)
-        dtype = dtypes.zarr_name(data.dtype)
-        state.tensors[key] = LocalTensor(key, data, shape, box, dtype, ArrayKind.TENSOR, topology)
+        state.add(LocalTensor(key, data, value.shape, Box.full(value.shape), name, ArrayKind.NDARRAY))
+    elif is_tensor_target(value):
+        for data, shape, box, topology in tensor_parts(value):
+            state.add(LocalTensor(key, data, shape, box, dtypes.zarr_name(data.dtype), ArrayKind.TENSOR, topology))
     else:
         state.values[key] = encode(value, key, allow_pickle)

@@ -13,7 +13,8 @@ from .errors import SaveLayoutError
 from .format import ArrayMeta, group_json, group_paths
 from .gcpause import gc_paused
 from .keys import infer_role, validate_keys
-from .layout import Box, Claim, Shape, coverage_problems, inner_chunk_shape, owner_of_cells, shard_shape_for
+from .layout import Claim, Shape, coverage_problems, inner_chunk_shape, owner_of_cells, shard_shape_for
+from .rankdesc import RankDescription, TensorSpec
 from .types import ArrayKind, Role
 
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
@@ -61,34 +62,28 @@ class _Grid:
     replicated: bool
 
 
-def build_save_plan(descriptions: Sequence[dict[str, Any]], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> ZarrSavePlan:
+def build_save_plan(descriptions: Sequence[RankDescription], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> ZarrSavePlan:
     """Check that ranks agree and every global tensor is covered exactly once; choose grids and writers.
 
-    ``descriptions[r]`` is rank r's ``LocalState.describe()`` (``tensors`` maps each key to an
-    index into ``specs``) or the same with each key mapped to its description directly. Raises
-    SaveLayoutError listing every problem found, before anything is written.
+    ``descriptions[r]`` is rank r's ``LocalState.describe()``. Raises SaveLayoutError listing
+    every problem found, before anything is written.
 
-    Keys whose holders hold the very same description objects (a weight and its Adam moments,
-    the same shard of every layer on a pipeline stage) are checked and gridded once.
+    Keys whose holders hold the very same spec objects (a weight and its Adam moments, the same
+    shard of every layer on a pipeline stage) are checked and gridded once.
     """
     with gc_paused():
         return _build(descriptions, chunk_bytes)
 
 
-def _build(descriptions: Sequence[dict[str, Any]], chunk_bytes: int) -> ZarrSavePlan:
+def _build(descriptions: Sequence[RankDescription], chunk_bytes: int) -> ZarrSavePlan:
     problems: list[str] = []
-    tensors: dict[str, tuple[list[int], list[dict[str, Any]]]] = {}  # key -> (holder ranks, their specs)
+    tensors: dict[str, tuple[list[int], list[TensorSpec]]] = {}  # key -> (holder of each part, the parts)
     values: dict[str, tuple[list[int], list[Any]]] = {}
     for rank, desc in enumerate(descriptions):
-        specs = desc.get("specs")
-        if specs is None:  # each key described in full: share equal descriptions, as describe() does
-            seen: dict[str, dict[str, Any]] = {}
-            for key, t in desc["tensors"].items():
-                _hold(tensors, key, rank, seen.setdefault(repr(t), t))
-        else:
-            for key, t in desc["tensors"].items():
-                _hold(tensors, key, rank, specs[t])
-        for key, v in desc["values"].items():
+        for key, parts in desc.tensors.items():
+            for i in parts:
+                _hold(tensors, key, rank, desc.specs[i])
+        for key, v in desc.values.items():
             _hold(values, key, rank, v)
 
     _drop_empty_prefixes(values, tensors.keys() | values.keys())
@@ -121,15 +116,15 @@ def _build(descriptions: Sequence[dict[str, Any]], chunk_bytes: int) -> ZarrSave
         arrays[key] = ArrayMeta(
             key=key,
             shape=grid.shape,
-            dtype=first["dtype"],
+            dtype=first.dtype,
             shard_shape=grid.shard,
             chunk_shape=grid.chunk,
-            role=infer_role(key, first["dtype"].startswith(("float", "bfloat")))
-            if first["kind"] == ArrayKind.TENSOR
+            role=infer_role(key, first.dtype.startswith(("float", "bfloat")))
+            if first.kind == ArrayKind.TENSOR
             else Role.OTHER,
-            kind=ArrayKind(first["kind"]),
+            kind=first.kind,
             topology=dict(grid.topology),
-            python_type=first.get("python_type", ""),
+            python_type=first.python_type,
         )
         owners[key] = grid.owners
         if grid.replicated:
@@ -143,26 +138,26 @@ def _build(descriptions: Sequence[dict[str, Any]], chunk_bytes: int) -> ZarrSave
     return ZarrSavePlan(arrays, owners, values_, len(descriptions), frozenset(replicated))
 
 
-def _check(key: str, ranks: list[int], specs: list[dict[str, Any]]) -> list[str]:
+def _check(key: str, ranks: list[int], specs: list[TensorSpec]) -> list[str]:
     """Problems with one tensor: holders that disagree, or boxes that do not tile it exactly once."""
     problems = []
     for field_ in ("shape", "dtype", "kind"):
-        if len({repr(t[field_]) for t in specs}) > 1 and len({json.dumps(t[field_]) for t in specs}) > 1:
-            detail = ", ".join(f"rank {r}: {t[field_]}" for r, t in zip(ranks, specs, strict=True))
+        if len({getattr(t, field_) for t in specs}) > 1:
+            detail = ", ".join(f"rank {r}: {getattr(t, field_)}" for r, t in zip(ranks, specs, strict=True))
             problems.append(f"{key}: ranks disagree on {field_} ({detail})")
-    claims = [Claim(r, Box(tuple(t["box"][0]), tuple(t["box"][1]))) for r, t in zip(ranks, specs, strict=True)]
-    return problems + coverage_problems(key, tuple(specs[0]["shape"]), claims)
+    claims = [Claim(r, t.box) for r, t in zip(ranks, specs, strict=True)]
+    return problems + coverage_problems(key, specs[0].shape, claims)
 
 
-def _grid(ranks: list[int], specs: list[dict[str, Any]], world_size: int, chunk_bytes: int) -> _Grid:
+def _grid(ranks: list[int], specs: list[TensorSpec], world_size: int, chunk_bytes: int) -> _Grid:
     """Shard grid, inner chunks, writers and topology of a tensor whose holders passed :func:`_check`."""
     first = specs[0]
-    shape = tuple(first["shape"])
-    claims = [Claim(r, Box(tuple(t["box"][0]), tuple(t["box"][1]))) for r, t in zip(ranks, specs, strict=True)]
+    shape = first.shape
+    claims = [Claim(r, t.box) for r, t in zip(ranks, specs, strict=True)]
     shard = shard_shape_for(shape, [c.box for c in claims])
-    itemsize = storage_dtype(first["dtype"]).itemsize
-    topology = {k: v for k, v in first["topology"].items() if v is not None}
-    topology.update(world_size=world_size, holders=len(specs))
+    itemsize = storage_dtype(first.dtype).itemsize
+    topology = {k: v for k, v in first.topology.items() if v is not None}
+    topology.update(world_size=world_size, holders=len(set(ranks)))
     chunk = inner_chunk_shape(shard, itemsize, chunk_bytes)
     replicated = len({c.box for c in claims}) < len(claims)
     return _Grid(shape, shard, chunk, owner_of_cells(shape, shard, claims), topology, replicated)

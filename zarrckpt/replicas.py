@@ -22,23 +22,26 @@ from .localstate import LocalState
 from .plan import ZarrSavePlan
 
 
-def digests(plan: ZarrSavePlan, local: LocalState) -> dict[str, list[Any]]:
-    """This rank's ``key -> [block offsets, crc32c of all its bytes]`` for the replicated keys it holds."""
-    out: dict[str, list[Any]] = {}
+def digests(plan: ZarrSavePlan, local: LocalState) -> dict[str, list[list[Any]]]:
+    """This rank's ``key -> [[block offsets, crc32c of all its bytes], ...]`` (one per part) for
+    the replicated keys it holds."""
+    out: dict[str, list[list[Any]]] = {}
     for key in sorted(plan.replicated):
-        tensor = local.tensors.get(key)
-        if tensor is not None:
-            data = np.ascontiguousarray(dtypes.as_numpy(tensor.data.detach().cpu()))
-            out[key] = [list(tensor.box.offsets), crc32c.crc32c(data.reshape(-1).view(np.uint8).data)]
+        for part in local.tensors.get(key, ()):
+            data = np.ascontiguousarray(dtypes.as_numpy(part.data.detach().cpu()))
+            out.setdefault(key, []).append(
+                [list(part.box.offsets), crc32c.crc32c(data.reshape(-1).view(np.uint8).data)]
+            )
     return out
 
 
-def differences(views: Sequence[dict[str, list[Any]]]) -> list[str]:
+def differences(views: Sequence[dict[str, list[list[Any]]]]) -> list[str]:
     """Replicated blocks whose holders (``views[rank]`` from :func:`digests`) hold different bytes."""
     held: dict[tuple[str, tuple[int, ...]], dict[int, list[int]]] = {}
     for rank, view in enumerate(views):
-        for key, (offsets, digest) in view.items():
-            held.setdefault((key, tuple(offsets)), {}).setdefault(digest, []).append(rank)
+        for key, blocks in view.items():
+            for offsets, digest in blocks:
+                held.setdefault((key, tuple(offsets)), {}).setdefault(digest, []).append(rank)
     problems = []
     for (key, offsets), by_digest in sorted(held.items()):
         if len(by_digest) > 1:

@@ -5,21 +5,32 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from . import commit as protocol
-from . import dtypes, integrity
+from . import dtypes, integrity, replicas
 from .dist import Group
-from .errors import CheckpointExistsError
+from .errors import CheckpointExistsError, ZarrckptError
 from .format import ArrayMeta, Manifest, library_name
 from .layout import Shape, cell_box
 from .localstate import LocalState
-from .plan import ZarrSavePlan
+from .plan import ZarrSavePlan, build_save_plan
+from .rankdesc import RankDescription
 from .shard import chunk_crcs, chunks_per_shard, encode_shard
 from .storage import Storage
 
 log = logging.getLogger("zarrckpt")
+
+
+def plan_save(group: Group, local: LocalState, chunk_bytes: int, check_replicas: bool) -> ZarrSavePlan:
+    """Every rank: gather all ranks' descriptions (one collective), build the same plan, and
+    check that replicated blocks hold the same bytes (one more, only when some are replicated)."""
+    views = group.all_gather_json(local.describe().to_json())
+    plan = build_save_plan([RankDescription.from_json(v) for v in views], chunk_bytes)
+    if check_replicas:
+        replicas.check(group, plan, local)
+    return plan
 
 
 def write_rank(
@@ -27,35 +38,46 @@ def write_rank(
     plan: ZarrSavePlan,
     local: LocalState,
     rank: int,
-    keys: Collection[str] | None = None,
     written: integrity.Written | None = None,
+    *,
+    shards: Sequence[tuple[ArrayMeta, Shape]] | None = None,
+    held_only: bool = False,
 ) -> int:
-    """Write the shards ``rank`` owns (of ``keys`` only, when given); returns the bytes written.
+    """Write the shards ``rank`` owns (``shards``: only these of them); returns the bytes written.
 
+    Each shard is cut from the part of ``local`` that holds it; a shard no part holds is an error,
+    unless ``held_only`` (``local`` holds some of the rank's parts: write just their shards).
     Objects are written concurrently, create-only; ``written`` receives every written shard's
     chunk checksums (for the manifest's record). The ``zarr.json`` documents come later
     (:func:`write_metadata`), once every rank's shards exist.
     """
     record: integrity.Written = {} if written is None else written  # filled from the writing threads
     start = time.perf_counter()
-    host: dict[str, Any] = {}  # key -> numpy view of the local part, on the host
-    shards = [(m, idx) for m, idx in plan.shards_of(rank) if keys is None or m.key in keys]
-    for meta, _ in shards:  # stage on the host first (GPU -> CPU copies stay on this thread)
-        if meta.key not in host:
-            host[meta.key] = dtypes.as_numpy(local.tensors[meta.key].data.detach().cpu())
-
-    def write_shard(job: tuple[ArrayMeta, Shape]) -> int:
-        meta, idx = job
+    host: dict[int, Any] = {}  # id(part) -> numpy view of it, on the host
+    jobs = []
+    for meta, idx in plan.shards_of(rank) if shards is None else shards:
         cell = cell_box(idx, meta.shard_shape, meta.shape)
-        data = host[meta.key][cell.relative_to(local.tensors[meta.key].box.offsets).slices()]
+        part = local.part_holding(meta.key, cell)
+        if part is None:
+            if held_only:
+                continue
+            raise ZarrckptError(
+                f"{meta.key}: this rank (rank {rank}) was to write shard {cell} but holds no part with it"
+            )
+        if id(part) not in host:  # stage on the host first (GPU -> CPU copies stay on this thread)
+            host[id(part)] = dtypes.as_numpy(part.data.detach().cpu())
+        jobs.append((meta, idx, host[id(part)][cell.relative_to(part.box.offsets).slices()]))
+
+    def write_shard(job: tuple[ArrayMeta, Shape, Any]) -> int:
+        meta, idx, data = job
         parts = encode_shard(data, meta.shard_shape, meta.chunk_shape)
         crcs = chunk_crcs(parts, math.prod(chunks_per_shard(meta.shard_shape, meta.chunk_shape)))
         nbytes = _put(storage, meta.shard_path(idx), parts)
         record.setdefault(meta.key, {})[integrity.shard_number(meta, idx)] = crcs  # one key per shard: thread-safe
         return nbytes
 
-    nbytes = sum(storage.run_all(write_shard, shards, writing=True))
-    log.info("rank %d wrote %d shards, %.1f MB in %.2fs", rank, len(shards), nbytes / 1e6, time.perf_counter() - start)
+    nbytes = sum(storage.run_all(write_shard, jobs, writing=True))
+    log.info("rank %d wrote %d shards, %.1f MB in %.2fs", rank, len(jobs), nbytes / 1e6, time.perf_counter() - start)
     return nbytes
 
 
