@@ -55,7 +55,7 @@ from zarrckpt.format import ArrayMeta, Manifest, group_paths
 from zarrckpt.keys import flat_key, iter_leaves
 from zarrckpt.layout import Box, Shape
 from zarrckpt.localstate import collect
-from zarrckpt.plan import ZarrSavePlan, build_save_plan
+from zarrckpt.plan import DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_TENSOR_BYTES, ZarrSavePlan, build_save_plan
 from zarrckpt.rankdesc import RankDescription
 from zarrckpt.shard import ShardLayout, chunks_per_shard
 from zarrckpt.storecaps import OBJECT_STORE
@@ -263,6 +263,12 @@ def measure(fn: Callable[[], Any], reps: int) -> tuple[Timing, Any]:
 # -- save: what every rank computes, and what it leads to -------------------------------------------------
 
 
+def plan_of(descriptions: Sequence[RankDescription]) -> ZarrSavePlan:
+    """The plan ``zarrckpt.save`` builds from the gathered descriptions (its default chunk and
+    small-tensor sizes)."""
+    return build_save_plan(descriptions, DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_TENSOR_BYTES)
+
+
 def decode(raws: Sequence[bytes]) -> list[RankDescription]:
     """What every rank does with the gathered buffers (``Group.all_gather_json``, then ``writer.plan_save``)."""
     return [RankDescription.from_json(json.loads(raw)) for raw in raws]
@@ -270,7 +276,7 @@ def decode(raws: Sequence[bytes]) -> list[RankDescription]:
 
 def plan_on_rank(raws: Sequence[bytes], rank: int) -> tuple[ZarrSavePlan, int, int]:
     """Everything a rank computes before writing: decode, plan, its shards and its zarr.json share."""
-    plan = build_save_plan(decode(raws))
+    plan = plan_of(decode(raws))
     return plan, len(plan.shards_of(rank)), len(plan.metadata_of(rank))
 
 
@@ -804,7 +810,7 @@ def run(dims: Dims, save: Layout, loads: dict[str, Layout], reps: int, profile: 
     per_rank, _ = measure(lambda: plan_on_rank(raws, last), reps)
     coordinator, _ = measure(lambda: manifest_of(plan_on_rank(raws, 0)[0]), reps)
     decode_t, descs = measure(lambda: decode(raws), reps)
-    build_t, plan = measure(partial(build_save_plan, descs), reps)
+    build_t, plan = measure(partial(plan_of, descs), reps)
     own_t, _ = measure(lambda: (plan.shards_of(last), plan.metadata_of(last)), reps)
     manifest_t, manifest = measure(lambda: manifest_of(plan), reps)
     parse_t, _ = measure(lambda: Manifest.loads(manifest, "scale model"), reps)

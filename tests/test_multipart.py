@@ -34,7 +34,7 @@ def _shard_files(root: Path, path: str) -> list[str]:
 
 def test_a_list_of_local_shards_round_trips_into_any_blocking(tmp_path: Path) -> None:
     url = tmp_path / "ckpt"
-    zarrckpt.save({"w": _blocks([(6, 8), (0, 2), (2, 4), (4, 6)])}, url)  # any order
+    zarrckpt.save({"w": _blocks([(6, 8), (0, 2), (2, 4), (4, 6)])}, url, small_tensor_bytes=0)  # any order
     assert _shard_files(url, "w") == ["0/0", "1/0", "2/0", "3/0"]  # each part its own shard objects
     whole = {"w": torch.zeros(8, 3)}
     zarrckpt.load(whole, url)
@@ -94,7 +94,8 @@ LOADED = {0: [(0, 3)], 1: [(3, 5), (5, 8)]}  # another blocking
 
 
 def _ranks(rank: int, world: int, root: str) -> None:
-    zarrckpt.save({"st": _sharded(rank, SAVED[rank], True), "rep": _blocks([(0, 4), (4, 8)])}, f"{root}/native")
+    state = {"st": _sharded(rank, SAVED[rank], True), "rep": _blocks([(0, 4), (4, 8)])}
+    zarrckpt.save(state, f"{root}/native", small_tensor_bytes=0)
     for kind, writer in (("fs", dcp.FileSystemWriter), ("zarr", zarrckpt.ZarrWriter)):
         dcp.save({"st": _sharded(rank, SAVED[rank], True)}, storage_writer=writer(f"{root}/{kind}"))
     got = {}

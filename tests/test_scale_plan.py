@@ -23,7 +23,7 @@ from zarrckpt.errors import SaveLayoutError
 from zarrckpt.fetch import plan_reads
 from zarrckpt.format import Manifest, group_paths
 from zarrckpt.layout import Box, cell_box
-from zarrckpt.plan import ZarrSavePlan, build_save_plan
+from zarrckpt.plan import DEFAULT_SMALL_TENSOR_BYTES, ZarrSavePlan, build_save_plan
 from zarrckpt.rankdesc import RankDescription
 
 
@@ -50,7 +50,7 @@ def raws() -> list[bytes]:
 
 @pytest.fixture(scope="module")
 def plan(raws: list[bytes]) -> ZarrSavePlan:
-    return build_save_plan(sm.decode(raws))
+    return build_save_plan(sm.decode(raws))  # every box its shards, however small (small_tensor_bytes=0)
 
 
 def test_descriptions_share_specs(raws: list[bytes]) -> None:
@@ -101,6 +101,24 @@ def test_writers_per_rank(plan: ZarrSavePlan) -> None:
     assert sum(len(plan.shards_of(r)) for r in range(SAVE.world)) == sum(writes.values())
     docs = [path for r in range(SAVE.world) for path, _ in plan.metadata_of(r)]
     assert len(docs) == len(set(docs)) == len(plan.arrays) + len(group_paths(list(plan.arrays.values())))
+
+
+def test_small_tensors_are_written_whole_by_ranks_in_turn(raws: list[bytes]) -> None:
+    """As zarrckpt.save plans it: every tensor under 1 MiB is one shard, its writer one of its
+    holders, sent every box it lacks by a rank that holds it; writers are spread over the ranks."""
+    descs = sm.decode(raws)
+    plan = sm.plan_of(descs)
+    for key, meta in plan.arrays.items():
+        if meta.nbytes < DEFAULT_SMALL_TENSOR_BYTES:
+            assert meta.shard_shape == tuple(max(1, n) for n in meta.shape) and len(plan.owners[key]) == 1, key
+    writes = Counter(rank for owner in plan.owners.values() for rank in owner.values())
+    assert set(writes) == set(range(SAVE.world)) and max(writes.values()) <= 2 * min(writes.values()), writes
+    for key, gather in plan.gathers.items():
+        assert key in descs[gather.writer].tensors and gather.pieces
+        for box, sender in gather.pieces:
+            assert box in {s.box for s in descs[sender].parts(key)}, (key, box, sender)
+        own = {s.box for s in descs[gather.writer].parts(key)}
+        assert sum(b.volume for b in own) + sum(b.volume for b, _ in gather.pieces) == math.prod(plan.arrays[key].shape)
 
 
 def test_descriptions_survive_the_wire_and_share_specs(raws: list[bytes]) -> None:

@@ -20,7 +20,7 @@ from .format import MANIFEST, ArrayMeta, Manifest
 from .keys import Path, flat_key, iter_leaves, nest, set_leaf
 from .layout import Box
 from .localstate import BYTES_TYPES, collect, is_tensor_target, tensor_info, tensor_parts
-from .plan import DEFAULT_CHUNK_BYTES
+from .plan import DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_TENSOR_BYTES
 from .reader import Request, allocate, read_regions
 from .storage import Storage
 from .types import URL, ArrayKind
@@ -40,6 +40,7 @@ def save(
     process_group: ProcessGroup | None = None,
     overwrite: bool = False,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    small_tensor_bytes: int = DEFAULT_SMALL_TENSOR_BYTES,
     check_replicas: bool = True,
     allow_pickle: bool = False,
 ) -> None:
@@ -61,6 +62,9 @@ def save(
             The old checkpoint is un-committed and deleted *before* the new one is written: if
             this save then fails, both are lost. Without it an existing checkpoint is an error.
         chunk_bytes: the target size of an inner chunk (the unit of a read and of a checksum).
+        small_tensor_bytes: a tensor smaller than this that several ranks hold parts of is
+            written as one object by one of them, which the others send their parts (one
+            exchange per save); 0 writes every rank's part as objects of its own.
         check_replicas: ranks holding the same block compare a crc32c digest of all its bytes
             (about 0.1 s per GiB per rank); ``False`` skips that for large DDP-style replicas.
         allow_pickle: store values of other types (arbitrary classes) pickled, marked as such;
@@ -87,7 +91,7 @@ def save(
     start = time.perf_counter()
     resolved, _ = stateful.resolve(state_dict)
     local = group.run_together(lambda: collect(resolved, allow_pickle), "collecting the state dict")
-    plan = plan_save(group, local, chunk_bytes, check_replicas)
+    plan = plan_save(group, local, chunk_bytes, check_replicas, small_tensor_bytes)
     storage = Storage(url, storage_options)
     save_id = group.run_together(lambda: protocol.prepare(storage, overwrite) if group.rank == 0 else "", "preparing")
     written: integrity.Written = {}

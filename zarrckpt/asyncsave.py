@@ -41,7 +41,7 @@ from .errors import ZarrckptError
 from .format import ArrayMeta
 from .layout import Shape
 from .localstate import LocalState, LocalTensor, collect
-from .plan import DEFAULT_CHUNK_BYTES, ZarrSavePlan
+from .plan import DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_TENSOR_BYTES, ZarrSavePlan
 from .storage import Storage
 from .types import URL
 from .writer import commit_save, plan_save, write_rank
@@ -119,6 +119,7 @@ def async_save(
     overwrite: bool = False,
     staging_budget_bytes: int | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    small_tensor_bytes: int = DEFAULT_SMALL_TENSOR_BYTES,
     check_replicas: bool = True,
     allow_pickle: bool = False,
     staging: Staging = "caller",
@@ -135,7 +136,9 @@ def async_save(
             would be saved half old, half new. ``ZARRCKPT_CHECK_STAGING=1`` checks that (costs
             a crc32c of the whole state on the caller's thread).
         staging_budget_bytes: bound on the host memory holding staged copies (default: none).
-        overwrite, check_replicas, allow_pickle: as for :func:`zarrckpt.save`.
+        overwrite, chunk_bytes, small_tensor_bytes, check_replicas, allow_pickle: as for
+            :func:`zarrckpt.save` (the parts of small tensors are sent to their writers before
+            the call returns, whatever ``staging``).
 
     Returns:
         An :class:`AsyncSave`: a future that completes when the checkpoint is committed (or
@@ -154,7 +157,7 @@ def async_save(
         group = Group(process_group)
         resolved, _ = stateful.resolve(state_dict)
         local = group.run_together(lambda: collect(resolved, allow_pickle), "collecting the state dict")
-        plan = plan_save(group, local, chunk_bytes, check_replicas)
+        plan = plan_save(group, local, chunk_bytes, check_replicas, small_tensor_bytes)
         background = side_group(process_group) if group.active else group
         job = _Job(Storage(url, storage_options), plan, background, overwrite, staging_budget_bytes)
         if os.environ.get("ZARRCKPT_CHECK_STAGING", "") not in ("", "0"):

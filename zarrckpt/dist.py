@@ -102,6 +102,22 @@ class Group:
             raise ZarrckptError(f"{what} failed on rank 0: {status[0]}: {status[1]}")
         return self.broadcast_bytes(result)
 
+    def exchange_bytes(self, outgoing: list[bytes]) -> list[bytes]:
+        """All-to-all: send ``outgoing[r]`` to rank r; return what each rank sent this one, in rank
+        order (one exchange of sizes, one of data)."""
+        if not self.active:
+            return list(outgoing)
+        sent = torch.tensor([len(b) for b in outgoing], dtype=torch.int64, device=self.device)
+        sizes = torch.empty_like(sent)
+        torch_dist.all_to_all_single(sizes, sent, group=self.pg)
+        lengths = [int(n) for n in sizes.tolist()]
+        data = self._padded(b"".join(outgoing), int(sent.sum()))
+        out = torch.empty(sum(lengths), dtype=torch.uint8, device=self.device)
+        torch_dist.all_to_all_single(out, data, lengths, [len(b) for b in outgoing], group=self.pg)
+        raw = bytes(out.cpu().numpy())
+        ends = [sum(lengths[: r + 1]) for r in range(self.size)]
+        return [raw[end - n : end] for end, n in zip(ends, lengths, strict=True)]
+
     def barrier(self) -> None:
         if self.active:
             torch_dist.barrier(group=self.pg)

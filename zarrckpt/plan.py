@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from .dtypes import storage_dtype
@@ -13,11 +14,21 @@ from .errors import SaveLayoutError
 from .format import ArrayMeta, group_json, group_paths
 from .gcpause import gc_paused
 from .keys import infer_role, validate_keys
-from .layout import Claim, Shape, coverage_problems, inner_chunk_shape, owner_of_cells, shard_shape_for
+from .layout import Box, Claim, Shape, coverage_problems, inner_chunk_shape, owner_of_cells, shard_shape_for
 from .rankdesc import RankDescription, TensorSpec
 from .types import ArrayKind, Role
 
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+DEFAULT_SMALL_TENSOR_BYTES = 1024 * 1024  # a tensor smaller than this is written whole, by one rank
+
+
+@dataclass(frozen=True)
+class Gather:
+    """A small tensor written whole, as one shard, by ``writer``: the regions it does not hold
+    and the rank that sends each (all of a save's in one exchange, :mod:`zarrckpt.coalesce`)."""
+
+    writer: int
+    pieces: tuple[tuple[Box, int], ...]
 
 
 @dataclass(frozen=True)
@@ -31,6 +42,7 @@ class ZarrSavePlan:
     values: dict[str, Any]
     world_size: int
     replicated: frozenset[str] = frozenset()  # keys of which some block is held by several ranks
+    gathers: Mapping[str, Gather] = field(default_factory=dict)  # small tensors held in parts, written whole
 
     def shards_of(self, rank: int) -> list[tuple[ArrayMeta, Shape]]:
         """The shards ``rank`` writes: (array, shard grid index) pairs."""
@@ -62,20 +74,26 @@ class _Grid:
     replicated: bool
 
 
-def build_save_plan(descriptions: Sequence[RankDescription], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> ZarrSavePlan:
+def build_save_plan(
+    descriptions: Sequence[RankDescription],
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    small_tensor_bytes: int = 0,
+) -> ZarrSavePlan:
     """Check that ranks agree and every global tensor is covered exactly once; choose grids and writers.
 
     ``descriptions[r]`` is rank r's ``LocalState.describe()``. Raises SaveLayoutError listing
-    every problem found, before anything is written.
+    every problem found, before anything is written. A tensor of fewer than ``small_tensor_bytes``
+    bytes held in several parts becomes one shard, written by one of its holders (taken in turn)
+    once the others sent it their parts (``ZarrSavePlan.gathers``); 0 keeps every part's shards.
 
     Keys whose holders hold the very same spec objects (a weight and its Adam moments, the same
     shard of every layer on a pipeline stage) are checked and gridded once.
     """
     with gc_paused():
-        return _build(descriptions, chunk_bytes)
+        return _build(descriptions, chunk_bytes, small_tensor_bytes)
 
 
-def _build(descriptions: Sequence[RankDescription], chunk_bytes: int) -> ZarrSavePlan:
+def _build(descriptions: Sequence[RankDescription], chunk_bytes: int, small_tensor_bytes: int) -> ZarrSavePlan:
     problems: list[str] = []
     tensors: dict[str, tuple[list[int], list[TensorSpec]]] = {}  # key -> (holder of each part, the parts)
     values: dict[str, tuple[list[int], list[Any]]] = {}
@@ -100,6 +118,8 @@ def _build(descriptions: Sequence[RankDescription], chunk_bytes: int) -> ZarrSav
     owners: dict[str, dict[Shape, int]] = {}
     replicated: set[str] = set()
     grids: dict[tuple[tuple[int, ...], tuple[int, ...]], _Grid] = {}
+    gathers: dict[str, Gather] = {}
+    small: dict[tuple[int, int], Gather] = {}  # (id of the grid, writer) -> the gather
     for key in sorted(tensors):
         ranks, specs = tensors[key]
         same = (tuple(ranks), tuple(map(id, specs)))
@@ -129,13 +149,36 @@ def _build(descriptions: Sequence[RankDescription], chunk_bytes: int) -> ZarrSav
         owners[key] = grid.owners
         if grid.replicated:
             replicated.add(key)
+        if len(grid.owners) > 1 and arrays[key].nbytes < small_tensor_bytes:
+            holders = sorted(set(ranks))
+            writer = holders[len(gathers) % len(holders)]  # in turn, over the small tensors of the save
+            gather = small.get((id(grid), writer))
+            if gather is None:
+                gather = small[(id(grid), writer)] = _gather(writer, ranks, specs)
+            whole = tuple(max(1, n) for n in grid.shape)
+            itemsize = storage_dtype(first.dtype).itemsize
+            chunk = inner_chunk_shape(whole, itemsize, chunk_bytes)
+            arrays[key] = dataclasses.replace(arrays[key], shard_shape=whole, chunk_shape=chunk)
+            owners[key] = {(0,) * len(whole): writer}
+            gathers[key] = gather
     if problems:
         raise SaveLayoutError(
             "nothing was written: the ranks' state does not describe each global tensor exactly once:\n  "
             + "\n  ".join(problems[:50])
         )
     values_ = {k: v[1][0] for k, v in sorted(values.items())}
-    return ZarrSavePlan(arrays, owners, values_, len(descriptions), frozenset(replicated))
+    return ZarrSavePlan(arrays, owners, values_, len(descriptions), frozenset(replicated), gathers)
+
+
+def _gather(writer: int, ranks: list[int], specs: list[TensorSpec]) -> Gather:
+    """What ``writer`` must receive to hold all of a tensor: every distinct box it does not hold,
+    from the lowest rank holding it (the boxes tile the tensor: a box is held whole or not at all)."""
+    own = {s.box for r, s in zip(ranks, specs, strict=True) if r == writer}
+    sender: dict[Box, int] = {}
+    for r, s in zip(ranks, specs, strict=True):
+        if s.box not in own and s.box.volume:
+            sender[s.box] = min(r, sender.get(s.box, r))
+    return Gather(writer, tuple(sorted(sender.items(), key=lambda item: item[0].offsets)))
 
 
 def _check(key: str, ranks: list[int], specs: list[TensorSpec]) -> list[str]:

@@ -10,6 +10,7 @@ from typing import Any
 
 from . import commit as protocol
 from . import dtypes, integrity, replicas
+from .coalesce import gather_small
 from .dist import Group
 from .errors import CheckpointExistsError, ZarrckptError
 from .format import ArrayMeta, Manifest, library_name
@@ -23,13 +24,17 @@ from .storage import Storage
 log = logging.getLogger("zarrckpt")
 
 
-def plan_save(group: Group, local: LocalState, chunk_bytes: int, check_replicas: bool) -> ZarrSavePlan:
-    """Every rank: gather all ranks' descriptions (one collective), build the same plan, and
-    check that replicated blocks hold the same bytes (one more, only when some are replicated)."""
+def plan_save(
+    group: Group, local: LocalState, chunk_bytes: int, check_replicas: bool, small_tensor_bytes: int
+) -> ZarrSavePlan:
+    """Every rank: gather all ranks' descriptions (one collective), build the same plan, check
+    that replicated blocks hold the same bytes (one more, only when some are replicated), and
+    hand each small tensor's writer the parts it lacks (one exchange, only when there are such)."""
     views = group.all_gather_json(local.describe().to_json())
-    plan = build_save_plan([RankDescription.from_json(v) for v in views], chunk_bytes)
+    plan = build_save_plan([RankDescription.from_json(v) for v in views], chunk_bytes, small_tensor_bytes)
     if check_replicas:
         replicas.check(group, plan, local)
+    gather_small(group, plan, local)
     return plan
 
 

@@ -1,0 +1,165 @@
+"""Small tensors written whole: one object per small tensor however many ranks hold parts of it,
+the parts sent to its writer in one exchange per save; object sizes and PUTs counted at the moto
+server; loads into other layouts bit-exact; the plan's writers and pieces checked directly."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import fsspec
+import pytest
+import torch
+import zarr
+
+import zarrckpt
+from zarrckpt.coalesce import _assemble
+from zarrckpt.errors import ZarrckptError
+from zarrckpt.layout import Box
+from zarrckpt.localstate import LocalState, LocalTensor
+from zarrckpt.plan import DEFAULT_SMALL_TENSOR_BYTES, build_save_plan
+from zarrckpt.rankdesc import RankDescription, TensorSpec
+from zarrckpt.testing import RequestLog, spawn
+from zarrckpt.types import ArrayKind
+
+WORLD = 4
+SMALL = [(f"model.norm{i}.weight", (WORLD * 40,)) for i in range(6)]  # 160 fp32 = 640 bytes, 160 per rank
+BIG = ("model.proj.weight", (WORLD * 64, 1024))  # 1 MiB: at the threshold, so not coalesced
+
+
+def _full(key: str, shape: tuple[int, ...]) -> torch.Tensor:
+    n = 1
+    for d in shape:
+        n *= d
+    return (torch.arange(n, dtype=torch.float32) + 1000 * len(key)).reshape(shape)
+
+
+def _state(rank: int, world: int, fill: bool, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """Every tensor in rows over ``world`` ranks (FSDP's Shard(0), as LocalShards), plus a
+    replicated step counter and a bf16 small tensor."""
+    state: dict[str, Any] = {}
+    for key, shape in [*SMALL, BIG]:
+        rows = shape[0] // world
+        lo = rank * rows
+        full = _full(key, shape)
+        part = full[lo : lo + rows].clone() if fill else torch.zeros(rows, *shape[1:])
+        state[key] = zarrckpt.LocalShard(part, shape, (lo,) + (0,) * (len(shape) - 1))
+    half = _full("bf16", (8, 3)).to(torch.bfloat16)
+    rows = 8 // world
+    state["model.bf16"] = zarrckpt.LocalShard(
+        half[rank * rows : (rank + 1) * rows].clone() if fill else torch.zeros(rows, 3, dtype=torch.bfloat16),
+        (8, 3),
+        (rank * rows, 0),
+    )
+    state["optim.step"] = torch.tensor(7.0 if fill else 0.0)
+    return state
+
+
+def _save(rank: int, world: int, url: str, opts: dict[str, Any], small: int, asynchronous: bool) -> None:
+    state = _state(rank, world, True)
+    if asynchronous:
+        zarrckpt.async_save(state, url, storage_options=opts, small_tensor_bytes=small, staging="background").result()
+    else:
+        zarrckpt.save(state, url, storage_options=opts, small_tensor_bytes=small)
+
+
+def _load(rank: int, world: int, url: str, opts: dict[str, Any]) -> None:
+    state = _state(rank, world, False)
+    zarrckpt.load(state, url, storage_options=opts)
+    want = _state(rank, world, True)
+    for key, value in want.items():
+        got = state[key].data if isinstance(value, zarrckpt.LocalShard) else state[key]
+        exp = value.data if isinstance(value, zarrckpt.LocalShard) else value
+        assert torch.equal(got.reshape(-1).view(torch.uint8), exp.reshape(-1).view(torch.uint8)), (rank, key)
+
+
+def _objects(url: str, opts: dict[str, Any]) -> dict[str, int]:
+    """Shard objects (path under the checkpoint -> size), as the server lists them."""
+    fs, root = fsspec.core.url_to_fs(url, **opts)
+    found = fs.find(root, detail=True).items()
+    return {p[len(root) + 1 :]: info["size"] for p, info in found if p.endswith("/c") or "/c/" in p}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["save", "async_save"])
+def test_small_tensors_are_one_object_each(
+    s3_url: tuple[str, dict[str, Any]], s3_requests: RequestLog, asynchronous: bool
+) -> None:
+    url, opts = s3_url
+    s3_requests.clear()
+    spawn(WORLD, _save, url, opts, DEFAULT_SMALL_TENSOR_BYTES, asynchronous)
+    objects = _objects(url, opts)
+    by_array: dict[str, list[int]] = {}
+    for path, size in objects.items():
+        by_array.setdefault(re.sub(r"/c(/.*)?$", "", path), []).append(size)
+    for key, _ in SMALL:
+        assert len(by_array[key.replace(".", "/")]) == 1, key  # was one per rank
+    assert len(by_array["model/bf16"]) == 1 and len(by_array["optim/step"]) == 1
+    assert len(by_array["model/proj/weight"]) == WORLD  # 1 MiB is not small: a shard per rank
+    assert all(s >= 64 * 1024 for a, sizes in by_array.items() for s in sizes if a == "model/proj/weight")
+    puts = [r for r in s3_requests.requests(url) if r.kind == "PUT" and re.search(r"/c(/|$)", r.path)]
+    assert len(puts) == len(objects) == len(SMALL) + 2 + WORLD
+    spawn(3, _load, url, opts)  # another layout: 3 ranks (rows 160 / 3 are uneven)
+    group = zarr.open_group(fsspec.get_mapper(url, **opts), mode="r", zarr_format=3)
+    key, shape = SMALL[0]
+    assert (group[key.replace(".", "/")][...] == _full(key, shape).numpy()).all()  # a peer reads it whole
+
+
+@pytest.mark.slow
+def test_without_coalescing_every_rank_writes_its_part(s3_url: tuple[str, dict[str, Any]]) -> None:
+    url, opts = s3_url
+    spawn(WORLD, _save, url, opts, 0, False)
+    objects = _objects(url, opts)
+    assert len(objects) == WORLD * (len(SMALL) + 2) + 1  # the step counter: replicated, written once
+    spawn(2, _load, url, opts)
+
+
+# -- the plan, directly ------------------------------------------------------------------------------------
+
+
+def _rows(key: str, shape: tuple[int, ...], world: int, rank: int) -> tuple[str, TensorSpec]:
+    rows = shape[0] // world
+    box = Box((rank * rows,) + (0,) * (len(shape) - 1), (rows, *shape[1:]))
+    return key, TensorSpec(shape, "float32", ArrayKind.TENSOR, box, {})
+
+
+def _descriptions(keys: list[tuple[str, tuple[int, ...]]], world: int) -> list[RankDescription]:
+    return [RankDescription.of([_rows(k, s, world, r) for k, s in keys], {}) for r in range(world)]
+
+
+def test_writers_take_turns_and_receive_every_other_part() -> None:
+    plan = build_save_plan(_descriptions([*SMALL, BIG], WORLD), small_tensor_bytes=DEFAULT_SMALL_TENSOR_BYTES)
+    writers = [plan.gathers[k].writer for k, _ in SMALL]
+    assert writers == [0, 1, 2, 3, 0, 1]  # in turn, over the save's small tensors (sorted keys)
+    for key, shape in SMALL:
+        gather, meta = plan.gathers[key], plan.arrays[key]
+        assert meta.shard_shape == shape and plan.owners[key] == {(0,): gather.writer}
+        senders = sorted(r for _, r in gather.pieces)
+        assert senders == [r for r in range(WORLD) if r != gather.writer]
+        assert sum(box.volume for box, _ in gather.pieces) == shape[0] * (WORLD - 1) // WORLD
+    assert BIG[0] not in plan.gathers and len(plan.owners[BIG[0]]) == WORLD
+    assert not build_save_plan(_descriptions(SMALL, WORLD), small_tensor_bytes=0).gathers
+    at = build_save_plan(_descriptions(SMALL, WORLD), small_tensor_bytes=SMALL[0][1][0] * 4)  # 640: not below
+    assert not at.gathers
+
+
+def test_a_writer_holding_a_replica_is_sent_only_what_it_lacks() -> None:
+    """Rows in two halves, each held by two ranks (HSDP-like): the writer is sent the other half, once."""
+    key, shape = "w", (8, 2)
+    descs = []
+    for rank in range(4):
+        box = Box(((rank % 2) * 4, 0), (4, 2))
+        descs.append(RankDescription.of([(key, TensorSpec(shape, "float32", ArrayKind.TENSOR, box, {}))], {}))
+    plan = build_save_plan(descs, small_tensor_bytes=1024)
+    gather = plan.gathers[key]
+    assert gather.writer == 0 and gather.pieces == ((Box((4, 0), (4, 2)), 1),)
+
+
+def test_assembling_refuses_pieces_of_the_wrong_size() -> None:
+    plan = build_save_plan(_descriptions(SMALL[:1], 2), small_tensor_bytes=1024)
+    key, shape = SMALL[0]
+    part = LocalTensor(key, torch.zeros(shape[0] // 2), shape, Box((0,), (shape[0] // 2,)), "float32")
+    with pytest.raises(ZarrckptError, match=r"rank 1 sent 4 bytes of \[80:160\], expected 320"):
+        _assemble(0, plan, LocalState({key: [part]}, {}), [b"", bytes(4)])
+    with pytest.raises(ZarrckptError, match=r"ranks \[1\] sent more bytes"):
+        _assemble(0, plan, LocalState({key: [part]}, {}), [b"", bytes(324)])
