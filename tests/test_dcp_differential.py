@@ -21,8 +21,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import zarr
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 from torch.distributed.device_mesh import init_device_mesh
@@ -212,6 +214,82 @@ def test_planner_data_and_loads_from_keys() -> None:
 
     got = differential(run)
     assert got["planner_data"]["model.layers.0.b"] == ("model", "layers", "0", "b")
+
+
+# --------------------------------------------------------------------------- Metadata.storage_data
+
+
+def _stored_state() -> dict[str, Any]:
+    return {
+        "model": {
+            "w": torch.linspace(-1.0, 1.0, 64 * 48).reshape(64, 48),  # several inner chunks at chunk_bytes=1024
+            "scalar": torch.tensor(2.5),
+            "empty": torch.zeros(0, 3),
+            "step": 7,
+        },
+        "blob": b"\x00\x01" * 50,
+        "arr": np.arange(12, dtype=np.int32).reshape(3, 4),
+        "name": "run",
+    }
+
+
+def _indexes(md: Metadata) -> set[MetadataIndex]:
+    """The MetadataIndex of every saved item as ``state_dict_metadata`` lists it: each chunk of a
+    tensor, and every other item."""
+    out = set()
+    for key, item in md.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            out |= {MetadataIndex(key, chunk.offsets) for chunk in item.chunks}
+        else:
+            out.add(MetadataIndex(key))
+    return out
+
+
+def _objects(path: str) -> set[str]:
+    """The data objects of a zarrckpt checkpoint: every file but the zarr.json documents."""
+    root = Path(path)
+    return {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and p.name != "zarr.json"}
+
+
+def _check_against_the_store(path: str, md: Metadata) -> None:
+    """Every object ``storage_data`` names is there, as long as it says; every object there is named
+    once; shard shapes, inner chunks and object names agree with zarr-python's view of each array."""
+    infos = [part for info in md.storage_data.values() for part in (info, *info.parts)]
+    assert all(not part.parts for info in md.storage_data.values() for part in info.parts)
+    named = [info.relative_path for info in infos if info.relative_path != "zarr.json"]
+    assert sorted(set(named)) == sorted(_objects(path)) and len(named) == len(set(named))
+    for info in infos:
+        assert info.offset == 0 and info.length == Path(path, info.relative_path).stat().st_size, info
+    group = zarr.open_group(path, mode="r", zarr_format=3)
+    for index, info in md.storage_data.items():
+        if index.offset is None:
+            continue
+        arr = group[index.fqn.replace(".", "/")]
+        assert isinstance(arr, zarr.Array) and info.chunk_shape == arr.chunks, (index, info, arr.chunks)
+        block = tuple(o // s for o, s in zip(index.offset, arr.shards or (), strict=True))
+        assert all(o % s == 0 for o, s in zip(index.offset, arr.shards or (), strict=True)), (index, arr.shards)
+        assert info.relative_path == f"{arr.path}/{arr.metadata.encode_chunk_key(block)}", (index, info)
+    as_is = zarrckpt.ZarrReader(path, allow_modified=True).read_metadata().storage_data
+    assert {index: info.length for index, info in as_is.items() if info.relative_path != "zarr.json"} == {
+        index: None for index, info in md.storage_data.items() if info.relative_path != "zarr.json"
+    }, "allow_modified=True: another tool may have rewritten the objects"
+
+
+@pytest.mark.parametrize("flatten", [True, False], ids=["flatten", "flatten-off"])
+def test_storage_data_names_every_item_where_it_lies(flatten: bool) -> None:
+    def run(writer: type, reader: type, path: str) -> Any:
+        w = writer(path, chunk_bytes=1024) if writer is zarrckpt.ZarrWriter else writer(path)
+        dcp.save(_stored_state(), storage_writer=w, planner=DefaultSavePlanner(flatten_state_dict=flatten))
+        md = reader(path).read_metadata()
+        assert set(md.storage_data) == _indexes(md)
+        for info in md.storage_data.values():  # what FileSystemReader's _StorageInfo says too
+            assert info.offset + (info.length or 0) <= Path(path, info.relative_path).stat().st_size
+        if writer is zarrckpt.ZarrWriter:
+            _check_against_the_store(path, md)
+        return _load_state_dict_from_keys(storage_reader=reader(path))  # _EmptyStateDictLoadPlanner
+
+    got = differential(run)
+    assert torch.equal(got["model"]["w"], _stored_state()["model"]["w"])
 
 
 # --------------------------------------------------------------------------- casting loads

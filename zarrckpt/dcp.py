@@ -13,7 +13,9 @@ from __future__ import annotations
 import dataclasses
 import io
 import itertools
-from collections.abc import Callable, Iterator, Mapping
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -43,12 +45,13 @@ from . import commit as protocol
 from . import dtypes, integrity, pickling, values
 from .dist import Group
 from .errors import ZarrckptError
-from .format import ArrayMeta, Manifest, library_name
+from .format import MANIFEST, ArrayMeta, Manifest, library_name
 from .keys import iter_leaves, nest, validate_keys
 from .layout import Box, Shape, cell_box, grid_shape
 from .localstate import BYTES_TYPES, LocalState, LocalTensor, collect
 from .plan import DEFAULT_CHUNK_BYTES, build_save_plan, metadata_docs
 from .reader import Request, allocate, read_regions
+from .shard import ShardLayout
 from .storage import Storage
 from .types import URL, ArrayKind
 from .writer import committed_manifest, write_metadata, write_rank
@@ -267,11 +270,13 @@ class ZarrReader(StorageReader):
         self.allow_pickle = allow_pickle
         self.allow_modified = allow_modified
         self.manifest: Manifest | None = None
+        self._load_id = uuid.uuid4().hex
 
     def reset(self, checkpoint_id: URL | None = None) -> None:
         if checkpoint_id is not None:
             self.storage = Storage(checkpoint_id, self.storage_options)
         self.manifest = None
+        self._load_id = uuid.uuid4().hex
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: URL) -> bool:
@@ -282,33 +287,21 @@ class ZarrReader(StorageReader):
             return False
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        manifest = protocol.read_manifest(self.storage)
+        """DCP's view of the checkpoint: its tensors' chunks (one per shard), ``planner_data``, and in
+        ``storage_data`` where each item lies (a :class:`ZarrStorageInfo` per ``MetadataIndex``)."""
+        raw = protocol.read_manifest_bytes(self.storage)
+        manifest = Manifest.loads(raw, self.storage.where(MANIFEST))
         if self.allow_modified:
             manifest = manifest.as_is()
         integrity.refuse_modified(manifest.modified, None, self.storage.url)
         self.manifest = manifest
-        objects = manifest.dcp.get("objects", [])
-        inside = tuple(o + "." for o in objects)
-        md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
-        for key, meta in manifest.arrays.items():
-            if key.startswith(inside):
-                continue
-            if meta.kind != ArrayKind.TENSOR:
-                md[key] = BytesStorageMetadata()
-                continue
-            chunks = [
-                ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes))
-                for c in (cell_box(idx, meta.shard_shape, meta.shape) for idx in _cells(meta.shape, meta.shard_shape))
-            ]
-            props = TensorProperties(dtype=dtypes.torch_dtype(meta.dtype))
-            md[key] = TensorStorageMetadata(properties=props, size=torch.Size(meta.shape), chunks=chunks)
-        md.update({key: BytesStorageMetadata() for key in manifest.values if not key.startswith(inside)})
-        md.update({key: BytesStorageMetadata() for key in objects})
+        md, where = _items(manifest, len(raw), self.allow_modified)
         planner_data = manifest.dcp.get("planner_data")
         return Metadata(
             state_dict_metadata=md,
             planner_data=None if planner_data is None else self._decode(planner_data, "Metadata.planner_data"),
-            storage_meta=StorageMeta(checkpoint_id=self.storage.url),
+            storage_data=where,
+            storage_meta=StorageMeta(checkpoint_id=self.storage.url, save_id=manifest.save_id, load_id=self._load_id),
         )
 
     def _decode(self, doc: Any, key: str, like: Any = None) -> Any:
@@ -383,6 +376,79 @@ class ZarrReader(StorageReader):
             return nest({**flat, **arrays})
 
         return build
+
+
+@dataclass(frozen=True)
+class ZarrStorageInfo:
+    """Where one saved item lies: what ``ZarrReader.read_metadata().storage_data`` maps its
+    ``MetadataIndex`` to (``FileSystemReader`` maps it to a ``_StorageInfo`` with the same first
+    three fields).
+
+    A tensor chunk is one shard object: ``relative_path`` (from the checkpoint URL, e.g.
+    ``model/w/c/1/0``), ``offset`` 0 and ``length`` its size in bytes (the shard index, then every
+    inner chunk with its crc32c), and ``chunk_shape``, the inner chunks a read fetches by byte range.
+    A bytes or numpy value stored as one shard is described the same way. A JSON value lies in the
+    manifest (``zarr.json``, ``length`` its size, ``chunk_shape`` ``()``); an item stored in several
+    objects (a dict saved with ``flatten_state_dict=False``) names the manifest, which lists it, and
+    its shard objects in ``parts``. ``length`` is None with ``ZarrReader(allow_modified=True)``:
+    another tool may have rewritten the objects since the commit (zarr-python leaves out all-fill
+    chunks), and then only each object's own index tells its size.
+    """
+
+    relative_path: str
+    offset: int
+    length: int | None
+    chunk_shape: tuple[int, ...] = ()
+    parts: tuple[ZarrStorageInfo, ...] = ()
+
+    def holding(self, shards: Sequence[tuple[Box, ZarrStorageInfo]]) -> ZarrStorageInfo:
+        return dataclasses.replace(self, parts=tuple(info for _, info in shards))
+
+
+def _items(
+    manifest: Manifest, manifest_nbytes: int, as_is: bool
+) -> tuple[dict[str, TensorStorageMetadata | BytesStorageMetadata], dict[MetadataIndex, ZarrStorageInfo]]:
+    """Every item of the checkpoint as DCP sees it (a tensor with one chunk per shard, or bytes), and
+    where each lies (``Metadata.storage_data``)."""
+    objects = manifest.dcp.get("objects", [])
+    inside = tuple(o + "." for o in objects)
+    in_manifest = ZarrStorageInfo(MANIFEST, 0, manifest_nbytes)
+    md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    where: dict[MetadataIndex, ZarrStorageInfo] = {}
+    for key, meta in manifest.arrays.items():
+        if key.startswith(inside):
+            continue
+        shards = _shards(meta, as_is)
+        if meta.kind != ArrayKind.TENSOR:  # a bytes or numpy value
+            md[key] = BytesStorageMetadata()
+            where[MetadataIndex(key)] = shards[0][1] if len(shards) == 1 else in_manifest.holding(shards)
+            continue
+        chunks = []
+        for i, (box, info) in enumerate(shards):
+            chunks.append(ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes)))
+            where[MetadataIndex(key, box.offsets, i)] = info
+        props = TensorProperties(dtype=dtypes.torch_dtype(meta.dtype))
+        md[key] = TensorStorageMetadata(properties=props, size=torch.Size(meta.shape), chunks=chunks)
+    for key in manifest.values:
+        if not key.startswith(inside):
+            md[key] = BytesStorageMetadata()
+            where[MetadataIndex(key)] = in_manifest
+    for key in objects:  # a dict saved whole (flatten_state_dict=False): its arrays and values under key.
+        md[key] = BytesStorageMetadata()
+        under = [m for k, m in manifest.arrays.items() if k.startswith(key + ".")]
+        where[MetadataIndex(key)] = in_manifest.holding([s for m in under for s in _shards(m, as_is)])
+    return md, where
+
+
+def _shards(meta: ArrayMeta, as_is: bool) -> list[tuple[Box, ZarrStorageInfo]]:
+    """Every shard of an array (none for an empty one): its box and its object, and the object's size
+    as committed (None ``as_is``: see :class:`ZarrStorageInfo`)."""
+    out = []
+    for idx in _cells(meta.shape, meta.shard_shape):
+        length = None if as_is else ShardLayout.of(meta, idx).nbytes
+        info = ZarrStorageInfo(meta.shard_path(idx), 0, length, tuple(meta.chunk_shape))
+        out.append((cell_box(idx, meta.shard_shape, meta.shape), info))
+    return out
 
 
 def _as_value(meta: ArrayMeta, buf: np.ndarray) -> Any:
