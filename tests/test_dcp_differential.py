@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import zarr
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, format_utils
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlanner
@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import zarrckpt
+import zarrckpt.dcp
 from zarrckpt.testing import spawn
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -290,6 +291,20 @@ def test_storage_data_names_every_item_where_it_lies(flatten: bool) -> None:
 
     got = differential(run)
     assert torch.equal(got["model"]["w"], _stored_state()["model"]["w"])
+
+
+def test_dcp_to_torch_save(tmp_path: Path) -> None:
+    """torch's dcp_to_torch_save reads through FileSystemReader alone: on a zarrckpt checkpoint it
+    finds no .metadata. zarrckpt.dcp.dcp_to_torch_save writes what torch's writes from DCP's own."""
+    dcp.save(_stored_state(), storage_writer=FileSystemWriter(tmp_path / "fs"))
+    dcp.save(_stored_state(), storage_writer=zarrckpt.ZarrWriter(tmp_path / "zarr", chunk_bytes=1024))
+    format_utils.dcp_to_torch_save(tmp_path / "fs", tmp_path / "fs.pt")
+    zarrckpt.dcp.dcp_to_torch_save(tmp_path / "zarr", tmp_path / "zarr.pt")
+    want, got = (torch.load(tmp_path / f"{kind}.pt", weights_only=False) for kind in ("fs", "zarr"))
+    same(want, got)
+    with pytest.raises(BaseException, match=r"\.metadata") as err:
+        format_utils.dcp_to_torch_save(tmp_path / "zarr", tmp_path / "torch.pt")
+    assert type(err.value).__name__ == "CheckpointException" and not (tmp_path / "torch.pt").exists()
 
 
 # --------------------------------------------------------------------------- casting loads

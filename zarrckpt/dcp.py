@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import itertools
+import os
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -38,6 +40,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -376,6 +379,23 @@ class ZarrReader(StorageReader):
             return nest({**flat, **arrays})
 
         return build
+
+
+def dcp_to_torch_save(
+    url: URL,
+    torch_save_path: str | os.PathLike[str],
+    *,
+    storage_options: dict[str, Any] | None = None,
+    allow_pickle: bool = False,
+) -> None:
+    """``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` for a zarrckpt checkpoint:
+    the whole state, as DCP's ``_EmptyStateDictLoadPlanner`` rebuilds it, in one ``torch.save``
+    file. (torch's own function reads through ``FileSystemReader`` only, which looks for a
+    ``.metadata`` pickle.) Run it in one process: it loads everything into memory."""
+    state: dict[str, Any] = {}
+    reader = ZarrReader(url, storage_options=storage_options, allow_pickle=allow_pickle)
+    _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    torch.save(state, torch_save_path)
 
 
 @dataclass(frozen=True)
