@@ -165,8 +165,9 @@ def test_fsdp1_model_and_optimizer(saved: Path, load_world: int, models: list[st
 @pytest.mark.slow
 def test_fsdp1_checkpoints_without_a_job(saved: Path) -> None:
     """In one process without torch.distributed: DCP's ``_load_state_dict_from_keys`` (whole, and one
-    parameter's optimizer state by its unflattened prefix) gives what it gives from DCP's storage, and
-    ``storage_data`` names the shard objects the 2 ranks wrote."""
+    parameter's optimizer state by its unflattened prefix) gives what it gives from DCP's storage; the
+    metadata is DCP's (chunks, properties, planner_data), and ``storage_data`` names the shard objects
+    the 2 ranks wrote."""
     for name in MODELS:
         for api in SAVE_APIS:
             path = {kind: str(saved / f"{name}-{api}-{kind}") for kind in STORAGES}
@@ -178,6 +179,8 @@ def test_fsdp1_checkpoints_without_a_job(saved: Path) -> None:
                 same(got["fs"], got["zarr"], f"{name}, saved by {api}, keys {keys}")
             assert list(got["zarr"]["optim"]["state"]) == ["2.weight"]
             md = STORAGES["zarr"][1](path["zarr"]).read_metadata()
+            want = STORAGES["fs"][1](path["fs"]).read_metadata()
+            assert (md.state_dict_metadata, md.planner_data) == (want.state_dict_metadata, want.planner_data)
             assert set(md.storage_data) == _indexes(md)
             _check_against_the_store(path["zarr"], md)
             assert any(index.offset and index.offset[0] > 0 for index in md.storage_data), "a second rank's shard"
