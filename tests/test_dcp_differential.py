@@ -307,6 +307,36 @@ def test_storage_data_names_every_item_where_it_lies(flatten: bool) -> None:
     assert torch.equal(got["loaded"]["model"]["w"], _stored_state()["model"]["w"])
 
 
+def _save_uneven_parts(rank: int, world: int, root: str) -> None:
+    from torch.distributed._shard.sharded_tensor import Shard as STShard
+    from torch.distributed._shard.sharded_tensor import init_from_local_shards
+    from torch.distributed._shard.sharding_spec import ShardMetadata
+
+    full = torch.arange(30.0).reshape(10, 3)
+    rows = [(0, 2), (2, 6), (6, 7), (7, 10)][2 * rank : 2 * rank + 2]  # two parts a rank, on no regular grid
+    parts = [STShard(full[a:b].clone(), ShardMetadata([a, 0], [b - a, 3], f"rank:{rank}/cpu")) for a, b in rows]
+    state = {"st": init_from_local_shards(parts, [10, 3]), "step": 3}
+    for kind, (writer, _) in STORAGES.items():
+        dcp.save(state, storage_writer=writer(f"{root}/{kind}"))
+
+
+@pytest.mark.slow
+def test_storage_data_of_several_parts_per_rank(tmp_path: Path) -> None:
+    """Parts that no regular grid fits are stored on a finer one (README): the metadata lists its
+    shards as the chunks, storage_data names each shard object, and every load gives DCP's result."""
+    spawn(2, _save_uneven_parts, str(tmp_path))
+    want, md = FileSystemReader(tmp_path / "fs").read_metadata(), zarrckpt.ZarrReader(tmp_path / "zarr").read_metadata()
+    assert [c[1][0] for c in _items(want)["st"][2]] == [2, 4, 1, 3]
+    assert [c[1][0] for c in _items(md)["st"][2]] == [1] * 10
+    assert set(md.storage_data) == _indexes(md)
+    _check_against_the_store(str(tmp_path / "zarr"), md)
+    loads = [
+        _load_state_dict_from_keys(storage_reader=reader(tmp_path / kind)) for kind, (_, reader) in STORAGES.items()
+    ]
+    same(*loads)
+    assert torch.equal(loads[1]["st"], torch.arange(30.0).reshape(10, 3))
+
+
 def test_dcp_to_torch_save(tmp_path: Path) -> None:
     """torch's dcp_to_torch_save reads through FileSystemReader alone: on a zarrckpt checkpoint it
     finds no .metadata. zarrckpt.dcp.dcp_to_torch_save writes what torch's writes from DCP's own."""
