@@ -21,14 +21,17 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+import zarr
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, format_utils
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import zarrckpt
+import zarrckpt.dcp
 from zarrckpt.testing import spawn
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -212,6 +215,140 @@ def test_planner_data_and_loads_from_keys() -> None:
 
     got = differential(run)
     assert got["planner_data"]["model.layers.0.b"] == ("model", "layers", "0", "b")
+
+
+# --------------------------------------------------------------------------- Metadata.storage_data
+
+
+def _stored_state() -> dict[str, Any]:
+    return {
+        "model": {
+            "w": torch.linspace(-1.0, 1.0, 64 * 48).reshape(64, 48),  # several inner chunks at chunk_bytes=1024
+            "scalar": torch.tensor(2.5),
+            "empty": torch.zeros(0, 3),
+            "step": 7,
+        },
+        "blob": b"\x00\x01" * 50,
+        "arr": np.arange(12, dtype=np.int32).reshape(3, 4),
+        "name": "run",
+    }
+
+
+def _indexes(md: Metadata) -> set[MetadataIndex]:
+    """The MetadataIndex of every saved item as ``state_dict_metadata`` lists it: each chunk of a
+    tensor, and every other item."""
+    out = set()
+    for key, item in md.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            out |= {MetadataIndex(key, chunk.offsets) for chunk in item.chunks}
+        else:
+            out.add(MetadataIndex(key))
+    return out
+
+
+def _items(md: Metadata) -> dict[str, Any]:
+    """What ``state_dict_metadata`` says of each item. A tensor without elements has no chunk here
+    (FileSystemReader lists one of size 0, where zarrckpt stores nothing)."""
+    out: dict[str, Any] = {}
+    for key, item in md.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            chunks = [(tuple(c.offsets), tuple(c.sizes)) for c in item.chunks if c.sizes.numel()]
+            out[key] = (tuple(item.size), item.properties, chunks)
+        else:
+            out[key] = item
+    return out
+
+
+def _objects(path: str) -> set[str]:
+    """The data objects of a zarrckpt checkpoint: every file but the zarr.json documents."""
+    root = Path(path)
+    return {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and p.name != "zarr.json"}
+
+
+def _check_against_the_store(path: str, md: Metadata) -> None:
+    """Every object ``storage_data`` names is there, as long as it says; every object there is named
+    once; shard shapes, inner chunks and object names agree with zarr-python's view of each array."""
+    infos = [part for info in md.storage_data.values() for part in (info, *info.parts)]
+    assert all(not part.parts for info in md.storage_data.values() for part in info.parts)
+    named = [info.relative_path for info in infos if info.relative_path != "zarr.json"]
+    assert sorted(set(named)) == sorted(_objects(path)) and len(named) == len(set(named))
+    for info in infos:
+        assert info.offset == 0 and info.length == Path(path, info.relative_path).stat().st_size, info
+    group = zarr.open_group(path, mode="r", zarr_format=3)
+    for index, info in md.storage_data.items():
+        if index.offset is None:
+            continue
+        arr = group[index.fqn.replace(".", "/")]
+        assert isinstance(arr, zarr.Array) and info.chunk_shape == arr.chunks, (index, info, arr.chunks)
+        block = tuple(o // s for o, s in zip(index.offset, arr.shards or (), strict=True))
+        assert all(o % s == 0 for o, s in zip(index.offset, arr.shards or (), strict=True)), (index, arr.shards)
+        assert info.relative_path == f"{arr.path}/{arr.metadata.encode_chunk_key(block)}", (index, info)
+    as_is = zarrckpt.ZarrReader(path, allow_modified=True).read_metadata().storage_data
+    assert {index: info.length for index, info in as_is.items() if info.relative_path != "zarr.json"} == {
+        index: None for index, info in md.storage_data.items() if info.relative_path != "zarr.json"
+    }, "allow_modified=True: another tool may have rewritten the objects"
+
+
+@pytest.mark.parametrize("flatten", [True, False], ids=["flatten", "flatten-off"])
+def test_storage_data_names_every_item_where_it_lies(flatten: bool) -> None:
+    def run(writer: type, reader: type, path: str) -> Any:
+        w = writer(path, chunk_bytes=1024) if writer is zarrckpt.ZarrWriter else writer(path)
+        dcp.save(_stored_state(), storage_writer=w, planner=DefaultSavePlanner(flatten_state_dict=flatten))
+        md = reader(path).read_metadata()
+        assert set(md.storage_data) == _indexes(md)
+        for info in md.storage_data.values():  # what FileSystemReader's _StorageInfo says too
+            assert info.offset + (info.length or 0) <= Path(path, info.relative_path).stat().st_size
+        if writer is zarrckpt.ZarrWriter:
+            _check_against_the_store(path, md)
+        loaded = _load_state_dict_from_keys(storage_reader=reader(path))  # _EmptyStateDictLoadPlanner
+        return {"metadata": _items(md), "planner_data": md.planner_data, "loaded": loaded}
+
+    got = differential(run)
+    assert torch.equal(got["loaded"]["model"]["w"], _stored_state()["model"]["w"])
+
+
+def _save_uneven_parts(rank: int, world: int, root: str) -> None:
+    from torch.distributed._shard.sharded_tensor import Shard as STShard
+    from torch.distributed._shard.sharded_tensor import init_from_local_shards
+    from torch.distributed._shard.sharding_spec import ShardMetadata
+
+    full = torch.arange(30.0).reshape(10, 3)
+    rows = [(0, 2), (2, 6), (6, 7), (7, 10)][2 * rank : 2 * rank + 2]  # two parts a rank, on no regular grid
+    parts = [STShard(full[a:b].clone(), ShardMetadata([a, 0], [b - a, 3], f"rank:{rank}/cpu")) for a, b in rows]
+    state = {"st": init_from_local_shards(parts, [10, 3]), "step": 3}
+    for kind, (writer, _) in STORAGES.items():
+        dcp.save(state, storage_writer=writer(f"{root}/{kind}"))
+
+
+@pytest.mark.slow
+def test_storage_data_of_several_parts_per_rank(tmp_path: Path) -> None:
+    """Parts that no regular grid fits are stored on a finer one (README): the metadata lists its
+    shards as the chunks, storage_data names each shard object, and every load gives DCP's result."""
+    spawn(2, _save_uneven_parts, str(tmp_path))
+    want, md = FileSystemReader(tmp_path / "fs").read_metadata(), zarrckpt.ZarrReader(tmp_path / "zarr").read_metadata()
+    assert [c[1][0] for c in _items(want)["st"][2]] == [2, 4, 1, 3]
+    assert [c[1][0] for c in _items(md)["st"][2]] == [1] * 10
+    assert set(md.storage_data) == _indexes(md)
+    _check_against_the_store(str(tmp_path / "zarr"), md)
+    loads = [
+        _load_state_dict_from_keys(storage_reader=reader(tmp_path / kind)) for kind, (_, reader) in STORAGES.items()
+    ]
+    same(*loads)
+    assert torch.equal(loads[1]["st"], torch.arange(30.0).reshape(10, 3))
+
+
+def test_dcp_to_torch_save(tmp_path: Path) -> None:
+    """torch's dcp_to_torch_save reads through FileSystemReader alone: on a zarrckpt checkpoint it
+    finds no .metadata. zarrckpt.dcp.dcp_to_torch_save writes what torch's writes from DCP's own."""
+    dcp.save(_stored_state(), storage_writer=FileSystemWriter(tmp_path / "fs"))
+    dcp.save(_stored_state(), storage_writer=zarrckpt.ZarrWriter(tmp_path / "zarr", chunk_bytes=1024))
+    format_utils.dcp_to_torch_save(tmp_path / "fs", tmp_path / "fs.pt")
+    zarrckpt.dcp.dcp_to_torch_save(tmp_path / "zarr", tmp_path / "zarr.pt")
+    want, got = (torch.load(tmp_path / f"{kind}.pt", weights_only=False) for kind in ("fs", "zarr"))
+    same(want, got)
+    with pytest.raises(BaseException, match=r"\.metadata") as err:
+        format_utils.dcp_to_torch_save(tmp_path / "zarr", tmp_path / "torch.pt")
+    assert type(err.value).__name__ == "CheckpointException" and not (tmp_path / "torch.pt").exists()
 
 
 # --------------------------------------------------------------------------- casting loads

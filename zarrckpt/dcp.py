@@ -5,53 +5,46 @@ write and read exactly what ``zarrckpt.save`` / ``zarrckpt.load`` do. DCP plans 
 replicas); zarrckpt chooses shard grids, writes shards, and commits. Non-tensor items pass
 through the planner's hooks as the ``torch.save`` bytes DCP uses in memory
 (:mod:`zarrckpt.pickling`) and are stored as typed JSON: no pickle reaches storage unless
-``allow_pickle=True``.
+``allow_pickle=True``. The reader is in :mod:`zarrckpt.dcpread`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
-import itertools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
     StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
-    LoadItemType,
-    LoadPlan,
-    LoadPlanner,
     SavePlan,
     SavePlanner,
     WriteItem,
     WriteItemType,
 )
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from . import commit as protocol
 from . import dtypes, integrity, pickling, values
+from .dcpread import ZarrReader, ZarrStorageInfo, dcp_to_torch_save
 from .dist import Group
 from .errors import ZarrckptError
-from .format import ArrayMeta, Manifest, library_name
-from .keys import iter_leaves, nest, validate_keys
-from .layout import Box, Shape, cell_box, grid_shape
+from .format import ArrayMeta, library_name
+from .keys import iter_leaves, validate_keys
+from .layout import Box
 from .localstate import BYTES_TYPES, LocalState, LocalTensor, collect
 from .plan import DEFAULT_CHUNK_BYTES, build_save_plan, metadata_docs
-from .reader import Request, allocate, read_regions
 from .storage import Storage
-from .types import URL, ArrayKind
+from .types import URL
 from .writer import committed_manifest, write_metadata, write_rank
+
+__all__ = ["ZarrReader", "ZarrStorageInfo", "ZarrWriter", "dcp_to_torch_save"]
 
 
 def _done(value: Any) -> Future[Any]:
@@ -243,155 +236,3 @@ def _opens(checkpoint_id: URL) -> bool:
     except (ZarrckptError, TypeError, ValueError):
         return False
     return True
-
-
-class ZarrReader(StorageReader):
-    """A DCP ``StorageReader`` that reads a zarrckpt checkpoint (saved by either path).
-
-    A tensor target of another dtype receives the saved values converted, as with
-    ``FileSystemReader``. Values saved pickled need ``allow_pickle=True``; a checkpoint changed
-    by another tool after its commit needs ``allow_modified=True`` (see ``zarrckpt.load``).
-    """
-
-    def __init__(
-        self,
-        url: URL,
-        *,
-        storage_options: dict[str, Any] | None = None,
-        allow_pickle: bool = False,
-        allow_modified: bool = False,
-    ) -> None:
-        super().__init__()
-        self.storage = Storage(url, storage_options)
-        self.storage_options = storage_options
-        self.allow_pickle = allow_pickle
-        self.allow_modified = allow_modified
-        self.manifest: Manifest | None = None
-
-    def reset(self, checkpoint_id: URL | None = None) -> None:
-        if checkpoint_id is not None:
-            self.storage = Storage(checkpoint_id, self.storage_options)
-        self.manifest = None
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: URL) -> bool:
-        """True when ``checkpoint_id`` holds a zarrckpt checkpoint."""
-        try:
-            return protocol.is_zarrckpt_manifest(Storage(checkpoint_id))
-        except (ZarrckptError, TypeError, ValueError):
-            return False
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        manifest = protocol.read_manifest(self.storage)
-        if self.allow_modified:
-            manifest = manifest.as_is()
-        integrity.refuse_modified(manifest.modified, None, self.storage.url)
-        self.manifest = manifest
-        objects = manifest.dcp.get("objects", [])
-        inside = tuple(o + "." for o in objects)
-        md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
-        for key, meta in manifest.arrays.items():
-            if key.startswith(inside):
-                continue
-            if meta.kind != ArrayKind.TENSOR:
-                md[key] = BytesStorageMetadata()
-                continue
-            chunks = [
-                ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes))
-                for c in (cell_box(idx, meta.shard_shape, meta.shape) for idx in _cells(meta.shape, meta.shard_shape))
-            ]
-            props = TensorProperties(dtype=dtypes.torch_dtype(meta.dtype))
-            md[key] = TensorStorageMetadata(properties=props, size=torch.Size(meta.shape), chunks=chunks)
-        md.update({key: BytesStorageMetadata() for key in manifest.values if not key.startswith(inside)})
-        md.update({key: BytesStorageMetadata() for key in objects})
-        planner_data = manifest.dcp.get("planner_data")
-        return Metadata(
-            state_dict_metadata=md,
-            planner_data=None if planner_data is None else self._decode(planner_data, "Metadata.planner_data"),
-            storage_meta=StorageMeta(checkpoint_id=self.storage.url),
-        )
-
-    def _decode(self, doc: Any, key: str, like: Any = None) -> Any:
-        return values.decode(doc, like, key=key, allow_pickle=self.allow_pickle)
-
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        if self.manifest is None:
-            self.manifest = protocol.read_manifest(self.storage)
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        manifest = self.manifest
-        if manifest is None:
-            raise ZarrckptError("ZarrReader.read_data called before read_metadata")
-        requests: list[Request] = []
-        commits: list[tuple[Any, torch.Tensor, torch.Tensor | None]] = []
-        objects: list[tuple[Any, Callable[[], Any]]] = []
-        for item in plan.items:
-            key = item.storage_index.fqn
-            if item.type == LoadItemType.BYTE_IO:
-                objects.append((item, self._object(key, planner, requests)))
-                continue
-            meta = manifest.arrays[key]
-            origin = tuple(item.storage_index.offset or (0,) * len(meta.shape))
-            box = Box(tuple(o + s for o, s in zip(origin, item.storage_offsets, strict=True)), tuple(item.lengths))
-            target = planner.resolve_tensor(item).detach()
-            stored = dtypes.torch_dtype(meta.dtype)
-            staging = None  # read in the stored dtype, then convert as FileSystemReader's copy_ does
-            if target.device.type != "cpu" or target.dtype != stored:
-                staging = torch.empty(tuple(item.lengths), dtype=stored)
-            requests.append(Request(meta, box, dtypes.as_numpy(target if staging is None else staging)))
-            commits.append((item, target, staging))
-        read_regions(self.storage, requests, any_layout=self.allow_modified)
-        protocol.check_unchanged(self.storage, manifest.save_id)
-        for item, target, staging in commits:
-            if staging is not None:
-                target.copy_(staging)
-            planner.commit_tensor(item, target)
-        for item, build in objects:  # handed over as the planner expects them: torch.save bytes
-            planner.load_bytes(item, pickling.to_planner(build()))
-        return _done(None)
-
-    def _object(self, key: str, planner: LoadPlanner, requests: list[Request]) -> Callable[[], Any]:
-        """How to build the object a BYTE_IO item stands for, once ``requests`` are read."""
-        manifest = self.manifest
-        assert manifest is not None
-        if key in manifest.values:
-            value = self._decode(manifest.values[key], key, getattr(planner, "state_dict", {}).get(key))
-            return lambda: value
-        if key in manifest.arrays:
-            meta = manifest.arrays[key]
-            buf = allocate(meta)
-            requests.append(Request(meta, Box.full(meta.shape), buf))
-            return lambda: _as_value(meta, buf)
-        prefix = key + "."
-        if key not in manifest.dcp.get("objects", []):
-            raise ZarrckptError(f"{key}: not in the checkpoint at {self.storage.url!r}")
-        flat = {k[len(prefix) :]: self._decode(v, k) for k, v in manifest.values.items() if k.startswith(prefix)}
-        bufs = {}
-        for k, meta in manifest.arrays.items():
-            if k.startswith(prefix):
-                bufs[k[len(prefix) :]] = (meta, allocate(meta))
-                requests.append(Request(meta, Box.full(meta.shape), bufs[k[len(prefix) :]][1]))
-
-        def build() -> Any:
-            arrays = {k: _as_value(meta, buf) for k, (meta, buf) in bufs.items()}
-            return nest({**flat, **arrays})
-
-        return build
-
-
-def _as_value(meta: ArrayMeta, buf: np.ndarray) -> Any:
-    if meta.kind == ArrayKind.BYTES:
-        return {"bytearray": bytearray, "BytesIO": io.BytesIO}.get(meta.python_type, bytes)(buf.tobytes())
-    if meta.kind == ArrayKind.NDARRAY:
-        return buf
-    return torch.from_numpy(buf).view(dtypes.torch_dtype(meta.dtype)) if buf.dtype.itemsize else torch.from_numpy(buf)
-
-
-def _cells(shape: Shape, shard: Shape) -> Iterator[Shape]:
-    return itertools.product(*(range(n) for n in grid_shape(shape, shard)))
