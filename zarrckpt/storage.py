@@ -180,9 +180,13 @@ class Storage:
         except FileExistsError:
             return False
         except OSError as e:  # s3fs turns some servers' 412 (Ceph RGW) into OSError(EINVAL)
-            if e.errno == errno.EINVAL and self.fs.exists(full):
+            if e.errno != errno.EINVAL:
+                raise
+            if self.fs.exists(full):
                 return False
-            raise
+            # Measured on Ceph RGW: a create racing another can be refused before the other's
+            # object is visible; try again (transient: retried with backoff) until one of them is.
+            raise OSError(errno.EAGAIN, f"create refused ({e}), yet no object is there: a racing create?") from e
         return True
 
     def _publish_local(self, full: str, parts: Sequence[Buffer], exclusive: bool) -> bool:
