@@ -25,15 +25,12 @@ import cProfile
 import io
 import json
 import math
-import os
-import platform
 import pstats
 import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -60,10 +57,9 @@ from zarrckpt.rankdesc import RankDescription
 from zarrckpt.shard import ShardLayout, chunks_per_shard
 from zarrckpt.storecaps import OBJECT_STORE
 
-GB = 1e9
-GiB = 2**30
-S3_MULTIPART_CHUNK = 50 * 2**20  # s3fs pipe_file: one PUT below 2 x 50 MiB, else multipart of 50 MiB parts
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scale_dcp import DcpLayout, DcpSave
+from scale_report import Assumptions, puts_for, render
 
 # -- the model --------------------------------------------------------------------------------------
 
@@ -299,13 +295,6 @@ def object_nbytes(meta: ArrayMeta, idx: Shape) -> int:
     return ShardLayout.of(meta, idx).nbytes
 
 
-def puts_for(nbytes: int) -> int:
-    """PUT-class requests s3fs sends for one object (multipart from 2 x 50 MiB: create + parts + complete)."""
-    if nbytes < 2 * S3_MULTIPART_CHUNK:
-        return 1
-    return -(-nbytes // S3_MULTIPART_CHUNK) + 2
-
-
 @dataclass
 class SaveCounts:
     arrays: int
@@ -321,9 +310,17 @@ class SaveCounts:
     per_rank_puts: list[int]
     objects_by_size: dict[str, int]
     largest_object: int
+    small_objects: int  # shard objects under 64 KiB
+    small_arrays: int  # arrays whose data is under 64 KiB
 
 
-SIZE_BINS = [(4 * 2**10, "< 4 KiB"), (2**20, "4 KiB - 1 MiB"), (16 * 2**20, "1 - 16 MiB"), (math.inf, ">= 16 MiB")]
+SIZE_BINS = [
+    (4 * 2**10, "< 4 KiB"),
+    (64 * 2**10, "4 - 64 KiB"),
+    (2**20, "64 KiB - 1 MiB"),
+    (16 * 2**20, "1 - 16 MiB"),
+    (math.inf, ">= 16 MiB"),
+]
 
 
 def save_counts(plan: ZarrSavePlan, manifest: bytes) -> SaveCounts:
@@ -363,6 +360,8 @@ def save_counts(plan: ZarrSavePlan, manifest: bytes) -> SaveCounts:
         per_rank_puts=per_puts,
         objects_by_size=bins,
         largest_object=largest,
+        small_objects=bins["< 4 KiB"] + bins["4 - 64 KiB"],
+        small_arrays=sum(a.nbytes < 64 * 2**10 for a in arrays),
     )
 
 
@@ -401,12 +400,15 @@ class LoadCounts:
     gather_bytes: int  # the load path's all-gathered key lists, summed over ranks
     plan_reads: Timing  # per rank: the most CPU-consuming of the first, middle and last rank
     missing_rng: int
+    dcp_gets: list[int]  # per rank: DCP's read items for the same target (one ranged GET each)
+    dcp_bytes: list[int]  # per rank: the bytes of the saved chunks those read whole
 
 
-def plan_load(dims: Dims, layout: Layout, manifest_raw: bytes, reps: int) -> LoadCounts:
+def plan_load(dims: Dims, layout: Layout, manifest_raw: bytes, reps: int, dcp: DcpLayout) -> LoadCounts:
     manifest = Manifest.loads(manifest_raw, "scale model")
     world = layout.world
     per_bytes, per_gets = [0] * world, [0] * world
+    dcp_gets, dcp_bytes = [0] * world, [0] * world
     requests = tasks = needed = gathered = missing = 0
     slowest = Timing(0.0, 0.0)
     for rank in range(world):
@@ -422,6 +424,7 @@ def plan_load(dims: Dims, layout: Layout, manifest_raw: bytes, reps: int) -> Loa
         for read in planned:  # what zarrckpt.reader fetches from an object store: one GET per fetch
             per_gets[rank] += len(read.fetches)
             per_bytes[rank] += read.nbytes
+        dcp_gets[rank], dcp_bytes[rank] = dcp.reads(reqs)
         requests += len(reqs)
         tasks += len(planned)
         needed += sum(r.box.volume * r.meta.itemsize for r in reqs)
@@ -439,66 +442,9 @@ def plan_load(dims: Dims, layout: Layout, manifest_raw: bytes, reps: int) -> Loa
         gathered,
         slowest,
         missing,
+        dcp_gets,
+        dcp_bytes,
     )
-
-
-# -- predictions ------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Assumptions:
-    ranks_per_node: int = 8
-    node_bandwidth: float = 10 * GB  # bytes/s per node to (or from) the object store
-    latency: float = 0.030  # seconds to first byte of one request
-    in_flight: int = 16  # requests in flight per rank (zarrckpt.storecaps.REMOTE_CONCURRENCY)
-    put_rate: float = 3500.0  # PUT/s that one S3 prefix partition sustains
-    get_rate: float = 5500.0  # GET/s that one S3 prefix partition sustains
-
-
-@dataclass(frozen=True)
-class Transfer:
-    bandwidth: float  # the busiest node's bytes / node bandwidth
-    latency: float  # the rank with most requests: requests x latency / requests in flight
-    one_partition: float  # all requests / the rate of one prefix partition
-
-    @property
-    def scaled(self) -> float:
-        """The store's request rate does not bind (the prefixes are partitioned)."""
-        return max(self.bandwidth, self.latency)
-
-    @property
-    def worst(self) -> float:
-        """Everything goes through one prefix partition."""
-        return max(self.scaled, self.one_partition)
-
-
-def transfer(per_rank_bytes: Sequence[int], per_rank_requests: Sequence[int], rate: float, a: Assumptions) -> Transfer:
-    nodes = range(0, len(per_rank_bytes), a.ranks_per_node)
-    busiest = max(sum(per_rank_bytes[n : n + a.ranks_per_node]) for n in nodes)
-    return Transfer(
-        bandwidth=busiest / a.node_bandwidth,
-        latency=max(per_rank_requests) * a.latency / a.in_flight,
-        one_partition=sum(per_rank_requests) / rate,
-    )
-
-
-# -- the report -------------------------------------------------------------------------------------------------
-
-
-def _gib(n: float) -> str:
-    return f"{n / GiB:,.1f} GiB"
-
-
-def _mb(n: float) -> str:
-    return f"{n / 1e6:,.1f} MB"
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
-    out = [
-        "| " + " | ".join(header) + " |",
-        "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|",
-    ]
-    return out + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
 
 
 @dataclass
@@ -519,281 +465,7 @@ class Results:
     counts: SaveCounts
     loads: dict[str, LoadCounts]
     assumptions: Assumptions
-
-
-BEFORE_MEASURED = """\
-**Before the planning changes of this issue** (zarrckpt at commit 986be65: a full description per
-tensor and rank; each tensor's agreement, coverage, grid and writers computed separately), run side
-by side with the current code on the same 1,024 descriptions (medians of 3, two runs each):
-gathered descriptions 80.8 MB; decoding them 3.1-4.2 s (3.1 s CPU); `build_save_plan` 6.9-7.7 s
-(6.8 s CPU); **one rank's planning 10.7-12.6 s wall (9.9 s CPU), over the 10 s budget**. The
-current code in the same runs: 41.0 MB, 0.4-0.7 s, 0.4-0.8 s, 1.0-1.7 s (0.96 s CPU). The profile
-before: per-field `json.dumps` comparisons across holders (1.2 M calls), `coverage_problems` run
-4,108 times on up to 128 boxes (`Box.ends` recomputed 1.8 M times), and cyclic garbage
-collections rescanning the decoded descriptions (a third of decode and planning time)."""
-
-
-def render(r: Results) -> str:
-    d, a, c, w = r.dims, r.assumptions, r.counts, r.save.world
-    p = d.n_params
-    lines = [
-        f"# Scale model: a {d.n_params / 1e9:.1f}B-parameter MoE checkpoint at {w:,} ranks",
-        "",
-        f"`python benchmarks/scale_model.py` ({datetime.now(UTC):%Y-%m-%d}, Python {platform.python_version()}, "
-        f"torch {torch.__version__}, {os.cpu_count()} CPUs shared with other jobs). Nothing is written or sent: "
-        f"{w:,} ranks are simulated in one process (meta-device DTensors under a fake process group), their "
-        "descriptions come from the real `collect(state).describe()`, and the real planning code runs on them. "
-        f"Times are medians of {r.reps} repetitions; wall time is noisy on this shared machine, CPU time less so.",
-        "",
-        "## Summary",
-        "",
-        *_summary(r),
-        "",
-        "## Model",
-        "",
-        *_table(
-            ["dimension", "value"],
-            [
-                ["layers (all MoE, no dense FFN layers)", d.layers],
-                ["d_model", d.d_model],
-                ["attention heads x head dim (GQA KV heads)", f"{d.heads} x {d.head_dim} ({d.kv_heads})"],
-                ["routed experts per layer, top-k", f"{d.experts}, top-{d.top_k}"],
-                ["expert FFN width (SwiGLU: w1, w3 [E, d, f], w2 [E, f, d])", d.d_ff],
-                ["vocabulary (untied embedding and output head)", f"{d.vocab:,}"],
-                ["parameters (active per token)", f"{p / 1e9:,.3f}B ({d.active_params / 1e9:,.1f}B)"],
-                ["of which experts", f"{sum(math.prod(s) for _, s, g, _ in d.params() if g == 'expert') / 1e9:,.1f}B"],
-            ],
-        ),
-        "",
-        "Saved per parameter tensor: the FP32 weight, Adam `exp_avg` and `exp_avg_sq` (FP32, same layout), and "
-        "a 0-d `step` tensor (as `torch.optim.Adam` keeps it). Plus trainer values (step, tokens, epoch, a config "
-        "dict), LR-scheduler values, the flattened optimizer `param_groups` (6 hyperparameters per parameter, as "
-        "`get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)` produces), a data-loader position per "
-        "DP rank, and each rank's RNG states as `bytes` (5,056-byte CPU generator state, 16-byte CUDA state).",
-        "",
-        "## Layouts",
-        "",
-        *_table(
-            ["", "ranks", "PP", "per stage", "dense parameters", "experts"],
-            [
-                [
-                    name,
-                    f"{lay.world:,}",
-                    lay.pp,
-                    lay.dp,
-                    f"`Shard(0)` over DP {lay.dp}",
-                    f"EP-MP {lay.ep_mp} (`Shard(0)`, {d.experts // lay.ep_mp} experts) x EP-DP {lay.ep_dp} "
-                    "(`Shard(1)`, sharded)",
-                ]
-                for name, lay in [("save", r.save), *((f"load: {k}", v) for k, v in r.loads.items())]
-                for lay in [lay if isinstance(lay, Layout) else lay.layout]
-            ],
-        ),
-        "",
-        "Ranks are stage-major (rank = stage x per-stage + DP rank); the DP ranks of a stage also form the "
-        "EP-MP x EP-DP expert mesh. Layers are split evenly over stages; the embedding sits on the first stage, "
-        f"the final norm and output head on the last. {r.save.ranks_per_node} ranks per node.",
-        "",
-        f"## Planning time (save, {w:,} ranks)",
-        "",
-        "Every rank gathers all descriptions (`Group.all_gather_json`), decodes them and builds the whole plan "
-        "(coverage check, shard grids, writers), then takes its own shards (`ZarrSavePlan.shards_of`) and its share of "
-        "`zarr.json` documents (`ZarrSavePlan.metadata_of`). The coordinator (rank 0) also builds the manifest. "
-        "Budget: 10 s.",
-        "",
-        *_table(
-            ["step", "time (wall, CPU)"],
-            [
-                ["(before the gather) `collect(state).describe()` of the rank's own state", r.describe],
-                ["decode the gathered descriptions", r.decode],
-                ["`build_save_plan`", r.build],
-                ["`shards_of` + `metadata_of` (own share)", r.own_share],
-                ["**one rank, all of the above**", f"**{r.per_rank}**"],
-                ["manifest (`Manifest(...).dumps()`)", r.manifest_build],
-                ["**coordinator (rank 0), all of the above**", f"**{r.coordinator}**"],
-                [f"(not planning) simulating the {w:,} ranks' state dicts and `describe()`", f"{r.generate_s:.0f} s"],
-            ],
-        ),
-        "",
-        BEFORE_MEASURED,
-        "",
-        *_table(
-            ["all-gathered descriptions", "bytes"],
-            [
-                [
-                    "one rank's description (min / median / max)",
-                    f"{min(r.raws):,} / {int(statistics.median(r.raws)):,} / {max(r.raws):,}",
-                ],
-                [f"all {w:,} (what each rank decodes)", _mb(sum(r.raws))],
-                ["received per rank (`all_gather` pads to the longest)", _mb(max(r.raws) * len(r.raws))],
-            ],
-        ),
-        "",
-        "## Objects, requests and bytes per checkpoint (save)",
-        "",
-        *_table(
-            ["", "count / bytes"],
-            [
-                [f"arrays (global tensors, incl. {2 * w:,} per-rank RNG `bytes`)", f"{c.arrays:,}"],
-                ["shard objects (one per rank's box; one PUT each)", f"{c.shard_objects:,}"],
-                ["`zarr.json` documents (arrays + groups)", f"{c.docs:,} ({c.arrays:,} + {c.groups:,})"],
-                ["PUT requests (shards, documents, pending marker, manifest)", f"{c.puts:,}"],
-                ["PUTs by the busiest rank", f"{max(c.per_rank_puts):,}"],
-                ["manifest (root `zarr.json`, consolidated metadata)", _mb(c.manifest_bytes)],
-                ["`zarr.json` documents in all", _mb(c.doc_bytes)],
-                ["12 x parameters (FP32 weight + 2 Adam moments)", f"{12 * p:,} B = {_gib(12 * p)}"],
-                [
-                    "array data (all elements, step counters and RNG included)",
-                    f"{c.data_bytes:,} B = {_gib(c.data_bytes)}",
-                ],
-                [
-                    "shard objects as stored (index + crc32c per chunk)",
-                    f"{c.object_bytes:,} B (x{c.object_bytes / (12 * p):.6f} of 12P)",
-                ],
-                ["everything written", f"{_gib(c.object_bytes + c.doc_bytes + c.manifest_bytes)}"],
-                ["bytes written by the busiest rank (rank with the embedding or head)", _gib(max(c.per_rank_bytes))],
-                ["bytes written per rank (median)", _gib(statistics.median(c.per_rank_bytes))],
-                ["largest object", _mb(c.largest_object)],
-            ],
-        ),
-        "",
-        "Shard objects by size: "
-        + ", ".join(f"{label}: {n:,}" for label, n in c.objects_by_size.items())
-        + f". FSDP-style `Shard(0)` of small tensors over {r.save.dp} ranks makes many tiny objects (a "
-        f"{d.d_model:,}-element norm weight becomes {r.save.dp} objects of {4 * d.d_model // r.save.dp} bytes "
-        "of data; each 0-d step counter is one object).",
-        "",
-        "## Loading into a different layout (resharding)",
-        "",
-        "Each target rank builds its read requests from the manifest (as `zarrckpt.load` does) and plans them "
-        "with the real `zarrckpt.fetch.plan_fetches` (object-store capabilities): one GET per planned fetch (the "
-        "whole object in one GET when it is <= 8 MiB and all of it is needed, or when it is <= 1 MiB; else its "
-        "index plus one ranged GET per run of adjacent needed inner chunks, <= 8 MiB each; with the commit record "
-        "in the manifest, as here, no index GET: each chunk is checked against its committed crc32c).",
-        "",
-        *_table(
-            ["", *r.loads],
-            [
-                ["ranks", *(f"{x.world:,}" for x in r.loads.values())],
-                ["read requests (target regions)", *(f"{x.requests:,}" for x in r.loads.values())],
-                ["shards touched (tasks)", *(f"{x.shard_tasks:,}" for x in r.loads.values())],
-                ["data GET requests", *(f"{x.gets:,}" for x in r.loads.values())],
-                ["GETs by the busiest rank", *(f"{max(x.per_rank_gets):,}" for x in r.loads.values())],
-                ["bytes needed", *(_gib(x.bytes_needed) for x in r.loads.values())],
-                ["bytes read", *(_gib(x.bytes_read) for x in r.loads.values())],
-                ["bytes read / bytes needed", *(f"{x.bytes_read / x.bytes_needed:.4f}" for x in r.loads.values())],
-                [
-                    "manifest GETs per job (rank 0: open, then the end-of-load check; broadcast to the others)",
-                    *("2" for _ in r.loads.values()),
-                ],
-                ["all-gathered key lists (load's `all_gather_json`)", *(_mb(x.gather_bytes) for x in r.loads.values())],
-                [
-                    "`plan_fetches` on one rank (the slowest of the first, middle and last)",
-                    *(str(x.plan_reads) for x in r.loads.values()),
-                ],
-                [
-                    "parse the manifest (`Manifest.loads`), every rank (the end-of-load check reads only the save id)",
-                    *(str(r.manifest_parse) for _ in r.loads),
-                ],
-                ["RNG keys of the target not in the checkpoint", *(f"{x.missing_rng:,}" for x in r.loads.values())],
-            ],
-        ),
-        "",
-        "## Predicted save and load time",
-        "",
-        f"Assumptions: {a.ranks_per_node} ranks per node, {a.node_bandwidth / GB:g} GB/s per node to the object "
-        f"store in each direction; {a.latency * 1e3:g} ms to first byte per request, {a.in_flight} requests in "
-        f"flight per rank (zarrckpt's default for object stores); an S3 prefix partition sustains "
-        f"{a.put_rate:,.0f} PUT/s and {a.get_rate:,.0f} GET/s. *Scaled*: the bucket's request rate does not bind "
-        "(S3 partitions busy prefixes; every array is its own prefix). *One partition*: all requests go through "
-        "one partition, as for a fresh bucket before S3 re-partitions it. Transfer time = max(the busiest node's "
-        "bytes / node bandwidth, the busiest rank's requests x latency / in-flight), and with one partition at "
-        "least all requests / partition rate. Checksums, staging copies and the commit barrier are not modelled.",
-        "",
-        *_prediction_table(r),
-        "",
-        "## Caveats",
-        "",
-        "- Planning times are measured on 2 shared CPU cores and taken as medians; a training node's core is "
-        "typically faster. The all-gather itself (each rank receives the padded descriptions) is not timed.",
-        "- The load-side timings cover planning only (manifest parse, `plan_fetches`); they do not include "
-        "building the target state dict or the key comparison `zarrckpt.load` does.",
-        "- Object counts follow from the layout: one object per distinct rank box. Small FSDP-sharded tensors "
-        "(norms, routers) and per-parameter step counters dominate the count, not the bytes.",
-        "- Predictions are first-order (bandwidth, latency, request rate); real object stores add throttling "
-        "retries (zarrckpt retries with backoff) and tail latency.",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def _summary(r: Results) -> list[str]:
-    a, c = r.assumptions, r.counts
-    save = transfer(c.per_rank_bytes, c.per_rank_puts, a.put_rate, a)
-    out = [
-        f"- Planning a save at {r.save.world:,} ranks: {r.per_rank.wall:.1f} s per rank ({r.per_rank.cpu:.1f} s CPU), "
-        f"{r.coordinator.wall:.1f} s at the coordinator ({r.coordinator.cpu:.1f} s CPU) -- budget 10 s (before this "
-        "issue's changes: 10.7-12.6 s).",
-        f"- Gathered descriptions: {_mb(sum(r.raws))}. Manifest: {_mb(c.manifest_bytes)} for {c.arrays:,} arrays.",
-        f"- One checkpoint: {c.shard_objects:,} shard objects, {c.puts:,} PUTs, "
-        f"{_gib(c.object_bytes + c.doc_bytes + c.manifest_bytes)} written = "
-        f"{(c.object_bytes + c.doc_bytes + c.manifest_bytes) / (12 * r.dims.n_params):.5f} x 12P.",
-    ]
-    for name, x in r.loads.items():
-        out.append(
-            f"- Load into {x.world:,} ranks ({name}): {x.gets:,} GETs, bytes read / needed "
-            f"{x.bytes_read / x.bytes_needed:.3f}."
-        )
-    out.append(
-        f"- Predicted at {a.node_bandwidth / GB:g} GB/s per node: save {r.per_rank.wall + save.scaled:.0f} s when the "
-        f"store's request rate does not bind, {r.per_rank.wall + save.worst:.0f} s through one S3 prefix "
-        "partition -- the object count, not the bytes, is the risk."
-    )
-    return out
-
-
-def _prediction_table(r: Results) -> list[str]:
-    a, c = r.assumptions, r.counts
-    save = transfer(c.per_rank_bytes, c.per_rank_puts, a.put_rate, a)
-    rows = [
-        [
-            f"save ({r.save.world:,} ranks)",
-            f"{r.per_rank.wall:.1f} s",
-            f"{save.bandwidth:.1f} s",
-            f"{save.latency:.1f} s",
-            f"{save.one_partition:.1f} s",
-            f"**{r.per_rank.wall + save.scaled:.1f} s**",
-            f"**{r.per_rank.wall + save.worst:.1f} s**",
-        ]
-    ]
-    for name, x in r.loads.items():
-        # + the manifest on rank 0, read twice (open, then the end-of-load check), broadcast to the others
-        gets = [g + (2 if rank == 0 else 0) for rank, g in enumerate(x.per_rank_gets)]
-        nbytes = [b + (2 * c.manifest_bytes if rank == 0 else 0) for rank, b in enumerate(x.per_rank_bytes)]
-        load = transfer(nbytes, gets, a.get_rate, a)
-        plan = 2 * r.manifest_parse.wall + x.plan_reads.wall
-        rows.append(
-            [
-                f"load: {name} ({x.world:,} ranks)",
-                f"{plan:.1f} s",
-                f"{load.bandwidth:.1f} s",
-                f"{load.latency:.1f} s",
-                f"{load.one_partition:.1f} s",
-                f"**{plan + load.scaled:.1f} s**",
-                f"**{plan + load.worst:.1f} s**",
-            ]
-        )
-    return _table(
-        [
-            "",
-            "planning (measured)",
-            "bandwidth",
-            "latency",
-            "request rate, one partition",
-            "total, scaled",
-            "total, one partition",
-        ],
-        rows,
-    )
+    dcp: DcpSave
 
 
 # -- main -------------------------------------------------------------------------------------------------------
@@ -814,6 +486,7 @@ def run(dims: Dims, save: Layout, loads: dict[str, Layout], reps: int, profile: 
     own_t, _ = measure(lambda: (plan.shards_of(last), plan.metadata_of(last)), reps)
     manifest_t, manifest = measure(lambda: manifest_of(plan), reps)
     parse_t, _ = measure(lambda: Manifest.loads(manifest, "scale model"), reps)
+    dcp = DcpLayout(descs)
     if profile is not None:
         profile.mkdir(parents=True, exist_ok=True)
         prof = cProfile.Profile()
@@ -837,8 +510,9 @@ def run(dims: Dims, save: Layout, loads: dict[str, Layout], reps: int, profile: 
         manifest_build=manifest_t,
         manifest_parse=parse_t,
         counts=save_counts(plan, manifest),
-        loads={name: plan_load(dims, lay, manifest, reps) for name, lay in loads.items()},
+        loads={name: plan_load(dims, lay, manifest, reps, dcp) for name, lay in loads.items()},
         assumptions=Assumptions(ranks_per_node=save.ranks_per_node),
+        dcp=dcp.save(),
     )
 
 

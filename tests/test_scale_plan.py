@@ -148,7 +148,7 @@ def test_a_misdeclared_box_is_caught_although_its_spec_is_shared(raws: list[byte
     assert any("claimed twice" in p for p in problems) and any("held by no rank" in p for p in problems)
 
 
-def test_resharding_load_plan_covers_every_target_region(plan: ZarrSavePlan) -> None:
+def test_resharding_load_plan_covers_every_target_region(plan: ZarrSavePlan, raws: list[bytes]) -> None:
     manifest = Manifest.loads(sm.manifest_of(plan), "test")
     for rank in (0, 1, LOAD.world - 1):
         with sm.fake_rank(rank, LOAD.world):
@@ -161,6 +161,10 @@ def test_resharding_load_plan_covers_every_target_region(plan: ZarrSavePlan) -> 
                 for part, req in parts:
                     covered[id(req)] += part.volume
         assert all(covered[id(r)] == r.box.volume for r in requests)
-    counts = sm.plan_load(DIMS, LOAD, sm.manifest_of(plan), 1)
+    dcp = sm.DcpLayout(sm.decode(raws))
+    counts = sm.plan_load(DIMS, LOAD, sm.manifest_of(plan), 1, dcp)
     assert counts.gets >= counts.shard_tasks and counts.bytes_read >= counts.bytes_needed > 0
     assert counts.missing_rng == 0
+    assert sum(counts.dcp_bytes) >= counts.bytes_needed and sum(counts.dcp_gets) >= counts.requests
+    same = sm.plan_load(DIMS, SAVE, sm.manifest_of(plan), 1, dcp)  # the saved layout: DCP reads each chunk once
+    assert sum(same.dcp_bytes) == same.bytes_needed and sum(same.dcp_gets) == same.requests
