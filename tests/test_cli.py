@@ -194,6 +194,17 @@ def test_diff(url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert vals["rel_l2"] == pytest.approx(0.5 / EXPERTS.double().norm().item(), rel=1e-5)
 
 
+def test_diff_sees_imaginary_parts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    z = torch.complex(torch.ones(4), torch.zeros(4))
+    zarrckpt.save({"freqs": z}, a)
+    zarrckpt.save({"freqs": z + 0.25j}, b)  # the real parts are equal
+    rc, out, _ = run(capsys, "diff", a, b, "--json")
+    (vals,) = json.loads(out)["values"]
+    assert rc == 1 and not vals["equal"] and vals["max_abs_diff"] == pytest.approx(0.25)
+    assert vals["rel_l2"] == pytest.approx(0.25)
+
+
 def test_diff_in_row_blocks(
     url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -63,10 +63,11 @@ def compare(a: zarrckpt.TensorView, b: zarrckpt.TensorView, atol: float = 0.0, r
     for lo in range(0, rows, step):
         index: Any = slice(lo, lo + step) if a.shape else ()
         x, y = a[index], b[index]
+        wide = torch.complex128 if x.is_complex() or y.is_complex() else torch.float64  # keep imaginary parts
         if x.dtype == y.dtype and torch.equal(x, y):
-            ref_sq += float((x.to(torch.float64) ** 2).sum())
+            ref_sq += float((x.to(wide).abs() ** 2).sum())
             continue
-        x64, y64 = x.to(torch.float64), y.to(torch.float64)
+        x64, y64 = x.to(wide), y.to(wide)
         same = (x64 == y64) | (x64.isnan() & y64.isnan())
         d = (x64 - y64).abs()
         d[same] = 0.0
@@ -77,7 +78,7 @@ def compare(a: zarrckpt.TensorView, b: zarrckpt.TensorView, atol: float = 0.0, r
         if d.numel():
             max_abs = max(max_abs, float(d.max()))
         diff_sq += float((d**2).sum())
-        ref_sq += float((x64**2).nan_to_num(nan=0.0).sum())
+        ref_sq += float((x64.abs() ** 2).nan_to_num(nan=0.0).sum())
     rel = 0.0 if diff_sq == 0 else (math.sqrt(diff_sq / ref_sq) if ref_sq else math.inf)
     return {"equal": equal, "max_abs_diff": max_abs, "rel_l2": rel, "within_tolerance": within}
 
