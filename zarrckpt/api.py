@@ -16,6 +16,7 @@ from . import commit as protocol
 from . import dtypes, integrity, stateful, values
 from .dist import Group
 from .errors import LayoutMismatchError, ZarrckptError
+from .fanread import read_shared
 from .format import MANIFEST, ArrayMeta, Manifest
 from .keys import Path, flat_key, iter_leaves, nest, set_leaf
 from .layout import Box
@@ -117,6 +118,7 @@ def load(
     cast: bool = False,
     allow_pickle: bool = False,
     allow_modified: bool = False,
+    fan_out: bool = True,
 ) -> None:
     """Load the checkpoint at ``url`` into ``state_dict`` in place; every rank calls it.
 
@@ -153,6 +155,9 @@ def load(
             is now (chunks in any valid shard layout, each chunk's crc32c still checked). Without
             it, loading a tensor or value that changed raises ``ModifiedCheckpointError``
             before anything is loaded.
+        fan_out: a region that several ranks need (replicas: DDP, HSDP, replicated experts, plain
+            tensors on every rank) is read from storage by one of them and sent to the others over
+            the process group (:mod:`zarrckpt.fanread`); ``False``: every rank reads all it needs.
 
     Raises:
         LayoutMismatchError: the target does not match the checkpoint (keys, shapes, dtypes);
@@ -217,7 +222,10 @@ def load(
     plain, nested = group.run_together(decode_values, "decoding the saved values")
     requests, finish = _plan_targets(leaves, manifest, state_dict)
     try:
-        nbytes = group.run_together(lambda: read_regions(storage, requests, any_layout=allow_modified), "reading")
+        if fan_out:
+            nbytes = read_shared(group, storage, manifest, requests, any_layout=allow_modified)
+        else:
+            nbytes = group.run_together(lambda: read_regions(storage, requests, any_layout=allow_modified), "reading")
     except ZarrckptError:
         _check_unchanged(group, storage, manifest.save_id)  # an overwrite explains it better
         raise

@@ -6,9 +6,10 @@ Everything exchanged is JSON encoded into uint8 tensors, so no pickle crosses ra
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import numpy as np
 import torch
 import torch.distributed as torch_dist
 
@@ -80,6 +81,49 @@ class Group:
             buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         torch_dist.broadcast(buf, root, group=self.pg)
         return bytes(buf.cpu().numpy())
+
+    def exchange(self, sends: Sequence[tuple[int, np.ndarray]], recvs: Sequence[tuple[int, np.ndarray]]) -> None:
+        """Point-to-point transfers, all posted at once, then awaited.
+
+        Args:
+            sends: ``(group rank, buffer)``: the buffer goes to that rank.
+            recvs: ``(group rank, buffer)``: the buffer is filled from that rank.
+                Buffers are C-contiguous uint8 host arrays. Between two ranks, the n-th send
+                from one fills the n-th receive of the other, so both must list them in the same
+                order (and sizes). On a GPU backend (NCCL) the bytes go through device buffers.
+
+        Raises:
+            ZarrckptError: a transfer failed (a peer gone, a size mismatch).
+        """
+        if not self.active or not (sends or recvs):
+            return
+        ops: list[torch_dist.P2POp] = []
+        landing: list[tuple[torch.Tensor, np.ndarray]] = []
+        counts: dict[tuple[str, int], int] = {}
+
+        def tag(way: str, peer: int) -> int:  # the n-th transfer between this pair: matched on both sides
+            n = counts[way, peer] = counts.get((way, peer), -1) + 1
+            return n
+
+        try:
+            for peer, buf in sends:
+                t = torch.from_numpy(buf).to(self.device)
+                ops.append(torch_dist.P2POp(torch_dist.isend, t, group=self.pg, tag=tag("send", peer), group_peer=peer))
+            for peer, buf in recvs:
+                t = (
+                    torch.from_numpy(buf)
+                    if self.device.type == "cpu"
+                    else torch.empty(len(buf), dtype=torch.uint8, device=self.device)
+                )
+                landing.append((t, buf))
+                ops.append(torch_dist.P2POp(torch_dist.irecv, t, group=self.pg, tag=tag("recv", peer), group_peer=peer))
+            for work in torch_dist.batch_isend_irecv(ops):
+                work.wait()
+        except RuntimeError as e:
+            raise ZarrckptError(f"rank {self.rank}: sending or receiving data between ranks failed: {e}") from e
+        for t, buf in landing:
+            if t.device.type != "cpu":
+                buf[:] = t.cpu().numpy()
 
     def on_rank0(self, fn: Callable[[], bytes], what: str) -> bytes:
         """Run ``fn`` on rank 0 only and hand its result to every rank; if it fails, every rank

@@ -1,0 +1,367 @@
+"""Read once, fan out: the planner (pure, checked by simulating its plans) and loads on gloo ranks
+against the moto S3 server, whose own request log counts the bytes fetched."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import zarrckpt
+from zarrckpt import fanout
+from zarrckpt.fanout import ArrayInfo, FanOutPlan
+from zarrckpt.layout import Box, cells_in
+from zarrckpt.testing import RequestLog, spawn
+
+Wants = list[list[tuple[int, Box]]]
+
+# ---------------------------------------------------------------------------------------------
+# the planner, simulated: "storage" is a numpy array per saved array, ranks are lists of buffers
+
+
+def _simulate(wants: Wants, arrays: list[ArrayInfo], plan: FanOutPlan) -> tuple[int, list[list[np.ndarray]]]:
+    """Run ``plan`` in memory; returns the inner chunks fetched (per rank and round, each once) and
+    every rank's filled buffers. Checks that every element of every request is written exactly once."""
+    stored = [np.arange(math.prod(a.shape), dtype=np.int64).reshape(a.shape) for a in arrays]
+    dests = [[np.full(box.sizes, -1, dtype=np.int64) for _, box in reqs] for reqs in wants]
+    writes = [[np.zeros(box.sizes, dtype=np.int64) for _, box in reqs] for reqs in wants]
+    fetched: set[tuple[int, int, int, tuple[int, ...]]] = set()
+
+    def fetch(rank: int, n: int, array: int, region: Box) -> np.ndarray:
+        fetched.update((rank, n, array, c) for c in cells_in(region, arrays[array].chunk_shape))
+        return stored[array][region.slices()].copy()
+
+    def put(rank: int, slot: int, region: Box, data: np.ndarray) -> np.ndarray:
+        box = wants[rank][slot][1]
+        assert box.intersect(region) == region, "a region outside the request it lands in"
+        where = region.relative_to(box.offsets).slices()
+        dests[rank][slot][where] = data
+        writes[rank][slot][where] += 1
+        return dests[rank][slot][where]
+
+    for rank, slots in enumerate(plan.solo):
+        for slot in slots:
+            array, box = wants[rank][slot]
+            put(rank, slot, box, fetch(rank, 0, array, box))
+    for n, rnd in enumerate(plan.rounds):
+        held = {}
+        for i, item in enumerate(rnd.items):
+            data = fetch(item.reader, n, item.array, item.region)
+            assert item.nbytes == item.region.volume * arrays[item.array].itemsize
+            held[i] = put(item.reader, item.source, item.region, data) if item.source >= 0 else data
+        for msg in rnd.messages:
+            assert all(rnd.items[i].reader == msg.src for i in msg.items)
+            buf = np.concatenate([held[i].reshape(-1) for i in msg.items])
+            assert sum(held[i].size * arrays[rnd.items[i].array].itemsize for i in msg.items) == msg.nbytes
+            for dst in msg.dsts:
+                at = 0
+                for i in msg.items:
+                    item = rnd.items[i]
+                    assert dst in {r for r, _ in item.targets}, "a message to a rank that is no target"
+                    for r, slot in item.targets:
+                        if r == dst:
+                            put(r, slot, item.region, buf[at : at + item.region.volume].reshape(item.region.sizes))
+                    at += item.region.volume
+        sent = {(i, d) for m in rnd.messages for i in m.items for d in m.dsts}
+        assert sent == {(i, r) for i, item in enumerate(rnd.items) for r, _ in item.targets}, "a target not sent to"
+    for rank, reqs in enumerate(wants):
+        for slot, (array, box) in enumerate(reqs):
+            assert (writes[rank][slot] == 1).all(), f"rank {rank} request {slot}: elements written not exactly once"
+            np.testing.assert_array_equal(dests[rank][slot], stored[array][box.slices()])
+    return len(fetched), dests
+
+
+def _naive_chunks(wants: Wants, arrays: list[ArrayInfo]) -> int:
+    """Inner chunks fetched when every rank reads its own requests."""
+    return sum(len(list(cells_in(box, arrays[a].chunk_shape))) for reqs in wants for a, box in reqs)
+
+
+@st.composite
+def _problems(draw: st.DrawFn) -> tuple[Wants, list[ArrayInfo]]:
+    arrays = []
+    for _ in range(draw(st.integers(1, 3))):
+        ndim = draw(st.integers(0, 2))
+        shape = tuple(draw(st.integers(1, 9)) for _ in range(ndim))
+        chunks = tuple(draw(st.integers(1, max(1, n))) for n in shape)
+        arrays.append(ArrayInfo(shape, chunks, 8))
+    world = draw(st.integers(1, 5))
+    wants: Wants = [[] for _ in range(world)]
+    for rank in range(world):
+        for a, info in enumerate(arrays):
+            choice = draw(st.sampled_from(["none", "box", "replica", "replica", "full"]))
+            earlier = [box for reqs in wants[:rank] for b, box in reqs if b == a]
+            if choice == "replica" and earlier:
+                box = draw(st.sampled_from(earlier))
+            elif choice == "full" or not info.shape:
+                box = Box.full(info.shape)
+            elif choice in ("box", "replica"):
+                lo = [draw(st.integers(0, n - 1)) for n in info.shape]
+                box = Box(tuple(lo), tuple(draw(st.integers(1, n - o)) for o, n in zip(lo, info.shape, strict=True)))
+            else:
+                continue
+            wants[rank].append((a, box))
+    return wants, arrays
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_problems(), st.sampled_from([8, 64, 10**9]), st.sampled_from([8, 200, 10**9]), st.sampled_from([1, 10**9]))
+def test_every_plan_fills_every_request_exactly_once_and_fetches_no_more_chunks(
+    problem: tuple[Wants, list[ArrayInfo]], piece: int, budget: int, pack: int
+) -> None:
+    wants, arrays = problem
+    plan = fanout.plan(wants, arrays, piece_bytes=piece, round_bytes=budget, pack_bytes=pack)
+    fetched, _ = _simulate(wants, arrays, plan)
+    assert fetched <= _naive_chunks(wants, arrays)
+    shared = {}
+    for rank, reqs in enumerate(wants):
+        for a, box in reqs:
+            shared.setdefault((a, box), set()).add(rank)
+    if all(len(ranks) == 1 for ranks in shared.values()) and not any(
+        a == b and x != y and x.intersect(y) for a, x in shared for b, y in shared
+    ):
+        assert not plan.rounds  # nothing shared: everybody reads its own, no exchange
+
+
+@settings(max_examples=200, deadline=None)
+@given(_problems(), st.integers(2, 6), st.sampled_from([8, 64, 10**9]))
+def test_replicas_on_every_rank_fetch_each_needed_chunk_once(
+    problem: tuple[Wants, list[ArrayInfo]], world: int, piece: int
+) -> None:
+    _, arrays = problem
+    boxes = [Box.full(a.shape) for a in arrays]
+    wants: Wants = [[(a, box) for a, box in enumerate(boxes)] for _ in range(world)]
+    plan = fanout.plan(wants, arrays, piece_bytes=piece)
+    fetched, _ = _simulate(wants, arrays, plan)
+    assert fetched == sum(len(list(cells_in(box, a.chunk_shape))) for a, box in zip(arrays, boxes, strict=True))
+
+
+def test_partial_overlaps_are_read_once_by_one_rank() -> None:
+    info = ArrayInfo((16, 4), (4, 4), 4)
+    wants: Wants = [[(0, Box((0, 0), (10, 4)))], [(0, Box((5, 0), (10, 4)))], [(0, Box((15, 0), (1, 4)))]]
+    plan = fanout.plan(wants, [info])
+    assert plan.solo == ((), (), (0,))  # row 15 overlaps nobody's
+    (rnd,) = plan.rounds
+    assert len({item.reader for item in rnd.items}) == 1
+    fetched, _ = _simulate(wants, [info], plan)
+    assert fetched == 4 + 1  # rows 0:15 once (4 chunks), the chunk of rows 12:16 again by rank 2 for row 15
+
+
+def test_large_replicas_are_cut_at_chunk_rows_and_spread_over_ranks() -> None:
+    info = ArrayInfo((1000, 10), (30, 10), 4)  # 40 KB
+    wants: Wants = [[(0, Box.full(info.shape))] for _ in range(4)]
+    plan = fanout.plan(wants, [info], piece_bytes=10_000)
+    items = [item for rnd in plan.rounds for item in rnd.items]
+    assert len(items) == 4 and {item.reader for item in items} == {0, 1, 2, 3}
+    assert all(item.region.offsets[0] % 30 == 0 for item in items)
+    assert sum(item.region.sizes[0] for item in items) == 1000
+    assert all(len(item.targets) == 3 and item.source == 0 for item in items)
+
+
+def test_readers_are_spread_by_bytes() -> None:
+    arrays = [ArrayInfo((n,), (n,), 4) for n in (800, 100, 100, 100, 100, 100, 100, 100, 100)]
+    wants: Wants = [[(a, Box.full(info.shape)) for a, info in enumerate(arrays)] for _ in range(2)]
+    plan = fanout.plan(wants, arrays)
+    read = [sum(i.nbytes for rnd in plan.rounds for i in rnd.items if i.reader == r) for r in range(2)]
+    assert read == [3200, 3200]
+
+
+def test_rounds_bound_what_a_rank_receives() -> None:
+    arrays = [ArrayInfo((100,), (10,), 4) for _ in range(10)]  # 400 bytes each
+    wants: Wants = [[(a, Box.full((100,))) for a in range(10)] for _ in range(3)]
+    plan = fanout.plan(wants, arrays, round_bytes=1000, pack_bytes=1)
+    assert len(plan.rounds) > 1
+    for rnd in plan.rounds:
+        for rank in range(3):
+            got = sum(item.nbytes for item in rnd.items if rank in {r for r, _ in item.targets})
+            sent = sum(item.nbytes for item in rnd.items if item.reader == rank)
+            assert got + sent <= 1000
+    _simulate(wants, arrays, plan)
+
+
+def test_small_items_travel_packed() -> None:
+    arrays = [ArrayInfo((4,), (4,), 4) for _ in range(6)]
+    wants: Wants = [[(a, Box.full((4,))) for a in range(6)] for _ in range(3)]
+    (rnd,) = fanout.plan(wants, arrays).rounds
+    assert len(rnd.messages) == 3  # one message per reader, to the two others
+    assert {len(m.items) for m in rnd.messages} == {2}
+
+
+def test_a_request_for_an_unknown_array_is_refused() -> None:
+    with pytest.raises(ValueError, match="does not fit"):
+        fanout.plan([[(1, Box((0,), (1,)))]], [ArrayInfo((4,), (4,), 4)])
+
+
+# ---------------------------------------------------------------------------------------------
+# loads on gloo ranks against moto; bytes counted by the server
+
+ROWS, COLS = 192, 512  # 384 KiB of float32 per tensor
+CHUNK_BYTES = 64 * 1024  # 6 inner chunks per tensor
+
+
+def _replicated() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(7)
+    model = {f"w{i}": torch.randn(ROWS, COLS, generator=g) for i in range(6)}
+    model["emb"] = torch.randn(4 * ROWS, COLS, generator=g).to(torch.bfloat16)  # 768 KiB, bfloat16
+    model["bias"] = torch.randn(33, generator=g)
+    model["step"] = torch.tensor(5, dtype=torch.int64)
+    return {"model": model, "rng": torch.Generator().manual_seed(1).get_state(), "blob": b"\x00\x01" * 1000, "epoch": 3}
+
+
+def _one_copy_bytes(state: dict[str, Any]) -> int:
+    model = state["model"]
+    return sum(t.numel() * t.element_size() for t in model.values()) + state["rng"].numel() + len(state["blob"])
+
+
+def _shard_gets(log: RequestLog, url: str) -> tuple[int, int]:
+    """(GETs, bytes) of shard objects under ``url``, as the server counted them."""
+    gets = [r for r in log.requests(url) if r.method == "GET" and "/c/" in r.path]
+    return len(gets), sum(r.bytes_sent for r in gets)
+
+
+def _load_replicated(rank: int, world: int, url: str, opts: dict[str, Any], fan_out: bool, out: str) -> None:
+    want = _replicated()
+    target = {
+        "model": {k: torch.full_like(v, 9) for k, v in want["model"].items()},
+        "rng": torch.zeros_like(want["rng"]),
+        "blob": b"",
+        "epoch": 0,
+    }
+    zarrckpt.load(target, url, storage_options=opts, fan_out=fan_out)
+    for k, v in want["model"].items():
+        got = target["model"][k]
+        assert got.dtype == v.dtype and torch.equal(
+            got.reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)
+        ), k
+    assert torch.equal(target["rng"], want["rng"])
+    assert (target["blob"], target["epoch"]) == (want["blob"], 3)
+    Path(out, f"{rank}").write_text("ok")
+
+
+@pytest.fixture(scope="module")
+def replicated_url(s3_server: str) -> Any:
+    from zarrckpt.testing import s3_storage_options, unique_url
+
+    url, opts = unique_url("s3"), s3_storage_options(s3_server)
+    zarrckpt.save(_replicated(), url, storage_options=opts, chunk_bytes=CHUNK_BYTES)
+    yield url, opts
+    fs, root = fsspec.core.url_to_fs(url, **opts)
+    fs.rm(root, recursive=True)
+
+
+@pytest.mark.parametrize(("fan_out", "low", "high"), [(True, 1.0, 1.02), (False, 3.98, 4.02)], ids=["fan_out", "off"])
+def test_4_replicas_fetch_one_copy(
+    replicated_url: tuple[str, dict[str, Any]],
+    s3_requests: RequestLog,
+    tmp_path: Path,
+    fan_out: bool,
+    low: float,
+    high: float,
+) -> None:
+    url, opts = replicated_url
+    spawn(4, _load_replicated, url, opts, fan_out, str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "1", "2", "3"]
+    gets, nbytes = _shard_gets(s3_requests, url)
+    ratio = nbytes / _one_copy_bytes(_replicated())
+    assert low <= ratio <= high, (ratio, gets)
+
+
+def _mixed_state(rows: int = 90) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {
+        "sharded": torch.randn(rows, 256, generator=g),  # resharded 2 -> 3, no replica
+        "hsdp": torch.randn(rows, 256, generator=g),  # rows split 2 ways, each half on 2 of the 3 ranks ... or 1
+        "overlap": torch.randn(rows, 256, generator=g),  # ranks hold overlapping row ranges
+        "everywhere": torch.randn(rows, 256, generator=g),  # plain tensor on every rank
+    }
+
+
+def _rows(rank: int, world: int, n: int) -> tuple[int, int]:
+    return rank * n // world, (rank + 1) * n // world
+
+
+def _save_mixed(rank: int, world: int, url: str, opts: dict[str, Any]) -> None:
+    full = _mixed_state()
+    lo, hi = _rows(rank, world, 90)
+    state = {k: zarrckpt.LocalShard(v[lo:hi].clone(), tuple(v.shape), (lo, 0)) for k, v in full.items()}
+    zarrckpt.save({"m": state}, url, storage_options=opts, chunk_bytes=16 * 1024)
+
+
+MIXED_BOXES = {  # rank -> key -> rows it loads (of 90)
+    "sharded": [(0, 30), (30, 60), (60, 90)],
+    "hsdp": [(0, 45), (0, 45), (45, 90)],
+    "overlap": [(0, 50), (20, 70), (40, 90)],
+    "everywhere": [(0, 90)] * 3,
+}
+
+
+def _load_mixed(rank: int, world: int, url: str, opts: dict[str, Any], out: str) -> None:
+    full = _mixed_state()
+    target = {}
+    for key, boxes in MIXED_BOXES.items():
+        lo, hi = boxes[rank]
+        target[key] = zarrckpt.LocalShard(torch.zeros(hi - lo, 256), (90, 256), (lo, 0))
+    zarrckpt.load({"m": target}, url, storage_options=opts)
+    for key, boxes in MIXED_BOXES.items():
+        lo, hi = boxes[rank]
+        assert torch.equal(target[key].data, full[key][lo:hi]), key
+    Path(out, f"{rank}").write_text("ok")
+
+
+def test_mixed_replicated_sharded_and_overlapping_2_to_3(
+    s3_url: tuple[str, dict[str, Any]], s3_requests: RequestLog, tmp_path: Path
+) -> None:
+    url, opts = s3_url
+    spawn(2, _save_mixed, url, opts)
+    s3_requests.clear()
+    spawn(3, _load_mixed, url, opts, str(tmp_path))
+    assert len(list(tmp_path.iterdir())) == 3
+    gets = [r for r in s3_requests.requests(url) if r.method == "GET" and "/c/" in r.path]
+    per_key = {k: sum(r.bytes_sent for r in gets if f"/m/{k}/c/" in r.path) for k in MIXED_BOXES}
+    stored = 2 * (45 * 256 * 4 + 3 * 4 + 16 * 3 + 4)  # two shards: rows, a crc32c per chunk, the index
+    # replicated, partly replicated and overlapping: every stored byte fetched once
+    assert {k: n for k, n in per_key.items() if k != "sharded"} == dict.fromkeys(
+        ["hsdp", "overlap", "everywhere"], stored
+    )
+    # disjoint boxes are read as without fan-out: these small shards whole, by each rank touching them
+    assert per_key["sharded"] == 4 * stored // 2
+
+
+def _load_expecting_failure(rank: int, world: int, url: str, opts: dict[str, Any], out: str) -> None:
+    want = _replicated()
+    target = {"model": {k: torch.zeros_like(v) for k, v in want["model"].items()}}
+    try:
+        zarrckpt.load(target, url, storage_options=opts, strict=False)
+    except zarrckpt.ZarrckptError as e:
+        Path(out, f"{rank}").write_text(json.dumps([type(e).__name__, str(e)]))
+    else:
+        Path(out, f"{rank}").write_text(json.dumps(["none", ""]))
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "missing"])
+def test_a_failed_read_on_the_reader_raises_on_every_rank(
+    s3_url: tuple[str, dict[str, Any]], tmp_path: Path, damage: str
+) -> None:
+    url, opts = s3_url
+    zarrckpt.save(_replicated(), url, storage_options=opts, chunk_bytes=CHUNK_BYTES)
+    fs, root = fsspec.core.url_to_fs(url, **opts)
+    shard = f"{root}/model/w3/c/0/0"
+    if damage == "corrupt":
+        blob = bytearray(fs.cat_file(shard))
+        blob[100] ^= 0xFF
+        fs.pipe_file(shard, bytes(blob))
+    else:
+        fs.rm_file(shard)
+    spawn(4, _load_expecting_failure, url, opts, str(tmp_path))
+    got = [json.loads(Path(tmp_path, str(r)).read_text()) for r in range(4)]
+    kinds = sorted(kind for kind, _ in got)
+    # the one rank that read w3 raises the storage error itself; the others a ZarrckptError naming it
+    assert kinds == ["CorruptChunkError", "ZarrckptError", "ZarrckptError", "ZarrckptError"], got
+    assert all("CorruptChunkError" in msg for kind, msg in got if kind == "ZarrckptError"), got

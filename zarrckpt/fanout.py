@@ -1,0 +1,267 @@
+"""Read once, fan out: which rank reads each region several ranks need, and what it sends to whom (pure).
+
+:func:`plan` takes every rank's read requests (array, box) and finds, per array, the groups of
+overlapping boxes (identical boxes are replicas). A box no other rank's box overlaps is read by
+its rank as before. Every other group is read by one of its ranks (spread over ranks by bytes,
+largest first, to the least loaded), which sends each other holder its box; a group of
+replicas larger than ``piece_bytes`` is cut into pieces along saved chunk rows, so that several
+ranks read it. One rank reading a whole group (one storage read call) fetches each saved chunk
+it touches once, partial overlaps included.
+
+The exchange runs in rounds that bound, per rank, the bytes read for others plus the bytes
+received (``round_bytes``); items smaller than ``pack_bytes`` travel packed, one message per
+reader and set of receivers per round. Nothing here does I/O or imports torch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .layout import Box, Shape
+
+PIECE_BYTES = 16 * 1024 * 1024  # a replicated region larger than this is cut so that several ranks read it
+ROUND_BYTES = 256 * 1024 * 1024  # per rank and round: bytes read for others plus bytes received
+PACK_BYTES = 1024 * 1024  # items smaller than this are packed: one message per reader and receiver set
+
+Slot = tuple[int, int]  # (rank, index of one of its requests)
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    """What planning needs of a saved array: its shape, inner chunk shape and element size."""
+
+    shape: Shape
+    chunk_shape: Shape
+    itemsize: int
+
+
+@dataclass(frozen=True)
+class Item:
+    """``region`` of array ``array``, read from storage by ``reader`` and sent to ``targets``.
+
+    ``source`` is the reader's request whose destination holds ``region`` (-1: the region lies
+    outside the reader's own box and is read into a scratch buffer). Each target's request box
+    contains ``region``.
+    """
+
+    array: int
+    region: Box
+    reader: int
+    source: int
+    targets: tuple[Slot, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Message:
+    """One transfer of a round: ``items`` (indices into the round's items), concatenated in that
+    order, sent by ``src`` to each of ``dsts``."""
+
+    src: int
+    dsts: tuple[int, ...]
+    items: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Round:
+    """Reads, then transfers: every item is read by its reader before the messages move."""
+
+    items: tuple[Item, ...]
+    messages: tuple[Message, ...]
+
+
+@dataclass(frozen=True)
+class FanOutPlan:
+    """Per rank, the requests it reads itself as before (``solo``, with the first round), and the rounds."""
+
+    solo: tuple[tuple[int, ...], ...]
+    rounds: tuple[Round, ...]
+
+    def reads(self, rank: int, n: int) -> list[int]:
+        """Indices of the items of round ``n`` that ``rank`` reads."""
+        return [i for i, item in enumerate(self.rounds[n].items) if item.reader == rank]
+
+
+@dataclass
+class _Unit:
+    """What one reader takes on at once: a group of overlapping boxes, or one piece of a replicated box."""
+
+    array: int
+    # distinct box (or piece) -> the slots holding it, and the request box of each slot
+    boxes: dict[Box, list[tuple[Slot, Box]]]
+    nbytes: int
+    ranks: list[int] = field(default_factory=list)
+
+
+def plan(
+    wants: Sequence[Sequence[tuple[int, Box]]],
+    arrays: Sequence[ArrayInfo],
+    *,
+    piece_bytes: int = PIECE_BYTES,
+    round_bytes: int = ROUND_BYTES,
+    pack_bytes: int = PACK_BYTES,
+) -> FanOutPlan:
+    """Plan a fanned-out read.
+
+    Args:
+        wants: per rank, its requests in order: (index into ``arrays``, box of that array).
+        arrays: the saved arrays the requests refer to.
+        piece_bytes: a replicated box larger than this is cut along saved chunk rows into pieces
+            about this big, read by different ranks.
+        round_bytes: the bytes a rank reads for others plus those it receives, per round (a
+            larger single piece gets a round of its own).
+        pack_bytes: items smaller than this travel packed together.
+
+    Returns:
+        The plan; without a region that two ranks need, it has no rounds and every request is solo.
+
+    Raises:
+        ValueError: a request names an array not in ``arrays`` or a box of the wrong rank.
+    """
+    by_array: dict[int, dict[Box, list[Slot]]] = {}
+    for rank, reqs in enumerate(wants):
+        for i, (array, box) in enumerate(reqs):
+            if not 0 <= array < len(arrays) or len(box.offsets) != len(arrays[array].shape):
+                raise ValueError(f"rank {rank} request {i}: {box} of array {array} does not fit the arrays given")
+            if box.volume:
+                by_array.setdefault(array, {}).setdefault(box, []).append((rank, i))
+    solo: list[list[int]] = [[] for _ in wants]
+    load = [0] * len(wants)
+    units: list[_Unit] = []
+    for array in sorted(by_array):
+        info, distinct = arrays[array], by_array[array]
+        boxes = list(distinct)
+        for group in _components(boxes):
+            holders = {b: [(s, b) for s in distinct[b]] for b in (boxes[j] for j in group)}
+            ranks = sorted({s[0] for slots in holders.values() for s, _ in slots})
+            if len(ranks) == 1 and sum(len(v) for v in holders.values()) == 1:
+                (((rank, i), box),) = next(iter(holders.values()))
+                solo[rank].append(i)
+                load[rank] += box.volume * info.itemsize
+            elif len(holders) == 1:
+                box, slots = next(iter(holders.items()))
+                for piece in _pieces(box, info, piece_bytes):
+                    units.append(_Unit(array, {piece: slots}, piece.volume * info.itemsize, ranks))
+            else:
+                units.append(_Unit(array, holders, sum(b.volume for b in holders) * info.itemsize, ranks))
+    items_of: list[list[Item]] = []
+    for unit in sorted(units, key=lambda u: (-u.nbytes, u.array, sorted(u.boxes, key=_order)[0].offsets)):
+        reader = min(unit.ranks, key=lambda r: (load[r], r))
+        load[reader] += unit.nbytes
+        items_of.append(_items(unit, reader, arrays[unit.array].itemsize))
+    rounds = _rounds(items_of, round_bytes)
+    return FanOutPlan(
+        tuple(tuple(sorted(s)) for s in solo),
+        tuple(Round(tuple(items), _messages(items, pack_bytes)) for items in rounds),
+    )
+
+
+def _order(box: Box) -> tuple[Shape, Shape]:
+    return box.offsets, box.sizes
+
+
+def _items(unit: _Unit, reader: int, itemsize: int) -> list[Item]:
+    """The unit's items once ``reader`` reads it: one per distinct box (or piece)."""
+    out = []
+    for region in sorted(unit.boxes, key=_order):
+        slots = unit.boxes[region]
+        own = [i for (rank, i), box in slots if rank == reader and box.intersect(region) == region]
+        targets = tuple(s for s, _ in slots if s[0] != reader)
+        out.append(Item(unit.array, region, reader, own[0] if own else -1, targets, region.volume * itemsize))
+    return out
+
+
+def _components(boxes: Sequence[Box]) -> list[list[int]]:
+    """Groups of boxes (indices) connected by overlaps, in order of their first member.
+
+    A sweep along the dimension where the boxes' offsets differ most: only boxes whose
+    intervals there overlap are compared.
+    """
+    parent = list(range(len(boxes)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    ndim = len(boxes[0].offsets) if boxes else 0
+    if ndim and len(boxes) > 1:
+        d = max(range(ndim), key=lambda d: len({b.offsets[d] for b in boxes}))
+        active: list[int] = []
+        for i in sorted(range(len(boxes)), key=lambda i: boxes[i].offsets[d]):
+            active = [j for j in active if boxes[j].ends[d] > boxes[i].offsets[d]]
+            for j in active:
+                if boxes[i].intersect(boxes[j]) is not None:
+                    parent[root(i)] = root(j)
+            active.append(i)
+    elif len(boxes) > 1:  # 0-d: every box is the same one element
+        parent = [0] * len(boxes)
+    groups: dict[int, list[int]] = {}
+    for i in range(len(boxes)):
+        groups.setdefault(root(i), []).append(i)
+    return list(groups.values())
+
+
+def _pieces(box: Box, info: ArrayInfo, piece_bytes: int) -> list[Box]:
+    """``box`` cut along its first dimension at saved chunk rows into pieces of about ``piece_bytes``."""
+    nbytes = box.volume * info.itemsize
+    if not box.offsets or nbytes <= piece_bytes:
+        return [box]
+    step, lo, hi = info.chunk_shape[0], box.offsets[0], box.ends[0]
+    cuts = list(range((lo // step + 1) * step, hi, step))  # chunk row boundaries inside the box
+    want = min(len(cuts) + 1, math.ceil(nbytes / piece_bytes))
+    if want <= 1:
+        return [box]
+    rows = hi - lo
+    chosen = sorted({min(cuts, key=lambda c: abs(c - (lo + rows * k / want))) for k in range(1, want)})
+    edges = [lo, *chosen, hi]
+    return [Box((a, *box.offsets[1:]), (b - a, *box.sizes[1:])) for a, b in itertools.pairwise(edges) if b > a]
+
+
+def _rounds(units: Sequence[Sequence[Item]], round_bytes: int) -> list[list[Item]]:
+    """Units' items packed first-fit into rounds, each rank reading for others plus receiving at most
+    ``round_bytes`` per round (a unit over the budget alone in a round of its own, as far as its ranks go)."""
+    rounds: list[list[Item]] = []
+    loads: list[dict[int, int]] = []
+    for items in units:
+        cost: dict[int, int] = {}
+        for item in items:
+            if item.targets or item.source < 0:
+                cost[item.reader] = cost.get(item.reader, 0) + item.nbytes
+            for rank in {r for r, _ in item.targets}:
+                cost[rank] = cost.get(rank, 0) + item.nbytes
+        fits = (
+            n
+            for n, used in enumerate(loads)
+            if all(not used.get(r) or used[r] + c <= round_bytes for r, c in cost.items())
+        )
+        n = next(fits, len(rounds))
+        if n == len(rounds):
+            rounds.append([])
+            loads.append({})
+        rounds[n].extend(items)
+        for r, c in cost.items():
+            loads[n][r] = loads[n].get(r, 0) + c
+    return rounds
+
+
+def _messages(items: Sequence[Item], pack_bytes: int) -> tuple[Message, ...]:
+    """The transfers of one round: a message per large item, one per reader and receiver set for small ones."""
+    out: list[Message] = []
+    packs: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+    for i, item in enumerate(items):
+        dsts = tuple(sorted({r for r, _ in item.targets}))
+        if not dsts:
+            continue
+        if item.nbytes >= pack_bytes:
+            out.append(Message(item.reader, dsts, (i,), item.nbytes))
+        else:
+            packs.setdefault((item.reader, dsts), []).append(i)
+    for (src, dsts), members in packs.items():
+        out.append(Message(src, dsts, tuple(members), sum(items[i].nbytes for i in members)))
+    return tuple(out)

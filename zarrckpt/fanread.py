@@ -1,0 +1,133 @@
+"""Run a fanned-out read (:mod:`zarrckpt.fanout`): each region several ranks need is read from storage
+once, by one of them, and sent to the others over the process group.
+
+One all-gather of every rank's requests (array number, box) plans it on every rank alike. Without
+a region that two ranks need, each rank reads its own requests as before. Otherwise, per round,
+each rank reads what it reads (its own requests in the first round, and the items it reads for
+others), then the round's messages move point to point. A failed read (a GET, a corrupt chunk)
+raises on every rank before anything moves: the reader its own error, the others a
+:class:`~zarrckpt.errors.ZarrckptError` naming it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+
+import numpy as np
+
+from . import dtypes, fanout
+from .dist import Group
+from .errors import ZarrckptError
+from .format import Manifest
+from .layout import Box
+from .reader import Request, read_regions
+from .storage import Storage
+
+
+def read_shared(
+    group: Group, storage: Storage, manifest: Manifest, requests: Sequence[Request], *, any_layout: bool = False
+) -> int:
+    """Fill every request's ``dest`` (every rank calls it), reading regions that several ranks
+    need once; returns the bytes this rank fetched from storage.
+
+    Args:
+        group: the ranks loading.
+        storage: where the checkpoint is.
+        manifest: the checkpoint's manifest, the same on every rank.
+        requests: this rank's reads.
+        any_layout: read shards any Zarr writer laid out (``allow_modified``).
+
+    Returns:
+        The bytes this rank fetched from storage.
+
+    Raises:
+        ZarrckptError: a read failed on some rank (that rank raises its own error, such as
+            ``CorruptChunkError`` or ``StorageError``), or a transfer between ranks failed.
+    """
+
+    def read(reqs: Sequence[Request]) -> int:
+        return group.run_together(lambda: read_regions(storage, reqs, any_layout=any_layout), "reading")
+
+    if not group.active:
+        return read(requests)
+    keys = sorted(manifest.arrays)
+    number = {k: n for n, k in enumerate(keys)}
+    views = group.all_gather_json([[number[r.meta.key], list(r.box.offsets), list(r.box.sizes)] for r in requests])
+    infos = []
+    for key in keys:
+        meta = manifest.arrays[key]
+        infos.append(fanout.ArrayInfo(meta.shape, meta.chunk_shape, meta.itemsize))
+    wants = [[(a, Box(tuple(o), tuple(s))) for a, o, s in view] for view in views]
+    plan = fanout.plan(wants, infos)
+    if not plan.rounds:
+        return read(requests)
+    fetched = 0
+    for n, rnd in enumerate(plan.rounds):
+        held: dict[int, np.ndarray] = {}  # item -> the array holding its region on this rank (after reading)
+        reqs = [requests[i] for i in plan.solo[group.rank]] if n == 0 else []
+        for i in plan.reads(group.rank, n):
+            item = rnd.items[i]
+            meta = manifest.arrays[keys[item.array]]
+            if item.source >= 0:
+                held[i] = _view(requests[item.source], item.region)
+            else:
+                held[i] = np.empty(item.region.sizes, dtype=dtypes.storage_dtype(meta.dtype))
+            reqs.append(Request(meta, item.region, held[i]))
+        fetched += read(reqs)
+        group.run_together(partial(_exchange, group, rnd, requests, held), "sending what was read to other ranks")
+    return fetched
+
+
+def _view(req: Request, region: Box) -> np.ndarray:
+    """The part of ``req``'s destination that receives the global ``region``."""
+    view: np.ndarray = req.dest[region.relative_to(req.box.offsets).slices()]
+    return view
+
+
+def _flat(a: np.ndarray) -> np.ndarray | None:
+    """The bytes of ``a`` as a 1-d uint8 view, when it is contiguous (else None)."""
+    if not a.flags.c_contiguous:
+        return None
+    return a.reshape(-1).view(np.uint8)
+
+
+def _exchange(group: Group, rnd: fanout.Round, requests: Sequence[Request], held: dict[int, np.ndarray]) -> None:
+    """Move one round's messages: send what this rank read, receive what others read for it."""
+    sends: list[tuple[int, np.ndarray]] = []
+    recvs: list[tuple[int, np.ndarray]] = []
+    unpack: list[tuple[np.ndarray, list[int]]] = []
+    rank = group.rank
+    for msg in rnd.messages:
+        if msg.src == rank:
+            parts = [held[i] for i in msg.items]
+            flat = _flat(parts[0]) if len(parts) == 1 else None
+            buf = (
+                flat
+                if flat is not None
+                else np.concatenate([np.ascontiguousarray(p).reshape(-1).view(np.uint8) for p in parts])
+            )
+            sends.extend((dst, buf) for dst in msg.dsts)
+        elif rank in msg.dsts:
+            item = rnd.items[msg.items[0]]
+            mine = [i for r, i in item.targets if r == rank]
+            direct = _flat(_view(requests[mine[0]], item.region)) if len(msg.items) == 1 and len(mine) == 1 else None
+            if direct is not None:
+                recvs.append((msg.src, direct))
+            else:
+                buf = np.empty(msg.nbytes, dtype=np.uint8)
+                recvs.append((msg.src, buf))
+                unpack.append((buf, list(msg.items)))
+    group.exchange(sends, recvs)
+    for buf, members in unpack:
+        at = 0
+        for i in members:
+            item = rnd.items[i]
+            for r, slot in item.targets:
+                if r != rank:
+                    continue
+                dest = _view(requests[slot], item.region)
+                dest[...] = buf[at : at + item.nbytes].view(dest.dtype).reshape(dest.shape)
+            at += item.nbytes
+        if at != len(buf):
+            raise ZarrckptError(f"rank {rank}: received {len(buf)} bytes, the plan says {at}")
