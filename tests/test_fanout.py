@@ -194,9 +194,11 @@ def test_small_items_travel_packed() -> None:
     assert {len(m.items) for m in rnd.messages} == {2}
 
 
-def test_a_request_for_an_unknown_array_is_refused() -> None:
+def test_a_request_for_an_unknown_array_or_an_array_twice_is_refused() -> None:
     with pytest.raises(ValueError, match="does not fit"):
         fanout.plan([[(1, Box((0,), (1,)))]], [ArrayInfo((4,), (4,), 4)])
+    with pytest.raises(ValueError, match="twice"):
+        fanout.plan([[(0, Box((0,), (1,))), (0, Box((2,), (1,)))]], [ArrayInfo((4,), (4,), 4)])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .layout import Box, Shape
 
@@ -94,7 +94,7 @@ class _Unit:
     # distinct box (or piece) -> the slots holding it, and the request box of each slot
     boxes: dict[Box, list[tuple[Slot, Box]]]
     nbytes: int
-    ranks: list[int] = field(default_factory=list)
+    ranks: list[int]
 
 
 def plan(
@@ -108,7 +108,8 @@ def plan(
     """Plan a fanned-out read.
 
     Args:
-        wants: per rank, its requests in order: (index into ``arrays``, box of that array).
+        wants: per rank, its requests in order: (index into ``arrays``, box of that array), at most
+            one per array.
         arrays: the saved arrays the requests refer to.
         piece_bytes: a replicated box larger than this is cut along saved chunk rows into pieces
             about this big, read by different ranks.
@@ -120,10 +121,13 @@ def plan(
         The plan; without a region that two ranks need, it has no rounds and every request is solo.
 
     Raises:
-        ValueError: a request names an array not in ``arrays`` or a box of the wrong rank.
+        ValueError: a request names an array not in ``arrays``, a box of the wrong rank, or an
+            array the rank already requested.
     """
     by_array: dict[int, dict[Box, list[Slot]]] = {}
     for rank, reqs in enumerate(wants):
+        if len({array for array, _ in reqs}) != len(reqs):
+            raise ValueError(f"rank {rank} requests an array twice")
         for i, (array, box) in enumerate(reqs):
             if not 0 <= array < len(arrays) or len(box.offsets) != len(arrays[array].shape):
                 raise ValueError(f"rank {rank} request {i}: {box} of array {array} does not fit the arrays given")
@@ -138,7 +142,7 @@ def plan(
         for group in _components(boxes):
             holders = {b: [(s, b) for s in distinct[b]] for b in (boxes[j] for j in group)}
             ranks = sorted({s[0] for slots in holders.values() for s, _ in slots})
-            if len(ranks) == 1 and sum(len(v) for v in holders.values()) == 1:
+            if len(ranks) == 1:  # one box (a rank requests an array once)
                 (((rank, i), box),) = next(iter(holders.values()))
                 solo[rank].append(i)
                 load[rank] += box.volume * info.itemsize
