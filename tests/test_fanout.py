@@ -236,11 +236,14 @@ def _load_replicated(rank: int, world: int, url: str, opts: dict[str, Any], fan_
         "blob": b"",
         "epoch": 0,
     }
-    zarrckpt.load(target, url, storage_options=opts, fan_out=fan_out)
+    target["model"]["w5"] = torch.zeros(COLS, ROWS).t()  # not contiguous: received through a buffer
+    target["model"]["bias"] = torch.zeros(33, dtype=torch.float64)  # cast: received into the staging buffer
+    zarrckpt.load(target, url, storage_options=opts, fan_out=fan_out, cast=True)
+    assert torch.equal(target["model"].pop("bias"), want["model"].pop("bias").double())
     for k, v in want["model"].items():
         got = target["model"][k]
         assert got.dtype == v.dtype and torch.equal(
-            got.reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)
+            got.contiguous().reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)
         ), k
     assert torch.equal(target["rng"], want["rng"])
     assert (target["blob"], target["epoch"]) == (want["blob"], 3)
