@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import zarrckpt
 from zarrckpt import fanout
 from zarrckpt.fanout import ArrayInfo, FanOutPlan
-from zarrckpt.layout import Box, cells_in
+from zarrckpt.layout import Box, cell_box, cells_in
 from zarrckpt.testing import RequestLog, spawn
 
 Wants = list[list[tuple[int, Box]]]
@@ -27,16 +27,30 @@ Wants = list[list[tuple[int, Box]]]
 # the planner, simulated: "storage" is a numpy array per saved array, ranks are lists of buffers
 
 
-def _simulate(wants: Wants, arrays: list[ArrayInfo], plan: FanOutPlan) -> tuple[int, list[list[np.ndarray]]]:
-    """Run ``plan`` in memory; returns the inner chunks fetched (per rank and round, each once) and
-    every rank's filled buffers. Checks that every element of every request is written exactly once."""
+def _chunks_read(info: ArrayInfo, region: Box, whole: int) -> set[tuple[int, ...]]:
+    """The inner chunks a read of ``region`` fetches: those it touches, and all of each shard no
+    larger than ``whole`` bytes that it touches (read whole, as zarrckpt.fetch does)."""
+    out = set(cells_in(region, info.chunk_shape))
+    for shard in cells_in(region, info.shard_shape):
+        cell = cell_box(shard, info.shard_shape, info.shape)
+        if cell.volume * info.itemsize <= whole:
+            out.update(cells_in(cell, info.chunk_shape))
+    return out
+
+
+def _simulate(
+    wants: Wants, arrays: list[ArrayInfo], plan: FanOutPlan, whole: int = 0
+) -> tuple[int, list[list[np.ndarray]]]:
+    """Run ``plan`` in memory; returns the inner chunks fetched (per rank and round, each once; shards
+    up to ``whole`` bytes read whole) and every rank's filled buffers. Checks that every element of
+    every request is written exactly once."""
     stored = [np.arange(math.prod(a.shape), dtype=np.int64).reshape(a.shape) for a in arrays]
     dests = [[np.full(box.sizes, -1, dtype=np.int64) for _, box in reqs] for reqs in wants]
     writes = [[np.zeros(box.sizes, dtype=np.int64) for _, box in reqs] for reqs in wants]
     fetched: set[tuple[int, int, int, tuple[int, ...]]] = set()
 
     def fetch(rank: int, n: int, array: int, region: Box) -> np.ndarray:
-        fetched.update((rank, n, array, c) for c in cells_in(region, arrays[array].chunk_shape))
+        fetched.update((rank, n, array, c) for c in _chunks_read(arrays[array], region, whole))
         return stored[array][region.slices()].copy()
 
     def put(rank: int, slot: int, region: Box, data: np.ndarray) -> np.ndarray:
@@ -79,9 +93,9 @@ def _simulate(wants: Wants, arrays: list[ArrayInfo], plan: FanOutPlan) -> tuple[
     return len(fetched), dests
 
 
-def _naive_chunks(wants: Wants, arrays: list[ArrayInfo]) -> int:
+def _naive_chunks(wants: Wants, arrays: list[ArrayInfo], whole: int) -> int:
     """Inner chunks fetched when every rank reads its own requests."""
-    return sum(len(list(cells_in(box, arrays[a].chunk_shape))) for reqs in wants for a, box in reqs)
+    return sum(len(_chunks_read(arrays[a], box, whole)) for reqs in wants for a, box in reqs)
 
 
 @st.composite
@@ -91,7 +105,8 @@ def _problems(draw: st.DrawFn) -> tuple[Wants, list[ArrayInfo]]:
         ndim = draw(st.integers(0, 2))
         shape = tuple(draw(st.integers(1, 9)) for _ in range(ndim))
         chunks = tuple(draw(st.integers(1, max(1, n))) for n in shape)
-        arrays.append(ArrayInfo(shape, chunks, 8))
+        shards = tuple(c * draw(st.integers(1, 3)) for c in chunks)
+        arrays.append(ArrayInfo(shape, shards, chunks, 8))
     world = draw(st.integers(1, 5))
     wants: Wants = [[] for _ in range(world)]
     for rank in range(world):
@@ -112,14 +127,20 @@ def _problems(draw: st.DrawFn) -> tuple[Wants, list[ArrayInfo]]:
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(_problems(), st.sampled_from([8, 64, 10**9]), st.sampled_from([8, 200, 10**9]), st.sampled_from([1, 10**9]))
+@given(
+    _problems(),
+    st.sampled_from([8, 64, 10**9]),
+    st.sampled_from([8, 200, 10**9]),
+    st.sampled_from([1, 10**9]),
+    st.sampled_from([0, 40, 10**9]),
+)
 def test_every_plan_fills_every_request_exactly_once_and_fetches_no_more_chunks(
-    problem: tuple[Wants, list[ArrayInfo]], piece: int, budget: int, pack: int
+    problem: tuple[Wants, list[ArrayInfo]], piece: int, budget: int, pack: int, whole: int
 ) -> None:
     wants, arrays = problem
-    plan = fanout.plan(wants, arrays, piece_bytes=piece, round_bytes=budget, pack_bytes=pack)
-    fetched, _ = _simulate(wants, arrays, plan)
-    assert fetched <= _naive_chunks(wants, arrays)
+    plan = fanout.plan(wants, arrays, piece_bytes=piece, round_bytes=budget, pack_bytes=pack, whole_bytes=whole)
+    fetched, _ = _simulate(wants, arrays, plan, whole)
+    assert fetched <= _naive_chunks(wants, arrays, whole)
     shared = {}
     for rank, reqs in enumerate(wants):
         for a, box in reqs:
@@ -131,20 +152,28 @@ def test_every_plan_fills_every_request_exactly_once_and_fetches_no_more_chunks(
 
 
 @settings(max_examples=200, deadline=None)
-@given(_problems(), st.integers(2, 6), st.sampled_from([8, 64, 10**9]))
+@given(_problems(), st.integers(2, 6), st.sampled_from([8, 64, 10**9]), st.sampled_from([0, 40, 10**9]))
 def test_replicas_on_every_rank_fetch_each_needed_chunk_once(
-    problem: tuple[Wants, list[ArrayInfo]], world: int, piece: int
+    problem: tuple[Wants, list[ArrayInfo]], world: int, piece: int, whole: int
 ) -> None:
     _, arrays = problem
     boxes = [Box.full(a.shape) for a in arrays]
     wants: Wants = [[(a, box) for a, box in enumerate(boxes)] for _ in range(world)]
-    plan = fanout.plan(wants, arrays, piece_bytes=piece)
-    fetched, _ = _simulate(wants, arrays, plan)
+    plan = fanout.plan(wants, arrays, piece_bytes=piece, whole_bytes=whole)
+    fetched, _ = _simulate(wants, arrays, plan, whole)
     assert fetched == sum(len(list(cells_in(box, a.chunk_shape))) for a, box in zip(arrays, boxes, strict=True))
 
 
+def test_a_replicated_tensor_of_small_shards_is_cut_only_between_shards() -> None:
+    info = ArrayInfo((1000, 10), (100, 10), (10, 10), 4)  # 4 KB shards
+    wants: Wants = [[(0, Box.full(info.shape))] for _ in range(4)]
+    items = [i for rnd in fanout.plan(wants, [info], piece_bytes=10_000, whole_bytes=8000).rounds for i in rnd.items]
+    assert len(items) == 4 and all(i.region.offsets[0] % 100 == 0 for i in items)
+    _simulate(wants, [info], fanout.plan(wants, [info], piece_bytes=10_000, whole_bytes=8000), 8000)
+
+
 def test_partial_overlaps_are_read_once_by_one_rank() -> None:
-    info = ArrayInfo((16, 4), (4, 4), 4)
+    info = ArrayInfo((16, 4), (16, 4), (4, 4), 4)
     wants: Wants = [[(0, Box((0, 0), (10, 4)))], [(0, Box((5, 0), (10, 4)))], [(0, Box((15, 0), (1, 4)))]]
     plan = fanout.plan(wants, [info])
     assert plan.solo == ((), (), (0,))  # row 15 overlaps nobody's
@@ -155,9 +184,9 @@ def test_partial_overlaps_are_read_once_by_one_rank() -> None:
 
 
 def test_large_replicas_are_cut_at_chunk_rows_and_spread_over_ranks() -> None:
-    info = ArrayInfo((1000, 10), (30, 10), 4)  # 40 KB
+    info = ArrayInfo((1000, 10), (1000, 10), (30, 10), 4)  # 40 KB
     wants: Wants = [[(0, Box.full(info.shape))] for _ in range(4)]
-    plan = fanout.plan(wants, [info], piece_bytes=10_000)
+    plan = fanout.plan(wants, [info], piece_bytes=10_000, whole_bytes=0)
     items = [item for rnd in plan.rounds for item in rnd.items]
     assert len(items) == 4 and {item.reader for item in items} == {0, 1, 2, 3}
     assert all(item.region.offsets[0] % 30 == 0 for item in items)
@@ -166,7 +195,7 @@ def test_large_replicas_are_cut_at_chunk_rows_and_spread_over_ranks() -> None:
 
 
 def test_readers_are_spread_by_bytes() -> None:
-    arrays = [ArrayInfo((n,), (n,), 4) for n in (800, 100, 100, 100, 100, 100, 100, 100, 100)]
+    arrays = [ArrayInfo((n,), (n,), (n,), 4) for n in (800, 100, 100, 100, 100, 100, 100, 100, 100)]
     wants: Wants = [[(a, Box.full(info.shape)) for a, info in enumerate(arrays)] for _ in range(2)]
     plan = fanout.plan(wants, arrays)
     read = [sum(i.nbytes for rnd in plan.rounds for i in rnd.items if i.reader == r) for r in range(2)]
@@ -174,7 +203,7 @@ def test_readers_are_spread_by_bytes() -> None:
 
 
 def test_rounds_bound_what_a_rank_receives() -> None:
-    arrays = [ArrayInfo((100,), (10,), 4) for _ in range(10)]  # 400 bytes each
+    arrays = [ArrayInfo((100,), (100,), (10,), 4) for _ in range(10)]  # 400 bytes each
     wants: Wants = [[(a, Box.full((100,))) for a in range(10)] for _ in range(3)]
     plan = fanout.plan(wants, arrays, round_bytes=1000, pack_bytes=1)
     assert len(plan.rounds) > 1
@@ -187,7 +216,7 @@ def test_rounds_bound_what_a_rank_receives() -> None:
 
 
 def test_small_items_travel_packed() -> None:
-    arrays = [ArrayInfo((4,), (4,), 4) for _ in range(6)]
+    arrays = [ArrayInfo((4,), (4,), (4,), 4) for _ in range(6)]
     wants: Wants = [[(a, Box.full((4,))) for a in range(6)] for _ in range(3)]
     (rnd,) = fanout.plan(wants, arrays).rounds
     assert len(rnd.messages) == 3  # one message per reader, to the two others
@@ -196,9 +225,9 @@ def test_small_items_travel_packed() -> None:
 
 def test_a_request_for_an_unknown_array_or_an_array_twice_is_refused() -> None:
     with pytest.raises(ValueError, match="does not fit"):
-        fanout.plan([[(1, Box((0,), (1,)))]], [ArrayInfo((4,), (4,), 4)])
+        fanout.plan([[(1, Box((0,), (1,)))]], [ArrayInfo((4,), (4,), (4,), 4)])
     with pytest.raises(ValueError, match="twice"):
-        fanout.plan([[(0, Box((0,), (1,))), (0, Box((2,), (1,)))]], [ArrayInfo((4,), (4,), 4)])
+        fanout.plan([[(0, Box((0,), (1,))), (0, Box((2,), (1,)))]], [ArrayInfo((4,), (4,), (4,), 4)])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,6 +241,7 @@ def _replicated() -> dict[str, Any]:
     g = torch.Generator().manual_seed(7)
     model = {f"w{i}": torch.randn(ROWS, COLS, generator=g) for i in range(6)}
     model["emb"] = torch.randn(4 * ROWS, COLS, generator=g).to(torch.bfloat16)  # 768 KiB, bfloat16
+    model["big"] = torch.randn(1024, 1024, generator=g).to(torch.bfloat16)  # 2 MiB: one shard over SMALL_OBJECT_BYTES
     model["bias"] = torch.randn(33, generator=g)
     model["step"] = torch.tensor(5, dtype=torch.int64)
     return {"model": model, "rng": torch.Generator().manual_seed(1).get_state(), "blob": b"\x00\x01" * 1000, "epoch": 3}
@@ -228,7 +258,11 @@ def _shard_gets(log: RequestLog, url: str) -> tuple[int, int]:
     return len(gets), sum(r.bytes_sent for r in gets)
 
 
-def _load_replicated(rank: int, world: int, url: str, opts: dict[str, Any], fan_out: bool, out: str) -> None:
+def _load_replicated(
+    rank: int, world: int, url: str, opts: dict[str, Any], fan_out: bool, out: str, small: bool = False
+) -> None:
+    if small:  # many rounds, pieces and packs
+        fanout.ROUND_BYTES, fanout.PIECE_BYTES, fanout.PACK_BYTES = 300_000, 100_000, 200_000
     want = _replicated()
     target = {
         "model": {k: torch.full_like(v, 9) for k, v in want["model"].items()},
@@ -276,6 +310,26 @@ def test_4_replicas_fetch_one_copy(
     gets, nbytes = _shard_gets(s3_requests, url)
     ratio = nbytes / _one_copy_bytes(_replicated())
     assert low <= ratio <= high, (ratio, gets)
+
+
+def test_many_rounds_pieces_and_packs_on_3_ranks(
+    replicated_url: tuple[str, dict[str, Any]], s3_requests: RequestLog, tmp_path: Path
+) -> None:
+    url, opts = replicated_url
+    meta = zarrckpt.open(url, storage_options=opts)["model.big"].meta
+    assert meta.shard_shape == (1024, 1024) and meta.chunk_shape == (32, 1024)
+    plan = fanout.plan(  # what the ranks will do with "big" (the same planner, the same sizes)
+        [[(0, Box.full((1024, 1024)))]] * 3,
+        [ArrayInfo((1024, 1024), (1024, 1024), (32, 1024), 2)],
+        round_bytes=300_000,
+        piece_bytes=100_000,
+        pack_bytes=200_000,
+    )
+    assert len(plan.rounds) >= 3 and len({i.reader for rnd in plan.rounds for i in rnd.items}) == 3
+    spawn(3, _load_replicated, url, opts, True, str(tmp_path), True)
+    assert len(list(tmp_path.iterdir())) == 3
+    _, nbytes = _shard_gets(s3_requests, url)
+    assert nbytes / _one_copy_bytes(_replicated()) <= 1.02
 
 
 def _mixed_state(rows: int = 90) -> dict[str, torch.Tensor]:

@@ -4,9 +4,10 @@
 overlapping boxes (identical boxes are replicas). A box no other rank's box overlaps is read by
 its rank as before. Every other group is read by one of its ranks (spread over ranks by bytes,
 largest first, to the least loaded), which sends each other holder its box; a group of
-replicas larger than ``piece_bytes`` is cut into pieces along saved chunk rows, so that several
-ranks read it. One rank reading a whole group (one storage read call) fetches each saved chunk
-it touches once, partial overlaps included.
+replicas larger than ``piece_bytes`` is cut into pieces along dimension 0, so that several
+ranks read it: between shards, or at chunk rows inside shards too large to be read whole. One
+rank reading a whole group (one storage read call) fetches each saved chunk it touches once,
+partial overlaps included.
 
 The exchange runs in rounds that bound, per rank, the bytes read for others plus the bytes
 received (``round_bytes``); items smaller than ``pack_bytes`` travel packed, one message per
@@ -20,6 +21,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .fetch import SMALL_OBJECT_BYTES
 from .layout import Box, Shape
 
 PIECE_BYTES = 16 * 1024 * 1024  # a replicated region larger than this is cut so that several ranks read it
@@ -31,11 +33,20 @@ Slot = tuple[int, int]  # (rank, index of one of its requests)
 
 @dataclass(frozen=True)
 class ArrayInfo:
-    """What planning needs of a saved array: its shape, inner chunk shape and element size."""
+    """What planning needs of a saved array: its shape, shard and inner chunk shapes, element size."""
 
     shape: Shape
+    shard_shape: Shape
     chunk_shape: Shape
     itemsize: int
+
+    def shard_nbytes(self, row: int) -> int:
+        """The bytes of the smallest shard object holding row ``row`` of dimension 0 (shards are
+        clipped at the array's edges)."""
+        first = row - row % self.shard_shape[0]
+        rows = min(self.shard_shape[0], self.shape[0] - first)
+        last = [(n - 1) % s + 1 for s, n in zip(self.shard_shape[1:], self.shape[1:], strict=True)]
+        return rows * math.prod(last) * self.itemsize
 
 
 @dataclass(frozen=True)
@@ -104,6 +115,7 @@ def plan(
     piece_bytes: int = PIECE_BYTES,
     round_bytes: int = ROUND_BYTES,
     pack_bytes: int = PACK_BYTES,
+    whole_bytes: int = SMALL_OBJECT_BYTES,
 ) -> FanOutPlan:
     """Plan a fanned-out read.
 
@@ -113,6 +125,8 @@ def plan(
         arrays: the saved arrays the requests refer to.
         piece_bytes: a replicated box larger than this is cut along saved chunk rows into pieces
             about this big, read by different ranks.
+        whole_bytes: a shard object this small is read whole (:mod:`zarrckpt.fetch`), so a
+            piece boundary never cuts through one.
         round_bytes: the bytes a rank reads for others plus those it receives, per round (a
             larger single piece gets a round of its own).
         pack_bytes: items smaller than this travel packed together.
@@ -148,7 +162,7 @@ def plan(
                 load[rank] += box.volume * info.itemsize
             elif len(holders) == 1:
                 box, slots = next(iter(holders.items()))
-                for piece in _pieces(box, info, piece_bytes):
+                for piece in _pieces(box, info, piece_bytes, whole_bytes):
                     units.append(_Unit(array, {piece: slots}, piece.volume * info.itemsize, ranks))
             else:
                 units.append(_Unit(array, holders, sum(b.volume for b in holders) * info.itemsize, ranks))
@@ -211,13 +225,18 @@ def _components(boxes: Sequence[Box]) -> list[list[int]]:
     return list(groups.values())
 
 
-def _pieces(box: Box, info: ArrayInfo, piece_bytes: int) -> list[Box]:
-    """``box`` cut along its first dimension at saved chunk rows into pieces of about ``piece_bytes``."""
+def _pieces(box: Box, info: ArrayInfo, piece_bytes: int, whole_bytes: int) -> list[Box]:
+    """``box`` cut along its first dimension into pieces of about ``piece_bytes``: at shard
+    boundaries, or at chunk rows inside shards larger than ``whole_bytes`` (smaller ones are read whole)."""
     nbytes = box.volume * info.itemsize
     if not box.offsets or nbytes <= piece_bytes:
         return [box]
     step, lo, hi = info.chunk_shape[0], box.offsets[0], box.ends[0]
-    cuts = list(range((lo // step + 1) * step, hi, step))  # chunk row boundaries inside the box
+    cuts = [  # chunk row boundaries inside the box that a piece may end at
+        c
+        for c in range((lo // step + 1) * step, hi, step)
+        if c % info.shard_shape[0] == 0 or info.shard_nbytes(c) > whole_bytes
+    ]
     want = min(len(cuts) + 1, math.ceil(nbytes / piece_bytes))
     if want <= 1:
         return [box]

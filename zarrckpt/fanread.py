@@ -57,9 +57,11 @@ def read_shared(
     infos = []
     for key in keys:
         meta = manifest.arrays[key]
-        infos.append(fanout.ArrayInfo(meta.shape, meta.chunk_shape, meta.itemsize))
+        infos.append(fanout.ArrayInfo(meta.shape, meta.shard_shape, meta.chunk_shape, meta.itemsize))
     wants = [[(a, Box(tuple(o), tuple(s))) for a, o, s in view] for view in views]
-    plan = fanout.plan(wants, infos)
+    plan = fanout.plan(
+        wants, infos, piece_bytes=fanout.PIECE_BYTES, round_bytes=fanout.ROUND_BYTES, pack_bytes=fanout.PACK_BYTES
+    )
     if not plan.rounds:
         return read(requests)
     fetched = 0
