@@ -393,7 +393,9 @@ def test_mixed_replicated_sharded_and_overlapping_2_to_3(
     assert per_key["sharded"] == 4 * stored // 2
 
 
-def _load_expecting_failure(rank: int, world: int, url: str, opts: dict[str, Any], out: str) -> None:
+def _load_expecting_failure(rank: int, world: int, url: str, opts: dict[str, Any], out: str, rounds: bool) -> None:
+    if rounds:  # w3 is read in a later round, while the transfers of an earlier one are in flight
+        fanout.ROUND_BYTES, fanout.PIECE_BYTES = 300_000, 100_000
     want = _replicated()
     target = {"model": {k: torch.zeros_like(v) for k, v in want["model"].items()}}
     try:
@@ -404,9 +406,9 @@ def _load_expecting_failure(rank: int, world: int, url: str, opts: dict[str, Any
         Path(out, f"{rank}").write_text(json.dumps(["none", ""]))
 
 
-@pytest.mark.parametrize("damage", ["corrupt", "missing"])
+@pytest.mark.parametrize(("damage", "rounds"), [("corrupt", False), ("missing", False), ("corrupt", True)])
 def test_a_failed_read_on_the_reader_raises_on_every_rank(
-    s3_url: tuple[str, dict[str, Any]], tmp_path: Path, damage: str
+    s3_url: tuple[str, dict[str, Any]], tmp_path: Path, damage: str, rounds: bool
 ) -> None:
     url, opts = s3_url
     zarrckpt.save(_replicated(), url, storage_options=opts, chunk_bytes=CHUNK_BYTES)
@@ -418,7 +420,7 @@ def test_a_failed_read_on_the_reader_raises_on_every_rank(
         fs.pipe_file(shard, bytes(blob))
     else:
         fs.rm_file(shard)
-    spawn(4, _load_expecting_failure, url, opts, str(tmp_path))
+    spawn(4, _load_expecting_failure, url, opts, str(tmp_path), rounds)
     got = [json.loads(Path(tmp_path, str(r)).read_text()) for r in range(4)]
     kinds = sorted(kind for kind, _ in got)
     # the one rank that read w3 raises the storage error itself; the others a ZarrckptError naming it

@@ -82,21 +82,27 @@ class Group:
         torch_dist.broadcast(buf, root, group=self.pg)
         return bytes(buf.cpu().numpy())
 
-    def exchange(self, sends: Sequence[tuple[int, np.ndarray]], recvs: Sequence[tuple[int, np.ndarray]]) -> None:
-        """Point-to-point transfers, all posted at once, then awaited.
+    def start_exchange(
+        self, sends: Sequence[tuple[int, np.ndarray]], recvs: Sequence[tuple[int, np.ndarray]]
+    ) -> Transfers:
+        """Post point-to-point transfers, all at once; :meth:`Transfers.wait` completes them.
 
         Args:
             sends: ``(group rank, buffer)``: the buffer goes to that rank.
             recvs: ``(group rank, buffer)``: the buffer is filled from that rank.
-                Buffers are C-contiguous uint8 host arrays. Between two ranks, the n-th send
-                from one fills the n-th receive of the other, so both must list them in the same
-                order (and sizes). On a GPU backend (NCCL) the bytes go through device buffers.
+                Buffers are C-contiguous uint8 host arrays, left alone until the wait. Between two
+                ranks, the n-th send from one fills the n-th receive of the other, so both must
+                list them in the same order (and sizes). On a GPU backend (NCCL) the bytes go
+                through device buffers.
+
+        Returns:
+            The transfers in flight.
 
         Raises:
-            ZarrckptError: a transfer failed (a peer gone, a size mismatch).
+            ZarrckptError: a transfer could not be posted.
         """
         if not self.active or not (sends or recvs):
-            return
+            return Transfers(self.rank, [], [])
         ops: list[torch_dist.P2POp] = []
         landing: list[tuple[torch.Tensor, np.ndarray]] = []
         counts: dict[tuple[str, int], int] = {}
@@ -117,13 +123,9 @@ class Group:
                 )
                 landing.append((t, buf))
                 ops.append(torch_dist.P2POp(torch_dist.irecv, t, group=self.pg, tag=tag("recv", peer), group_peer=peer))
-            for work in torch_dist.batch_isend_irecv(ops):
-                work.wait()
+            return Transfers(self.rank, torch_dist.batch_isend_irecv(ops), landing)
         except RuntimeError as e:
             raise ZarrckptError(f"rank {self.rank}: sending or receiving data between ranks failed: {e}") from e
-        for t, buf in landing:
-            if t.device.type != "cpu":
-                buf[:] = t.cpu().numpy()
 
     def on_rank0(self, fn: Callable[[], bytes], what: str) -> bytes:
         """Run ``fn`` on rank 0 only and hand its result to every rank; if it fails, every rank
@@ -185,6 +187,30 @@ class Group:
             rank, msg = failed[0]
             raise ZarrckptError(f"{what} failed on rank {rank}: {msg}")
         return result  # type: ignore[return-value]
+
+
+class Transfers:
+    """Point-to-point transfers in flight (:meth:`Group.start_exchange`)."""
+
+    def __init__(self, rank: int, works: list[torch_dist.Work], landing: list[tuple[torch.Tensor, np.ndarray]]) -> None:
+        self.rank, self.works, self.landing = rank, works, landing
+
+    def wait(self) -> None:
+        """Complete the transfers (once; later calls return at once): the receive buffers are filled.
+
+        Raises:
+            ZarrckptError: a transfer failed (a peer gone, a size mismatch).
+        """
+        works, self.works = self.works, []
+        try:
+            for work in works:
+                work.wait()
+        except RuntimeError as e:
+            raise ZarrckptError(f"rank {self.rank}: sending or receiving data between ranks failed: {e}") from e
+        landing, self.landing = self.landing, []
+        for t, buf in landing:
+            if t.device.type != "cpu":
+                buf[:] = t.cpu().numpy()
 
 
 def _encode(obj: Any) -> bytes:

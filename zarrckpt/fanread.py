@@ -11,8 +11,8 @@ raises on every rank before anything moves: the reader its own error, the others
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from functools import partial
+import contextlib
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -65,20 +65,36 @@ def read_shared(
     if not plan.rounds:
         return read(requests)
     fetched = 0
-    for n, rnd in enumerate(plan.rounds):
-        held: dict[int, np.ndarray] = {}  # item -> the array holding its region on this rank (after reading)
-        reqs = [requests[i] for i in plan.solo[group.rank]] if n == 0 else []
-        for i in plan.reads(group.rank, n):
-            item = rnd.items[i]
-            meta = manifest.arrays[keys[item.array]]
-            if item.source >= 0:
-                held[i] = _view(requests[item.source], item.region)
-            else:
-                held[i] = np.empty(item.region.sizes, dtype=dtypes.storage_dtype(meta.dtype))
-            reqs.append(Request(meta, item.region, held[i]))
-        fetched += read(reqs)
-        group.run_together(partial(_exchange, group, rnd, requests, held), "sending what was read to other ranks")
+    # the previous round's transfers: they move while this round reads (no element is in both)
+    pending: Callable[[], None] | None = None
+    try:
+        for n, rnd in enumerate(plan.rounds):
+            held: dict[int, np.ndarray] = {}  # item -> the array holding its region on this rank (once read)
+            reqs = [requests[i] for i in plan.solo[group.rank]] if n == 0 else []
+            for i in plan.reads(group.rank, n):
+                item = rnd.items[i]
+                meta = manifest.arrays[keys[item.array]]
+                if item.source >= 0:
+                    held[i] = _view(requests[item.source], item.region)
+                else:
+                    held[i] = np.empty(item.region.sizes, dtype=dtypes.storage_dtype(meta.dtype))
+                reqs.append(Request(meta, item.region, held[i]))
+            fetched += read(reqs)
+            if pending is not None:
+                finish, pending = pending, None
+                group.run_together(finish, RECEIVING)
+            pending = _post(group, rnd, requests, held)
+        last, pending = pending, None
+        if last is not None:
+            group.run_together(last, RECEIVING)
+    finally:
+        if pending is not None:  # failing: let the transfers every rank posted end before their buffers go
+            with contextlib.suppress(ZarrckptError):
+                pending()
     return fetched
+
+
+RECEIVING = "sending what was read to other ranks"
 
 
 def _view(req: Request, region: Box) -> np.ndarray:
@@ -94,8 +110,11 @@ def _flat(a: np.ndarray) -> np.ndarray | None:
     return a.reshape(-1).view(np.uint8)
 
 
-def _exchange(group: Group, rnd: fanout.Round, requests: Sequence[Request], held: dict[int, np.ndarray]) -> None:
-    """Move one round's messages: send what this rank read, receive what others read for it."""
+def _post(
+    group: Group, rnd: fanout.Round, requests: Sequence[Request], held: dict[int, np.ndarray]
+) -> Callable[[], None]:
+    """Post one round's messages (send what this rank read, receive what others read for it);
+    returns what completes them and copies packed data into place."""
     sends: list[tuple[int, np.ndarray]] = []
     recvs: list[tuple[int, np.ndarray]] = []
     unpack: list[tuple[np.ndarray, list[int]]] = []
@@ -120,7 +139,19 @@ def _exchange(group: Group, rnd: fanout.Round, requests: Sequence[Request], held
                 buf = np.empty(msg.nbytes, dtype=np.uint8)
                 recvs.append((msg.src, buf))
                 unpack.append((buf, list(msg.items)))
-    group.exchange(sends, recvs)
+    transfers = group.start_exchange(sends, recvs)
+
+    def finish() -> None:
+        transfers.wait()
+        _unpack(rank, rnd, requests, unpack)
+
+    return finish
+
+
+def _unpack(
+    rank: int, rnd: fanout.Round, requests: Sequence[Request], unpack: list[tuple[np.ndarray, list[int]]]
+) -> None:
+    """Copy received packed messages into the requests' destinations."""
     for buf, members in unpack:
         at = 0
         for i in members:
