@@ -71,6 +71,9 @@ def _simulate(
             data = fetch(item.reader, n, item.array, item.region)
             assert item.nbytes == item.region.volume * arrays[item.array].itemsize
             held[i] = put(item.reader, item.source, item.region, data) if item.source >= 0 else data
+            for r, slot in item.targets:
+                if r == item.reader:  # another request of the reader's, with the same box
+                    put(r, slot, item.region, held[i])
         for msg in rnd.messages:
             assert all(rnd.items[i].reader == msg.src for i in msg.items)
             buf = np.concatenate([held[i].reshape(-1) for i in msg.items])
@@ -85,7 +88,8 @@ def _simulate(
                             put(r, slot, item.region, buf[at : at + item.region.volume].reshape(item.region.sizes))
                     at += item.region.volume
         sent = {(i, d) for m in rnd.messages for i in m.items for d in m.dsts}
-        assert sent == {(i, r) for i, item in enumerate(rnd.items) for r, _ in item.targets}, "a target not sent to"
+        want = {(i, r) for i, item in enumerate(rnd.items) for r, _ in item.targets if r != item.reader}
+        assert sent == want, "a target not sent to, or the reader sending to itself"
     for rank, reqs in enumerate(wants):
         for slot, (array, box) in enumerate(reqs):
             assert (writes[rank][slot] == 1).all(), f"rank {rank} request {slot}: elements written not exactly once"
@@ -123,6 +127,8 @@ def _problems(draw: st.DrawFn) -> tuple[Wants, list[ArrayInfo]]:
             else:
                 continue
             wants[rank].append((a, box))
+            if draw(st.integers(0, 5)) == 0:  # a second part of the same array (ShardedTensor, LocalShard lists)
+                wants[rank].append((a, draw(st.sampled_from([box, *earlier]))))
     return wants, arrays
 
 
@@ -141,10 +147,10 @@ def test_every_plan_fills_every_request_exactly_once_and_fetches_no_more_chunks(
     plan = fanout.plan(wants, arrays, piece_bytes=piece, round_bytes=budget, pack_bytes=pack, whole_bytes=whole)
     fetched, _ = _simulate(wants, arrays, plan, whole)
     assert fetched <= _naive_chunks(wants, arrays, whole)
-    shared = {}
+    shared: dict[tuple[int, Box], list[int]] = {}
     for rank, reqs in enumerate(wants):
         for a, box in reqs:
-            shared.setdefault((a, box), set()).add(rank)
+            shared.setdefault((a, box), []).append(rank)
     if all(len(ranks) == 1 for ranks in shared.values()) and not any(
         a == b and x != y and x.intersect(y) for a, x in shared for b, y in shared
     ):
@@ -223,11 +229,20 @@ def test_small_items_travel_packed() -> None:
     assert {len(m.items) for m in rnd.messages} == {2}
 
 
-def test_a_request_for_an_unknown_array_or_an_array_twice_is_refused() -> None:
+def test_a_request_for_an_unknown_array_is_refused() -> None:
     with pytest.raises(ValueError, match="does not fit"):
         fanout.plan([[(1, Box((0,), (1,)))]], [ArrayInfo((4,), (4,), (4,), 4)])
-    with pytest.raises(ValueError, match="twice"):
-        fanout.plan([[(0, Box((0,), (1,))), (0, Box((2,), (1,)))]], [ArrayInfo((4,), (4,), (4,), 4)])
+
+
+def test_several_parts_of_one_array_on_one_rank() -> None:
+    info = ArrayInfo((8,), (8,), (2,), 4)
+    strided = [(0, Box((0,), (2,))), (0, Box((4,), (2,)))]  # rows 0:2 and 4:6 on one rank
+    wants: Wants = [strided, [(0, Box((4,), (2,))), (0, Box((4,), (2,)))], [(0, Box((6,), (2,)))]]
+    plan = fanout.plan(wants, [info])
+    assert plan.solo == ((0,), (), (0,))  # rows 0:2 and 6:8 are one rank's only
+    (item,) = plan.rounds[0].items  # rows 4:6, wanted three times: read once
+    assert {s for s in item.targets} | {(item.reader, item.source)} == {(0, 1), (1, 0), (1, 1)}
+    _simulate(wants, [info], plan)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,9 +351,10 @@ def _mixed_state(rows: int = 90) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
     return {
         "sharded": torch.randn(rows, 256, generator=g),  # resharded 2 -> 3, no replica
-        "hsdp": torch.randn(rows, 256, generator=g),  # rows split 2 ways, each half on 2 of the 3 ranks ... or 1
+        "hsdp": torch.randn(rows, 256, generator=g),  # rows split 2 ways, one half on 2 of the 3 ranks
         "overlap": torch.randn(rows, 256, generator=g),  # ranks hold overlapping row ranges
         "everywhere": torch.randn(rows, 256, generator=g),  # plain tensor on every rank
+        "parts": torch.randn(rows, 256, generator=g),  # rank 0 holds two parts (a list of LocalShards)
     }
 
 
@@ -353,24 +369,28 @@ def _save_mixed(rank: int, world: int, url: str, opts: dict[str, Any]) -> None:
     zarrckpt.save({"m": state}, url, storage_options=opts, chunk_bytes=16 * 1024)
 
 
-MIXED_BOXES = {  # rank -> key -> rows it loads (of 90)
+MIXED_BOXES: dict[str, list[Any]] = {  # key -> per rank, the rows it loads (of 90), or a list of parts
     "sharded": [(0, 30), (30, 60), (60, 90)],
     "hsdp": [(0, 45), (0, 45), (45, 90)],
     "overlap": [(0, 50), (20, 70), (40, 90)],
     "everywhere": [(0, 90)] * 3,
+    "parts": [[(0, 45), (45, 90)], (45, 90), (0, 45)],
 }
 
 
 def _load_mixed(rank: int, world: int, url: str, opts: dict[str, Any], out: str) -> None:
     full = _mixed_state()
-    target = {}
+    target: dict[str, Any] = {}
     for key, boxes in MIXED_BOXES.items():
-        lo, hi = boxes[rank]
-        target[key] = zarrckpt.LocalShard(torch.zeros(hi - lo, 256), (90, 256), (lo, 0))
+        parts = boxes[rank] if isinstance(boxes[rank], list) else [boxes[rank]]
+        shards = [zarrckpt.LocalShard(torch.zeros(hi - lo, 256), (90, 256), (lo, 0)) for lo, hi in parts]
+        target[key] = shards if isinstance(boxes[rank], list) else shards[0]
     zarrckpt.load({"m": target}, url, storage_options=opts)
     for key, boxes in MIXED_BOXES.items():
-        lo, hi = boxes[rank]
-        assert torch.equal(target[key].data, full[key][lo:hi]), key
+        parts = boxes[rank] if isinstance(boxes[rank], list) else [boxes[rank]]
+        shards = target[key] if isinstance(target[key], list) else [target[key]]
+        for (lo, hi), shard in zip(parts, shards, strict=True):
+            assert torch.equal(shard.data, full[key][lo:hi]), key
     Path(out, f"{rank}").write_text("ok")
 
 
@@ -385,9 +405,9 @@ def test_mixed_replicated_sharded_and_overlapping_2_to_3(
     gets = [r for r in s3_requests.requests(url) if r.method == "GET" and "/c/" in r.path]
     per_key = {k: sum(r.bytes_sent for r in gets if f"/m/{k}/c/" in r.path) for k in MIXED_BOXES}
     stored = 2 * (45 * 256 * 4 + 3 * 4 + 16 * 3 + 4)  # two shards: rows, a crc32c per chunk, the index
-    # replicated, partly replicated and overlapping: every stored byte fetched once
+    # replicated, partly replicated, overlapping, several parts: every stored byte fetched once
     assert {k: n for k, n in per_key.items() if k != "sharded"} == dict.fromkeys(
-        ["hsdp", "overlap", "everywhere"], stored
+        ["hsdp", "overlap", "everywhere", "parts"], stored
     )
     # disjoint boxes are read as without fan-out: these small shards whole, by each rank touching them
     assert per_key["sharded"] == 4 * stored // 2

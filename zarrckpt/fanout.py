@@ -54,8 +54,9 @@ class Item:
     """``region`` of array ``array``, read from storage by ``reader`` and sent to ``targets``.
 
     ``source`` is the reader's request whose destination holds ``region`` (-1: the region lies
-    outside the reader's own box and is read into a scratch buffer). Each target's request box
-    contains ``region``.
+    outside the reader's own boxes and is read into a scratch buffer). Each target's request box
+    contains ``region``; a target on the reader itself (another request of the same box) is
+    copied there, not sent.
     """
 
     array: int
@@ -120,8 +121,8 @@ def plan(
     """Plan a fanned-out read.
 
     Args:
-        wants: per rank, its requests in order: (index into ``arrays``, box of that array), at most
-            one per array.
+        wants: per rank, its requests in order: (index into ``arrays``, box of that array); a rank
+            may request several parts of one array.
         arrays: the saved arrays the requests refer to.
         piece_bytes: a replicated box larger than this is cut along saved chunk rows into pieces
             about this big, read by different ranks.
@@ -135,13 +136,10 @@ def plan(
         The plan; without a region that two ranks need, it has no rounds and every request is solo.
 
     Raises:
-        ValueError: a request names an array not in ``arrays``, a box of the wrong rank, or an
-            array the rank already requested.
+        ValueError: a request names an array not in ``arrays`` or a box of the wrong rank.
     """
     by_array: dict[int, dict[Box, list[Slot]]] = {}
     for rank, reqs in enumerate(wants):
-        if len({array for array, _ in reqs}) != len(reqs):
-            raise ValueError(f"rank {rank} requests an array twice")
         for i, (array, box) in enumerate(reqs):
             if not 0 <= array < len(arrays) or len(box.offsets) != len(arrays[array].shape):
                 raise ValueError(f"rank {rank} request {i}: {box} of array {array} does not fit the arrays given")
@@ -156,7 +154,7 @@ def plan(
         for group in _components(boxes):
             holders = {b: [(s, b) for s in distinct[b]] for b in (boxes[j] for j in group)}
             ranks = sorted({s[0] for slots in holders.values() for s, _ in slots})
-            if len(ranks) == 1:  # one box (a rank requests an array once)
+            if sum(len(v) for v in holders.values()) == 1:  # one box, one holder
                 (((rank, i), box),) = next(iter(holders.values()))
                 solo[rank].append(i)
                 load[rank] += box.volume * info.itemsize
@@ -188,8 +186,9 @@ def _items(unit: _Unit, reader: int, itemsize: int) -> list[Item]:
     for region in sorted(unit.boxes, key=_order):
         slots = unit.boxes[region]
         own = [i for (rank, i), box in slots if rank == reader and box.intersect(region) == region]
-        targets = tuple(s for s, _ in slots if s[0] != reader)
-        out.append(Item(unit.array, region, reader, own[0] if own else -1, targets, region.volume * itemsize))
+        source = own[0] if own else -1
+        targets = tuple(s for s, _ in slots if s != (reader, source))
+        out.append(Item(unit.array, region, reader, source, targets, region.volume * itemsize))
     return out
 
 
@@ -256,7 +255,7 @@ def _rounds(units: Sequence[Sequence[Item]], round_bytes: int) -> list[list[Item
         for item in items:
             if item.targets or item.source < 0:
                 cost[item.reader] = cost.get(item.reader, 0) + item.nbytes
-            for rank in {r for r, _ in item.targets}:
+            for rank in {r for r, _ in item.targets} - {item.reader}:
                 cost[rank] = cost.get(rank, 0) + item.nbytes
         fits = (
             n
@@ -278,7 +277,7 @@ def _messages(items: Sequence[Item], pack_bytes: int) -> tuple[Message, ...]:
     out: list[Message] = []
     packs: dict[tuple[int, tuple[int, ...]], list[int]] = {}
     for i, item in enumerate(items):
-        dsts = tuple(sorted({r for r, _ in item.targets}))
+        dsts = tuple(sorted({r for r, _ in item.targets} - {item.reader}))
         if not dsts:
             continue
         if item.nbytes >= pack_bytes:

@@ -80,6 +80,11 @@ def read_shared(
                     held[i] = np.empty(item.region.sizes, dtype=dtypes.storage_dtype(meta.dtype))
                 reqs.append(Request(meta, item.region, held[i]))
             fetched += read(reqs)
+            for i in plan.reads(group.rank, n):  # another request of this rank with the same box
+                item = rnd.items[i]
+                for r, slot in item.targets:
+                    if r == group.rank:
+                        _view(requests[slot], item.region)[...] = held[i]
             if pending is not None:
                 finish, pending = pending, None
                 group.run_together(finish, RECEIVING)
