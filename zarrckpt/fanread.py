@@ -4,8 +4,9 @@ once, by one of them, and sent to the others over the process group.
 One all-gather of every rank's requests (array number, box) plans it on every rank alike. Without
 a region that two ranks need, each rank reads its own requests as before. Otherwise, per round,
 each rank reads what it reads (its own requests in the first round, and the items it reads for
-others), then the round's messages move point to point. A failed read (a GET, a corrupt chunk)
-raises on every rank before anything moves: the reader its own error, the others a
+others), then posts the round's messages, point to point; they move while the next round reads.
+A failed read (a GET, a corrupt chunk) or transfer raises on every rank, once the transfers
+already posted are over: the failing rank its own error, the others a
 :class:`~zarrckpt.errors.ZarrckptError` naming it.
 """
 
