@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .fetch import SMALL_OBJECT_BYTES
-from .layout import Box, Shape
+from .layout import Box, Shape, cells_in
 
 PIECE_BYTES = 16 * 1024 * 1024  # a replicated region larger than this is cut so that several ranks read it
 ROUND_BYTES = 256 * 1024 * 1024  # per rank and round: bytes read for others plus bytes received
@@ -151,7 +151,11 @@ def plan(
     for array in sorted(by_array):
         info, distinct = arrays[array], by_array[array]
         boxes = list(distinct)
-        for group in _components(boxes):
+        groups = _components(boxes)
+        largest = math.prod(min(c, n) for c, n in zip(info.shard_shape, info.shape, strict=True)) * info.itemsize
+        if info.shape and largest <= whole_bytes:  # every shard is read whole: share them
+            groups = _sharing_shards(groups, boxes, [len(distinct[b]) for b in boxes], info.shard_shape)
+        for group in groups:
             holders = {b: [(s, b) for s in distinct[b]] for b in (boxes[j] for j in group)}
             ranks = sorted({s[0] for slots in holders.values() for s, _ in slots})
             if sum(len(v) for v in holders.values()) == 1:  # one box, one holder
@@ -222,6 +226,37 @@ def _components(boxes: Sequence[Box]) -> list[list[int]]:
     for i in range(len(boxes)):
         groups.setdefault(root(i), []).append(i)
     return list(groups.values())
+
+
+def _sharing_shards(
+    groups: list[list[int]], boxes: Sequence[Box], holders: Sequence[int], shard: Shape
+) -> list[list[int]]:
+    """``groups`` (of ``boxes``) joined where they touch a common shard object (each read whole), when one
+    of them has several holders: one rank then reads that object once for all. Groups of one holder
+    each stay apart (a load without replicas exchanges nothing)."""
+    parent = list(range(len(groups)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    shared = [sum(holders[j] for j in g) > 1 for g in groups]
+    first: dict[tuple[int, ...], int] = {}  # shard -> the first shared group touching it
+    for n, g in enumerate(groups):
+        if shared[n]:
+            for j in g:
+                for cell in cells_in(boxes[j], shard):
+                    parent[root(n)] = root(first.setdefault(cell, n))
+    for n, g in enumerate(groups):  # one-holder groups join the shared groups on their shards
+        if not shared[n]:
+            for other in {first[c] for j in g for c in cells_in(boxes[j], shard) if c in first}:
+                parent[root(n)] = root(other)
+    merged: dict[int, list[int]] = {}
+    for n, g in enumerate(groups):
+        merged.setdefault(root(n), []).extend(g)
+    return list(merged.values())
 
 
 def _pieces(box: Box, info: ArrayInfo, piece_bytes: int, whole_bytes: int) -> list[Box]:
