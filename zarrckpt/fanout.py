@@ -7,7 +7,8 @@ largest first, to the least loaded), which sends each other holder its box; a gr
 replicas larger than ``piece_bytes`` is cut into pieces along dimension 0, so that several
 ranks read it: between shards, or at chunk rows inside shards too large to be read whole. One
 rank reading a whole group (one storage read call) fetches each saved chunk it touches once,
-partial overlaps included.
+partial overlaps included. Where shards are small enough to be read whole, groups touching a
+common shard join when one of them is replicated, so that object is read once too.
 
 The exchange runs in rounds that bound, per rank, the bytes read for others plus the bytes
 received (``round_bytes``); items smaller than ``pack_bytes`` travel packed, one message per
