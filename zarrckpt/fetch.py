@@ -9,18 +9,24 @@ storage does well (:class:`~zarrckpt.storecaps.ReadCaps`) shapes the plan:
 - otherwise the index, then one ranged read per run of adjacent needed chunks (at most
   MAX_REQUEST_BYTES each); on local files a run whose chunks each go whole into one destination
   is read straight into those destinations (one vectored read). On object stores, when the
-  manifest has a commit record (every chunk's crc32c), the index GET is left out: each chunk is
-  checked against its committed crc32c, and the reader fetches the index only to explain a chunk
-  that fails (a shard another tool rewrote).
+  manifest has a commit record (every chunk's crc32c), the byte offsets follow from the manifest
+  and the index GET is left out: each chunk is checked against its committed crc32c, and the
+  reader fetches the index only to explain a check that fails (a shard another tool rewrote).
 
 With ``partial=True`` (lazy views), an inner chunk of which only a small part is needed is not
 read whole: only the byte ranges holding that part are (chunks are uncompressed C-order
-elements, see :mod:`zarrckpt.partial`), ranges at most RANGE_MERGE_GAP apart in one read, the
-index folded into the first read when it is that close. Such a piece cannot be checked against
-the chunk's crc32c (it covers the whole chunk); the index is still verified.
+elements, see :mod:`zarrckpt.partial`), ranges at most RANGE_MERGE_GAP apart in one read. Such a
+piece cannot be checked against the chunk's crc32c (it covers the whole chunk), so something
+else must show that the bytes at the committed offsets are the committed chunk's: either the
+shard index (verified, every entry used checked against the layout; folded into the first read
+when it is that close), or, on object stores with the commit record, the chunk's own stored
+crc32c (its last 4 bytes) compared with the committed one — which also catches a rewrite that
+kept the layout. The second is planned only when it saves a request: when each such crc32c lies
+within RANGE_MERGE_GAP of the pieces, so no read of its own is needed.
 
-Every plan but those just described starts with a fetch holding the shard index, which the
-reader verifies before it uses any chunk; every chunk read whole has its crc32c checked.
+Every chunk read whole has its crc32c checked (and, with the commit record, compared with the
+committed one); every other plan starts with a fetch holding the shard index, which the reader
+verifies before it uses any chunk.
 """
 
 from __future__ import annotations
@@ -102,6 +108,7 @@ class Fetch:
     index: bool = False  # it begins with the shard index
     chunks: tuple[int, ...] = ()  # inner chunks in it, each read whole and verified
     pieces: tuple[tuple[int, int, int], ...] = ()  # (chunk, start, end): bytes of a partly read chunk's elements
+    anchors: tuple[int, ...] = ()  # partly read chunks whose stored crc32c (last 4 bytes) is in it
     direct: bool = False  # local files: read the chunks straight into their destinations
 
     def nbytes(self, layout: ShardLayout) -> int:
@@ -162,19 +169,23 @@ def plan_verify(meta: ArrayMeta, caps: ReadCaps) -> list[ShardRead]:
 
 def plan_shard(task: ShardTask, caps: ReadCaps, partial: bool = False) -> ShardRead:
     layout = ShardLayout.of(task.meta, task.index)
+    # object stores, with the commit record: the committed layout gives every offset, and each chunk
+    # read whole is checked against the crc32c committed for it, which the index cannot add to; the
+    # index is read only to explain a failure
+    skip_index = caps.per_request_cost and bool(task.meta.committed_crc32c)
     plans = _partial_plans(task) if partial else {}
     if plans:
-        return ShardRead(task, layout, _ranged(task, layout, plans))
+        ranged = _ranged(task, layout, plans, with_index=True)
+        if skip_index:  # without the index where that saves a request (else the index checks the layout)
+            bare = _ranged(task, layout, plans, with_index=False)
+            ranged = bare if len(bare) < len(ranged) else ranged
+        return ShardRead(task, layout, ranged)
     needed = sorted(task.needs)
     if caps.per_request_cost and reads_whole(layout, needed):
         return ShardRead(task, layout, (Fetch(0, None, index=True, chunks=tuple(needed)),))
-    # object stores, with the commit record: each chunk read whole is checked against the crc32c
-    # committed for it, which the index cannot add to; the index is read only to explain a failure
-    skip_index = caps.per_request_cost and bool(task.meta.committed_crc32c)
     fetches = [] if skip_index else [Fetch(0, layout.index_nbytes, index=True)]
     for run in _runs(needed, layout):
-        start = layout.offset(run[0])
-        assert start is not None
+        start = _offset(layout, run[0])
         direct = caps.vectored and all(task.direct_view(k) is not None for k in run)
         fetches.append(Fetch(start, start + layout.chunk_nbytes * len(run), chunks=tuple(run), direct=direct))
     return ShardRead(task, layout, tuple(fetches))
@@ -233,27 +244,45 @@ def _partial_plans(task: ShardTask) -> dict[int, list[Range]]:
     return plans
 
 
-def _ranged(task: ShardTask, layout: ShardLayout, plans: dict[int, list[Range]]) -> tuple[Fetch, ...]:
-    """The index, the byte ranges of the chunks in ``plans`` and the other needed chunks whole,
-    coalesced into few reads (the index always in the first)."""
-    wants: list[tuple[int, int, int]] = [(0, layout.index_nbytes, -1)]  # (start, end, chunk or -1: the index)
+_INDEX, _WHOLE, _PIECE, _ANCHOR = range(4)  # what a wanted byte range of a shard holds
+
+
+def _ranged(
+    task: ShardTask, layout: ShardLayout, plans: dict[int, list[Range]], *, with_index: bool
+) -> tuple[Fetch, ...]:
+    """The byte ranges of the chunks in ``plans``, the other needed chunks whole, and either the
+    index (always in the first read) or, without it, the stored crc32c of every partly read chunk
+    (its last 4 bytes: checked against the commit record); coalesced into few reads."""
+    wants: list[tuple[int, int, int, int]] = []  # (start, end, what, chunk)
+    if with_index:
+        wants.append((0, layout.index_nbytes, _INDEX, -1))
     for k in sorted(task.needs):
-        base = layout.offset(k)
-        assert base is not None
-        wants += (
-            [(base + s, base + e, k) for s, e in plans[k]] if k in plans else [(base, base + layout.chunk_nbytes, k)]
-        )
+        base = _offset(layout, k)
+        end = base + layout.chunk_nbytes
+        if k not in plans:
+            wants.append((base, end, _WHOLE, k))
+            continue
+        wants += [(base + s, base + e, _PIECE, k) for s, e in plans[k]]
+        if not with_index:
+            wants.append((end - 4, end, _ANCHOR, k))
     fetches = []
     for start, end, members in coalesce([w[:2] for w in wants], RANGE_MERGE_GAP, MAX_REQUEST_BYTES):
-        chunks = tuple(wants[i][2] for i in members if wants[i][2] >= 0 and wants[i][2] not in plans)
-        pieces = []
-        for i in members:
-            lo, hi, k = wants[i]
-            if k in plans:
-                base = layout.offset(k)
-                assert base is not None
-                pieces.append((k, lo - base, hi - base))
+        got = [wants[i] for i in members]
+        pieces = tuple((k, lo - _offset(layout, k), hi - _offset(layout, k)) for lo, hi, w, k in got if w == _PIECE)
         fetches.append(
-            Fetch(start, end, index=any(wants[i][2] < 0 for i in members), chunks=chunks, pieces=tuple(pieces))
+            Fetch(
+                start,
+                end,
+                index=any(w == _INDEX for _, _, w, _ in got),
+                chunks=tuple(k for _, _, w, k in got if w == _WHOLE),
+                pieces=pieces,
+                anchors=tuple(k for _, _, w, k in got if w == _ANCHOR),
+            )
         )
     return tuple(fetches)
+
+
+def _offset(layout: ShardLayout, k: int) -> int:
+    offset = layout.offset(k)
+    assert offset is not None  # plans only hold stored chunks
+    return offset

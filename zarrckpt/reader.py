@@ -97,8 +97,8 @@ def run(storage: Storage, read: ShardRead) -> int:
         with storage.reading(path, fetch.start, fetch.end) as blob:
             fetched += len(blob)
             if fetch.end is not None and len(blob) < fetch.end - fetch.start:
-                if not read.reads_index and fetch.chunks:
-                    _explain(storage, read, fetch.chunks[0])
+                if not read.reads_index:
+                    _explain(storage, read, [*fetch.chunks, *fetch.anchors, *(k for k, _, _ in fetch.pieces)])
                 raise CorruptChunkError(
                     f"shard object {storage.where(path)} of {task.meta.key!r} is truncated "
                     f"({fetch.start + len(blob)} bytes, needed {fetch.end})",
@@ -117,7 +117,14 @@ def run(storage: Storage, read: ShardRead) -> int:
                     _copy_chunk(task, k, blob[at : at + layout.chunk_nbytes], path)
                 except CorruptChunkError:
                     if not read.reads_index:
-                        _explain(storage, read, k)
+                        _explain(storage, read, [k])
+                    raise
+            for k in fetch.anchors:  # a partly read chunk, without the index: is it the one committed?
+                at = _offset(layout, k) + layout.chunk_nbytes - 4 - fetch.start
+                try:
+                    integrity.check_chunk(task.meta, task.index, k, blob[at : at + 4], _where(task, k, path))
+                except ModifiedCheckpointError:
+                    _explain(storage, read, [k])
                     raise
             for k, lo, hi in fetch.pieces:
                 first, buf = scratch[k]
@@ -127,13 +134,15 @@ def run(storage: Storage, read: ShardRead) -> int:
     return fetched
 
 
-def _explain(storage: Storage, read: ShardRead, k: int) -> None:
-    """A chunk read without its shard's index failed: raise ModifiedCheckpointError if the index
-    (now fetched) shows another writer's layout; else return, and the chunk's own error stands."""
+def _explain(storage: Storage, read: ShardRead, chunks: Sequence[int]) -> None:
+    """A read without its shard's index failed (a chunk's checksum, or the object is too short):
+    raise ModifiedCheckpointError if the index (now fetched) shows another writer's layout for
+    one of ``chunks``; else return, and the read's own error stands."""
     task, layout = read.task, read.layout
     with storage.reading(task.path, 0, layout.index_nbytes) as raw:
         index = decode_index(bytes(raw), layout.n_chunks, storage.where(task.path), task.meta.key)
-    _check_entry(index[k], layout, task.meta, task.path, k)
+    for k in sorted(set(chunks)):
+        _check_entry(index[k], layout, task.meta, task.path, k)
 
 
 def _offset(layout: ShardLayout, k: int) -> int:
@@ -227,11 +236,15 @@ def _read_direct(storage: Storage, task: ShardTask, fetch: Fetch) -> int:
 def _copy_chunk(task: ShardTask, k: int, raw: memoryview, path: str) -> None:
     """Verify inner chunk ``k`` and copy the parts the requests need into their destinations."""
     meta = task.meta
-    cidx, _ = task.chunk_origin(k)
-    where = f"{path} (inner chunk {list(cidx)})"
+    where = _where(task, k, path)
     data = decode_chunk(raw, meta.chunk_nbytes, meta.key, where)
     integrity.check_chunk(meta, task.index, k, raw[-4:], where)
     _scatter(task, k, np.frombuffer(data, dtype=dtypes.storage_dtype(meta.dtype)).reshape(meta.chunk_shape))
+
+
+def _where(task: ShardTask, k: int, path: str) -> str:
+    cidx, _ = task.chunk_origin(k)
+    return f"{path} (inner chunk {list(cidx)})"
 
 
 def _scatter(task: ShardTask, k: int, chunk: np.ndarray) -> None:

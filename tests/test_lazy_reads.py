@@ -1,0 +1,196 @@
+"""Reads without the shard-index GET, on a real (moto) S3 server: request counts, and what the
+checks they keep still catch.
+
+With the commit record, the byte offsets of a shard zarrckpt wrote follow from the manifest:
+whole chunks are fetched directly (each checked against its own and its committed crc32c), and a
+partly read chunk is fetched with its stored crc32c (compared with the committed one) when that
+saves the index GET. A check that fails fetches the index to tell a peer's rewrite from damage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import fsspec
+import numpy as np
+import pytest
+import torch
+
+import zarrckpt
+from zarrckpt.errors import CorruptChunkError, ModifiedCheckpointError
+from zarrckpt.fetch import Request, plan_fetches
+from zarrckpt.format import ArrayMeta
+from zarrckpt.layout import Box
+from zarrckpt.storecaps import LOCAL_FILES, OBJECT_STORE
+from zarrckpt.testing import RequestLog
+
+ROWS, COLS = 512, 1024
+ROW = COLS * 4  # bytes
+CHUNK_ROWS = 64  # chunk_bytes=256 KiB: 8 inner chunks of [64, 1024] in one 2 MiB shard
+HEAD = 16 * 8 + 4  # the shard index
+CHUNK = CHUNK_ROWS * ROW + 4  # one stored inner chunk: elements and crc32c
+
+
+def _full() -> torch.Tensor:
+    return torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)
+
+
+def _save(url: str, opts: dict[str, Any]) -> None:
+    zarrckpt.save({"w": _full()}, url, storage_options=opts, chunk_bytes=CHUNK_ROWS * ROW)
+
+
+def _chunk_start(k: int) -> int:
+    return HEAD + k * CHUNK
+
+
+def _shard_gets(log: RequestLog, url: str) -> list[tuple[str, str | None]]:
+    return [(r.kind, r.range) for r in log.requests(url) if r.path.endswith("/w/c/0/0")]
+
+
+# --- the plans (pure) ---
+
+
+def _meta(chunk_rows: int, committed: bool) -> ArrayMeta:
+    n = ROWS // chunk_rows
+    table = b"\x01\x02\x03\x04" * n if committed else b""
+    return ArrayMeta("w", (ROWS, COLS), "float32", (ROWS, COLS), (chunk_rows, COLS), committed_crc32c=table)
+
+
+def _plan(meta: ArrayMeta, row: int, caps: Any = OBJECT_STORE) -> list[tuple[int, int | None, bool, tuple[int, ...]]]:
+    box = Box((row, 0), (1, 5))
+    (read,) = plan_fetches([Request(meta, box, np.empty((1, 5), np.float32))], caps, partial=True)
+    return [(f.start, f.end, f.index, f.anchors) for f in read.fetches]
+
+
+def test_plan_reads_a_pieces_crc32c_instead_of_the_index_when_that_saves_a_request() -> None:
+    meta = _meta(CHUNK_ROWS, committed=True)
+    start = _chunk_start(1) + 36 * ROW  # row 100: row 36 of chunk 1, 108 KiB before the chunk's crc32c
+    assert _plan(meta, 100) == [(start, _chunk_start(2), False, (1,))]
+
+
+def test_plan_keeps_the_index_when_the_crc32c_is_far_or_unrecorded_or_local() -> None:
+    big = _meta(256, committed=True)  # 1 MiB chunks: row 300 lies 844 KiB before its chunk's crc32c
+    head = 16 * 2 + 4
+    piece = head + (256 * ROW + 4) + 44 * ROW
+    want = [(0, head, True, ()), (piece, piece + 20, False, ())]
+    assert _plan(big, 300) == want
+    assert _plan(_meta(CHUNK_ROWS, committed=False), 100)[0] == (0, HEAD, True, ())  # no commit record
+    assert _plan(_meta(CHUNK_ROWS, committed=True), 100, LOCAL_FILES)[0] == (0, HEAD, True, ())
+    # near the index: it is folded into the one read
+    assert _plan(_meta(CHUNK_ROWS, committed=True), 3) == [(0, HEAD + 3 * ROW + 20, True, ())]
+
+
+# --- at the server ---
+
+
+def test_a_partial_lazy_read_is_one_get_with_its_chunks_crc32c(
+    s3_url: tuple[str, dict[str, Any]], s3_requests: RequestLog
+) -> None:
+    url, opts = s3_url
+    _save(url, opts)
+    view = zarrckpt.open(url, storage_options=opts)["w"]
+    s3_requests.clear()
+    assert torch.equal(view[100, :5], _full()[100, :5])
+    start = _chunk_start(1) + 36 * ROW
+    assert _shard_gets(s3_requests, url) == [("GET", f"bytes={start}-{_chunk_start(2) - 1}")]
+    assert len(s3_requests.requests()) == 1
+
+
+def test_a_lazy_read_of_whole_chunks_is_one_get_without_the_index(
+    s3_url: tuple[str, dict[str, Any]], s3_requests: RequestLog
+) -> None:
+    url, opts = s3_url
+    _save(url, opts)
+    view = zarrckpt.open(url, storage_options=opts)["w"]
+    s3_requests.clear()
+    assert torch.equal(view[64:192], _full()[64:192])  # chunks 1 and 2, each checked whole
+    assert _shard_gets(s3_requests, url) == [("GET", f"bytes={_chunk_start(1)}-{_chunk_start(3) - 1}")]
+    assert len(s3_requests.requests()) == 1
+
+
+def _zarr_array(url: str, opts: dict[str, Any], **config: Any) -> Any:
+    zarr = pytest.importorskip("zarr")
+    return zarr.open_array(f"{url}/w", mode="r+", storage_options=opts, zarr_format=3, config=config)
+
+
+def test_a_peer_dropping_a_chunk_is_caught_by_a_partial_read(
+    s3_url: tuple[str, dict[str, Any]], s3_requests: RequestLog
+) -> None:
+    """zarr-python zeroes rows 0:64 and drops that all-fill chunk: every later chunk moves up by
+    one. Read at the committed offsets, row 100 would be row 164's bytes; the stored crc32c at
+    the committed place is not chunk 1's, the index then shows the new layout."""
+    url, opts = s3_url
+    _save(url, opts)
+    arr = _zarr_array(url, opts, write_empty_chunks=False)
+    arr[0:CHUNK_ROWS] = 0.0
+    fs, root = fsspec.core.url_to_fs(url, **opts)
+    assert fs.size(f"{root}/w/c/0/0") == HEAD + 7 * CHUNK  # really dropped
+    s3_requests.clear()
+    with pytest.raises(ModifiedCheckpointError, match="not laid out as zarrckpt wrote it"):
+        zarrckpt.open(url, storage_options=opts)["w"][100, :5]
+    start = _chunk_start(1) + 36 * ROW
+    assert _shard_gets(s3_requests, url) == [
+        ("GET", f"bytes={start}-{_chunk_start(2) - 1}"),
+        ("GET", f"bytes=0-{HEAD - 1}"),  # the index, fetched to explain
+    ]
+    peer = zarrckpt.open(url, storage_options=opts, allow_modified=True)["w"]
+    assert torch.equal(peer[100, :5], _full()[100, :5])
+    assert torch.equal(peer[3, :5], torch.zeros(5))
+
+
+def test_a_peer_rewrite_in_place_is_caught_by_a_partial_read(
+    s3_url: tuple[str, dict[str, Any]], s3_requests: RequestLog
+) -> None:
+    """zarr-python changes one element of chunk 1: the layout (and the index) stay as they were,
+    so only the chunk's crc32c shows it; a partial read that reads it refuses the chunk."""
+    url, opts = s3_url
+    _save(url, opts)
+    arr = _zarr_array(url, opts)
+    arr[110, 7] = -1.0
+    s3_requests.clear()
+    with pytest.raises(ModifiedCheckpointError, match="modified after commit by another writer") as err:
+        zarrckpt.open(url, storage_options=opts)["w"][100, :5]
+    assert err.value.key == "w" and "w/c/0/0" in (err.value.chunk or "")
+    assert len(_shard_gets(s3_requests, url)) == 2  # the read, then the index (layout unchanged)
+    peer = zarrckpt.open(url, storage_options=opts, allow_modified=True)["w"]
+    assert peer[110, 7].item() == -1.0 and torch.equal(peer[100, :5], _full()[100, :5])
+
+
+def test_a_truncated_shard_read_without_the_index_is_reported(
+    s3_url: tuple[str, dict[str, Any]], s3_requests: RequestLog
+) -> None:
+    url, opts = s3_url
+    _save(url, opts)
+    fs, root = fsspec.core.url_to_fs(url, **opts)
+    shard = fs.cat_file(f"{root}/w/c/0/0")
+    fs.pipe_file(f"{root}/w/c/0/0", shard[: _chunk_start(7) + 52 * ROW + 8])  # cut inside the bytes of row 500
+    s3_requests.clear()
+    with pytest.raises(CorruptChunkError, match="truncated") as err:
+        zarrckpt.open(url, storage_options=opts)["w"][500, :5]
+    assert not isinstance(err.value, ModifiedCheckpointError)  # the index still says zarrckpt's layout
+    assert len(_shard_gets(s3_requests, url)) == 2
+
+
+def _load_columns(url: str, opts: dict[str, Any], rows: int, cols: int) -> torch.Tensor:
+    target = {"w": zarrckpt.LocalShard(torch.zeros(rows, cols // 2), (rows, cols), (0, 0))}
+    zarrckpt.load(target, url, storage_options=opts)
+    return target["w"].data
+
+
+def test_a_load_gets_one_request_per_run(s3_url: tuple[str, dict[str, Any]], s3_requests: RequestLog) -> None:
+    """Rows longer than an inner chunk: the left half of every row is a run of 2 chunks, 16 runs in
+    the one shard: 16 ranged GETs, no index GET, exactly the needed chunks' bytes."""
+    url, opts = s3_url
+    rows, cols = 16, 65536
+    full = torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols)
+    zarrckpt.save({"w": full}, url, storage_options=opts, chunk_bytes=64 * 1024)
+    meta = zarrckpt.open(url, storage_options=opts)["w"].meta
+    assert meta.chunk_shape == (1, 16384)  # 4 inner chunks per row
+    s3_requests.clear()
+    assert torch.equal(_load_columns(url, opts, rows, cols), full[:, : cols // 2])
+    gets = _shard_gets(s3_requests, url)
+    chunk, head = 16384 * 4 + 4, 16 * 64 + 4
+    assert sorted(gets) == sorted(
+        ("GET", f"bytes={head + 4 * r * chunk}-{head + (4 * r + 2) * chunk - 1}") for r in range(rows)
+    )
+    assert sum(r.bytes_sent for r in s3_requests.requests(url) if r.path.endswith("/w/c/0/0")) == rows * 2 * chunk
