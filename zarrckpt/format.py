@@ -10,14 +10,15 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from . import dtypes, integrity
+from . import dtypes, fill, integrity
 from .errors import InvalidCheckpointError, InvalidKeyError
 from .jsondoc import Bad, check_extensions, finite_float, get_field, meaning, no_constant, shape_field, short
 from .keys import ROLES, key_to_path, validate_keys
 from .layout import Shape
 from .types import ArrayKind, Role
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this zarrckpt reads; it writes the oldest that describes a checkpoint
+CONSTANT_VERSION = 2  # constant arrays (no shard objects) first appeared in format version 2
 MANIFEST = "zarr.json"
 PENDING = ".zarrckpt-pending.json"  # a save is writing here (or died doing so)
 DELETING = ".zarrckpt-deleting.json"  # a deletion is removing this checkpoint (or died doing so)
@@ -39,6 +40,7 @@ class ArrayMeta:
     kind: ArrayKind = ArrayKind.TENSOR
     topology: dict[str, Any] = field(default_factory=dict, compare=False)
     python_type: str = ""  # kind "bytes": the saved value's type when not bytes ("bytearray" or "BytesIO")
+    constant: bytes | None = None  # a constant array: every element's bytes (little-endian); no shard objects
     committed_crc32c: bytes = field(default=b"", compare=False, repr=False)  # integrity.py: the commit's record
 
     @property
@@ -70,7 +72,7 @@ class ArrayMeta:
             "data_type": self.dtype,
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(self.shard_shape)}},
             "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
-            "fill_value": dtypes.fill_value(self.dtype),
+            "fill_value": dtypes.fill_value(self.dtype) if self.constant is None else self.fill_json(),
             "dimension_names": dimension_names(self.path, len(self.shape)),
             "codecs": [
                 {
@@ -85,16 +87,22 @@ class ArrayMeta:
             ],
             "attributes": {
                 "zarrckpt": {
-                    "format_version": FORMAT_VERSION,
+                    "format_version": 1 if self.constant is None else CONSTANT_VERSION,
                     "key": self.key,
                     "role": self.role,
                     "kind": self.kind,
                     "order": "C",
                     "topology": self.topology,
                     **({"python_type": self.python_type} if self.python_type else {}),
+                    **({"constant": True} if self.constant is not None else {}),
                 }
             },
         }
+
+    def fill_json(self) -> Any:
+        """A constant array's ``fill_value``: its elements' exact value (:mod:`zarrckpt.fill`)."""
+        assert self.constant is not None
+        return fill.to_json(self.dtype, self.constant)
 
     @classmethod
     def from_json(cls, path: str, doc: Any, where: str = "the checkpoint") -> ArrayMeta:
@@ -124,6 +132,7 @@ class ArrayMeta:
         kind = get_field(doc, attrs + "kind", str, bad, "tensor")
         topology = get_field(doc, attrs + "topology", dict, bad, {})
         python_type = get_field(doc, attrs + "python_type", str, bad, "")
+        is_constant = get_field(doc, attrs + "constant", bool, bad, False)
         if python_type not in ("", *BYTES_TYPE_NAMES) or (python_type and kind != "bytes"):
             raise bad(f"python_type {short(python_type)} is not one of {BYTES_TYPE_NAMES} on a bytes array")
         if not (len(shape) == len(shard) == len(chunk)):
@@ -152,9 +161,23 @@ class ArrayMeta:
             raise bad(f"a bytes value must be stored as 1-D uint8, not {len(shape)}-D {dtype}")
         if get_field(doc, attrs + "order", str, bad, "C") != "C" or doc.get("storage_transformers"):
             raise bad("only C order and no storage transformers are supported")
-        meta = cls(key, shape, dtype, shard, chunk, Role(role), ArrayKind(kind), topology, python_type)
+        constant = None
+        if is_constant:  # every element is the fill value, which must spell one element exactly
+            constant = fill.from_json(dtype, doc.get("fill_value"))
+            if constant is None:
+                raise bad(
+                    f"field 'fill_value' {short(doc.get('fill_value'))} is not a {dtype} value of a constant array"
+                )
+        meta = cls(key, shape, dtype, shard, chunk, Role(role), ArrayKind(kind), topology, python_type, constant)
         expected = meta.to_json()
-        for name in ("zarr_format", "node_type", "chunk_grid", "chunk_key_encoding", "fill_value", "codecs"):
+        for name in (
+            "zarr_format",
+            "node_type",
+            "chunk_grid",
+            "chunk_key_encoding",
+            "codecs",
+            *(() if is_constant else ("fill_value",)),
+        ):
             if meaning(name, doc.get(name), meta.itemsize) != meaning(name, expected[name], meta.itemsize):
                 raise bad(f"field {name!r} is {short(doc.get(name))}, zarrckpt writes {short(expected[name])}")
         return meta
@@ -227,7 +250,7 @@ class Manifest:
             "node_type": "group",
             "attributes": {
                 "zarrckpt": {
-                    "format_version": FORMAT_VERSION,
+                    "format_version": max((1, *(CONSTANT_VERSION for a in arrays if a.constant is not None))),
                     "save_id": self.save_id,
                     "created": self.created,
                     "library": self.library,

@@ -9,7 +9,8 @@ So the manifest records, per array (docs/FORMAT.md §6):
   shape, data type, shard and inner-chunk shapes, role, kind, Python type);
 - ``chunk_crc32c``: the crc32c of every inner chunk as written, one little-endian uint32 slot
   per inner chunk of every shard (shards in C order of the shard grid, chunks in index order
-  within a shard; slots of chunks outside the array hold 0), base64-encoded;
+  within a shard; slots of chunks outside the array hold 0), base64-encoded; or, for a constant
+  array (no shard objects by design, its value in ``meta_crc32c``), ``"constant": true``;
 
 and ``attributes_crc32c``, a crc32c of its own ``zarrckpt`` attributes (the saved values with them).
 A read compares each chunk's stored crc32c with the committed one; any difference raises
@@ -61,7 +62,10 @@ def canonical(doc: Any) -> bytes:
 
 def meta_digest(meta: ArrayMeta) -> int:
     fields = [meta.key, list(meta.shape), meta.dtype, list(meta.shard_shape), list(meta.chunk_shape)]
-    return crc32c.crc32c(canonical([*fields, meta.role, meta.kind, meta.python_type]))
+    fields += [meta.role, meta.kind, meta.python_type]
+    if meta.constant is not None:  # a constant array: its elements' bytes, as hex
+        fields.append(meta.constant.hex())
+    return crc32c.crc32c(canonical(fields))
 
 
 def attributes_digest(attributes: Mapping[str, Any]) -> int:
@@ -80,8 +84,8 @@ def records(arrays: Mapping[str, ArrayMeta], gathered: Sequence[Mapping[str, Map
 
     Raises ZarrckptError when some shard was written by no rank: committing would lose it.
     """
-    tables = {key: bytearray(4 * math.prod(_slots(meta))) for key, meta in arrays.items()}
-    seen: dict[str, set[int]] = {key: set() for key in arrays}
+    tables = {key: bytearray(4 * math.prod(_slots(meta))) for key, meta in arrays.items() if meta.constant is None}
+    seen: dict[str, set[int]] = {key: set() for key in tables}
     for view in gathered:
         for key, shards in view.items():
             per_shard = _slots(arrays[key])[1] * 4
@@ -91,7 +95,7 @@ def records(arrays: Mapping[str, ArrayMeta], gathered: Sequence[Mapping[str, Map
                 seen[key].add(n)
     lost = [
         f"{key} ({_slots(arrays[key])[0] - len(seen[key])} shards)"
-        for key in arrays
+        for key in tables
         if len(seen[key]) < _slots(arrays[key])[0]
     ]
     if lost:
@@ -101,7 +105,11 @@ def records(arrays: Mapping[str, ArrayMeta], gathered: Sequence[Mapping[str, Map
             "shape": list(meta.shape),
             "data_type": meta.dtype,
             "meta_crc32c": meta_digest(meta),
-            "chunk_crc32c": base64.b64encode(tables[key]).decode(),
+            **(
+                {"constant": True}  # no chunks by design
+                if meta.constant is not None
+                else {"chunk_crc32c": base64.b64encode(tables[key]).decode()}
+            ),
         }
         for key, meta in sorted(arrays.items())
     }
@@ -134,8 +142,12 @@ def compare(arrays: dict[str, ArrayMeta], recorded: Any, bad: Any) -> tuple[dict
                 f"{rec.get('shape')} {rec.get('data_type')}"
             )
             continue
-        if rec.get("meta_crc32c") != meta_digest(meta):
-            modified[meta.key] = f"the metadata of {meta.key!r} (chunking, role or kind) is not what was committed"
+        if rec.get("meta_crc32c") != meta_digest(meta) or (rec.get("constant") is True) != (meta.constant is not None):
+            modified[meta.key] = (
+                f"the metadata of {meta.key!r} (chunking, role, kind or constant value) is not what was committed"
+            )
+            continue
+        if meta.constant is not None:  # no chunks, so no chunk checksums
             continue
         try:
             table = base64.b64decode(rec.get("chunk_crc32c", ""), validate=True)

@@ -8,6 +8,9 @@ the index then. Pieces of partly read chunks (lazy views) cannot be checked.
 
 ``any_layout`` (``allow_modified``) reads shards another Zarr writer laid out: the index first,
 then the chunks where it says (:func:`_read_any`), so that read cannot be planned ahead.
+
+A constant array (no shard objects by design) is read without a request: every element is its
+fill value. With ``any_layout`` its shards are looked for too (a peer may have written some).
 """
 
 from __future__ import annotations
@@ -49,17 +52,33 @@ def read_regions(
     at the price of not checking those chunks' crc32c (see :mod:`zarrckpt.fetch`).
     ``any_layout``: read shards laid out by any Zarr writer (``allow_modified``), see :func:`_read_any`.
     """
-    if any_layout:
+    if any_layout:  # constant arrays too: a peer may have written chunks into them since
         return _run_all(storage, plan_reads(requests))
-    return _run_all(storage, plan_fetches(requests, storage.caps, partial=partial))
+    for req in requests:
+        if req.meta.constant is not None:  # no chunks by design: every element is the fill value
+            req.dest[...] = _fill(req.meta)
+    stored = [req for req in requests if req.meta.constant is None]
+    return _run_all(storage, plan_fetches(stored, storage.caps, partial=partial))
 
 
 def verify_array(storage: Storage, meta: ArrayMeta, *, any_layout: bool = False) -> int:
     """Read every stored chunk of ``meta`` and check the shard indexes and every checksum (and,
     when the manifest has a commit record, that each chunk is the one committed).
 
+    A constant array has no chunks by design: it is checked to have no shard objects (one listing).
+
     Returns the bytes fetched; raises CorruptChunkError for the first problem found.
     """
+    if meta.constant is not None and not any_layout:
+        if not storage.child(f"{meta.path}/c").is_empty():
+            raise ModifiedCheckpointError(
+                f"{meta.key!r} was committed as a constant array, without chunks, but "
+                f"{storage.where(meta.path + '/c')} holds some: written after commit by another writer; "
+                f"{integrity.ALLOW_HINT}",
+                key=meta.key,
+                chunk=f"{meta.path}/c",
+            )
+        return 0
     reads = plan_verify(meta, storage.caps)
     return _run_all(storage, [r.task for r in reads] if any_layout else reads)
 
@@ -72,6 +91,9 @@ def _run_all(storage: Storage, work: Sequence[ShardRead | ShardTask]) -> int:
         try:
             return _read_any(storage, task) if isinstance(item, ShardTask) else run(storage, item)
         except FileNotFoundError:
+            if task.meta.constant is not None:  # a constant array's shard no one wrote (allow_modified)
+                _fill_task(task)
+                return 0
             where, key = storage.where(task.path), task.meta.key
             raise CorruptChunkError(f"shard object {where} of {key!r} is missing", key=key, chunk=task.path) from None
 
@@ -181,8 +203,8 @@ def _read_any(storage: Storage, task: ShardTask) -> int:
     chunks: list[int] = []
     for k in sorted(task.needs):
         offset, nbytes = int(index[k][0]), int(index[k][1])
-        if offset == EMPTY and nbytes == EMPTY:  # never written: the fill value (zero bits)
-            _scatter(task, k, np.zeros(meta.chunk_shape, dtype=dtypes.storage_dtype(meta.dtype)))
+        if offset == EMPTY and nbytes == EMPTY:  # never written: the fill value
+            _scatter(task, k, np.full(meta.chunk_shape, _fill(meta)))
         elif nbytes != size or offset < head:
             raise CorruptChunkError(
                 f"inner chunk {k} of {meta.key!r} in shard {path} has index entry ({offset}, {nbytes}); "
@@ -240,6 +262,19 @@ def _copy_chunk(task: ShardTask, k: int, raw: memoryview, path: str) -> None:
     data = decode_chunk(raw, meta.chunk_nbytes, meta.key, where)
     integrity.check_chunk(meta, task.index, k, raw[-4:], where)
     _scatter(task, k, np.frombuffer(data, dtype=dtypes.storage_dtype(meta.dtype)).reshape(meta.chunk_shape))
+
+
+def _fill(meta: ArrayMeta) -> np.ndarray:
+    """One element of ``meta``'s fill value (0-d, the stored dtype): its constant, else zero bits."""
+    dtype = dtypes.storage_dtype(meta.dtype)
+    bits = bytes(dtype.itemsize) if meta.constant is None else meta.constant
+    return np.frombuffer(bits, dtype=dtype).reshape(())
+
+
+def _fill_task(task: ShardTask) -> None:
+    for parts in task.needs.values():
+        for part, req in parts:
+            req.dest[part.relative_to(req.box.offsets).slices()] = _fill(task.meta)
 
 
 def _where(task: ShardTask, k: int, path: str) -> str:
