@@ -26,8 +26,11 @@ from zarrckpt.storage import Storage
 from zarrckpt.testing import spawn
 
 
-def _state(value: float, n: int = 4) -> dict[str, Any]:
-    return {"model": {f"w{i}": torch.full((32, 16), value + i) for i in range(n)}, "step": int(value)}
+def _state(value: float, n: int = 4, ramp: bool = False) -> dict[str, Any]:
+    """Tensors ``value + i`` (constant arrays, metadata only), or with ``ramp`` plus 0, 1, 2, ...
+    (tensors of real shard objects)."""
+    add = torch.arange(32 * 16, dtype=torch.float32).reshape(32, 16) if ramp else torch.zeros(32, 16)
+    return {"model": {f"w{i}": torch.full((32, 16), value + i) + add for i in range(n)}, "step": int(value)}
 
 
 def _loads(url: str, value: float, **kwargs: Any) -> bool:
@@ -254,7 +257,7 @@ def _racer(
 ) -> None:
     go.wait()
     try:
-        zarrckpt.save(_state(value, n=8), url, chunk_bytes=512, storage_options=opts)
+        zarrckpt.save(_state(value, n=8, ramp=True), url, chunk_bytes=512, storage_options=opts)
         results[value] = None
     except zarrckpt.ZarrckptError as e:
         results[value] = e
@@ -274,9 +277,10 @@ def _races(urls: list[str], opts: dict[str, Any]) -> int:
         assert len(winners) == 1, results
         loser = next(e for e in results.values() if e is not None)
         assert isinstance(loser, zarrckpt.CheckpointExistsError | zarrckpt.IncompleteCheckpointError), loser
-        target = _state(-1.0, n=8)
+        target = _state(-1.0, n=8, ramp=True)
         zarrckpt.load(target, url, storage_options=opts)
-        assert all(torch.equal(t, torch.full((32, 16), winners[0] + i)) for i, t in enumerate(target["model"].values()))
+        want = _state(winners[0], n=8, ramp=True)["model"]
+        assert all(torch.equal(t, want[k]) for k, t in target["model"].items())
     return len(urls)
 
 

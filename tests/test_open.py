@@ -106,7 +106,8 @@ def test_open_refuses_missing_and_uncommitted(tmp_path: Path) -> None:
 
 def test_verify_reports_every_problem(tmp_path: Path) -> None:
     url = str(tmp_path / "ck")
-    zarrckpt.save({"a": torch.randn(64, 64), "b": torch.randn(64, 64), "c": torch.zeros(3)}, url, chunk_bytes=4096)
+    state = {"a": torch.randn(64, 64), "b": torch.randn(64, 64), "c": torch.arange(3.0)}  # c: not a constant array
+    zarrckpt.save(state, url, chunk_bytes=4096)
     summary = zarrckpt.open(url).verify()
     assert summary["problems"] == [] and summary["tensors"] == 3 and summary["bytes_read"] >= 2 * 64 * 64 * 4
     shard = tmp_path / "ck/a/c/0/0"
@@ -182,7 +183,8 @@ def test_html_escapes_and_truncates(tmp_path: Path) -> None:
 
 def test_verify_progress_and_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     url = str(tmp_path / "ck")
-    zarrckpt.save({"a": torch.randn(64, 64), "b": torch.randn(64, 64), "c": torch.zeros(3)}, url, chunk_bytes=4096)
+    state = {"a": torch.randn(64, 64), "b": torch.randn(64, 64), "c": torch.arange(3.0)}  # c: not a constant array
+    zarrckpt.save(state, url, chunk_bytes=4096)
     summary = zarrckpt.open(url).verify(progress=True)
     read = 2 * (16 * 4 + 4 + 4 * (4096 + 4)) + (16 + 4 + 12 + 4)  # 2 x (index + 4 chunks), c: index + 1 chunk
     read += sum((tmp_path / f"ck/{k}/zarr.json").stat().st_size for k in "abc")  # compared with the manifest

@@ -19,6 +19,7 @@ import torch
 
 import zarrckpt  # registers bfloat16 / float8 with zarr-python
 from zarrckpt import commit as protocol
+from zarrckpt import fill
 from zarrckpt.format import Manifest
 from zarrckpt.keys import nest
 from zarrckpt.localstate import collect
@@ -224,18 +225,36 @@ def _expected_shard_bytes(meta: dict[str, Any], n_stored: int) -> int:
 
 
 @pytest.mark.parametrize("key", ["optim.state.model.layers.0.w.exp_avg", "optim.state.model.layers.0.w.exp_avg_sq"])
-def test_all_zero_tensor_is_written(saved, key: str) -> None:
-    """zarr-python's write_empty_chunks=False pitfall: an all-zero moment must still be stored."""
+def test_small_all_zero_moment_is_a_constant_array(saved, key: str) -> None:
+    """A zero-initialised moment of at most 64 KiB is stored as metadata only, and says so (the
+    array and the commit record), so it is not taken for a lost write; peers read its zeros."""
     root, flat = saved
+    meta = json.loads((root / _path(key) / "zarr.json").read_text())
+    assert _shard_files(root, key) == [] and not (root / _path(key) / "c").exists()
+    assert meta["attributes"]["zarrckpt"]["constant"] is True
+    assert fill.from_json(meta["data_type"], meta["fill_value"]) == bytes(flat[key].element_size())  # 0.0, 0x0000
+    record = json.loads((root / "zarr.json").read_text())["attributes"]["zarrckpt"]["integrity"]["arrays"]
+    assert record[_path(key)]["constant"] is True and "chunk_crc32c" not in record[_path(key)]
+    _assert_same_bits(_ts_open(root / _path(key)).read().result(), flat[key], key)
+    _assert_same_bits(zarr.open_array(str(root / _path(key)), mode="r", zarr_format=3)[...], flat[key], key)
+
+
+def test_all_zero_tensor_above_the_check_bound_is_written(tmp_path: Path) -> None:
+    """zarr-python's write_empty_chunks=False pitfall: an all-zero tensor whose parts are too big to
+    check for constancy (over 64 KiB) must still have every inner chunk stored."""
+    key = "optim.state.w.exp_avg"
+    zeros = torch.zeros(130, 128)  # 66,560 bytes
+    root = tmp_path / "ck"
+    zarrckpt.save({"optim": {"state": {"w": {"exp_avg": zeros}}}}, root, chunk_bytes=8 * 1024)
     meta = json.loads((root / _path(key) / "zarr.json").read_text())
     files = _shard_files(root, key)
     assert [p.relative_to(root / _path(key)).as_posix() for p in files] == ["c/0/0"]
     inner = meta["codecs"][0]["configuration"]["chunk_shape"]
     shard = meta["chunk_grid"]["configuration"]["chunk_shape"]
     n = math.prod(s // c for s, c in zip(shard, inner, strict=True))
-    assert shard == meta["shape"] and n >= 2
+    assert shard == meta["shape"] and n >= 2 and "constant" not in meta["attributes"]["zarrckpt"]
     assert files[0].stat().st_size == _expected_shard_bytes(meta, n)  # every inner chunk is stored
-    _assert_same_bits(_ts_open(root / _path(key)).read().result(), flat[key], key)
+    _assert_same_bits(_ts_open(root / _path(key)).read().result(), zeros, key)
 
 
 # -- edge shards: several "ranks" saved from one process ------------------------------------------
@@ -264,7 +283,9 @@ EDGE = {  # key -> (global tensor, row parts, column parts)
     "model.rows": (_random((10, 6), torch.float32, 1), 4, 1),  # rows 3,3,3,1
     "model.cols": (_random((5, 10), torch.bfloat16, 2), 1, 3),  # columns 4,4,2
     "model.grid": (_random((22, 13), torch.float8_e4m3fn, 3), 3, 2),  # rows 8,8,6 x columns 7,6
-    "optim.state.model.rows.exp_avg": (torch.zeros(10, 6), 4, 1),
+    "optim.state.model.rows.exp_avg": (torch.zeros(10, 6), 4, 1),  # every part zero: a constant array
+    # zero but the last row: the parts disagree, so every shard is written, the all-zero ones too
+    "optim.state.model.rows.exp_avg_sq": (torch.cat([torch.zeros(9, 6), torch.ones(1, 6)]), 4, 1),
 }
 
 
@@ -319,9 +340,13 @@ def test_edge_shards_read_by_peers(saved_by_ranks: Path, key: str) -> None:
 
 
 def test_edge_all_zero_tensor_has_every_shard(saved_by_ranks: Path) -> None:
+    """Ranks whose parts are all zero still write them when another rank's part is not (a
+    constant array needs every holder to agree); when all agree, no rank writes any."""
     root = saved_by_ranks
-    key = "optim.state.model.rows.exp_avg"
+    assert _shard_files(root, "optim.state.model.rows.exp_avg") == []
+    key = "optim.state.model.rows.exp_avg_sq"
     meta = json.loads((root / _path(key) / "zarr.json").read_text())
+    assert "constant" not in meta["attributes"]["zarrckpt"]
     files = {p.relative_to(root / _path(key) / "c").as_posix(): p.stat().st_size for p in _shard_files(root, key)}
     assert files == {
         "0/0": _expected_shard_bytes(meta, 3),
@@ -544,4 +569,7 @@ def test_numpy_arrays_of_complex_and_unsigned_types_round_trip(tmp_path: Path) -
         np.testing.assert_array_equal(_bits(target[key]), _bits(want), err_msg=key)
         doc = json.loads((tmp_path / "ck" / key / "zarr.json").read_text())
         assert doc["data_type"] == str(want.dtype), key
+        if key == "u16":  # 0-d: one element, so a constant array whose fill_value is the value
+            assert doc["attributes"]["zarrckpt"]["constant"] is True and doc["fill_value"] == 65535
+            continue
         assert doc["fill_value"] == ([0.0, 0.0] if want.dtype.kind == "c" else 0), key

@@ -67,9 +67,15 @@ def test_plan_has_the_shards_the_layout_implies(plan: ZarrSavePlan) -> None:
     world = SAVE.world
     assert len(plan.arrays) == 4 * len(params) + 2 * world  # weight, 2 moments, step; 2 RNG states per rank
     per_tensor = {"dense": SAVE.dp, "expert": SAVE.ep_mp * SAVE.ep_dp}  # Shard(0) over DP; EP-MP x EP-DP boxes
-    expected = sum(3 * per_tensor[group] + 1 for _, _, group, _ in params)  # weight, 2 moments; 1 step counter
-    expected += 2 * world
+    # weight, 2 moments; the CPU RNG state of each rank. The 0-d step counters and the all-zero
+    # CUDA RNG placeholders are constant arrays: metadata only, no shard to write
+    expected = sum(3 * per_tensor[group] for _, _, group, _ in params) + world
     assert sum(len(owner) for owner in plan.owners.values()) == expected
+    constant = {k for k, m in plan.arrays.items() if m.constant is not None}
+    assert constant == {f"{key.replace('model.', 'optim.state.model.', 1)}.step" for key, _, _, _ in params} | {
+        f"rng.rank_{r:04d}.cuda" for r in range(world)
+    }
+    assert all(plan.owners[k] == {} for k in constant)
     meta = plan.arrays["model.layers.0.moe.experts.w1"]
     assert meta.shard_shape == (DIMS.experts // SAVE.ep_mp, DIMS.d_model // SAVE.ep_dp, DIMS.d_ff)
     assert meta.topology["holders"] == SAVE.dp and meta.topology["world_size"] == world
@@ -81,6 +87,8 @@ def test_every_tensor_is_tiled_exactly_once_by_a_holder(plan: ZarrSavePlan, raws
     descs = sm.decode(raws)
     for key, owner in plan.owners.items():
         meta = plan.arrays[key]
+        if meta.constant is not None:
+            continue  # no shards
         assert sum(cell_box(idx, meta.shard_shape, meta.shape).volume for idx in owner) == max(1, math.prod(meta.shape))
         for idx, rank in owner.items():
             (spec,) = descs[rank].parts(key)
@@ -89,14 +97,13 @@ def test_every_tensor_is_tiled_exactly_once_by_a_holder(plan: ZarrSavePlan, raws
 
 
 def test_writers_per_rank(plan: ZarrSavePlan) -> None:
-    """Each rank writes its own box of every tensor of its stage; replicated step counters are
-    written once, by the lowest rank of the stage."""
+    """Each rank writes its own box of every tensor of its stage and its CPU RNG state; the
+    replicated step counters (constant arrays) are written by no one."""
     writes = Counter(rank for owner in plan.owners.values() for rank in owner.values())
     stage_params = Counter(SAVE.stage_of(DIMS, layer, key) for key, _, _, layer in DIMS.params())
     for rank in range(SAVE.world):
-        stage, dp_rank = divmod(rank, SAVE.dp)
-        steps = stage_params[stage] if dp_rank == 0 else 0
-        assert writes[rank] == 3 * stage_params[stage] + steps + 2, rank
+        stage, _ = divmod(rank, SAVE.dp)
+        assert writes[rank] == 3 * stage_params[stage] + 1, rank
     assert set(writes) == set(range(SAVE.world))
     assert sum(len(plan.shards_of(r)) for r in range(SAVE.world)) == sum(writes.values())
     docs = [path for r in range(SAVE.world) for path, _ in plan.metadata_of(r)]

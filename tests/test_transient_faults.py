@@ -239,7 +239,7 @@ def test_storage_that_always_fails_gives_storage_error(
 
 def test_a_shard_that_cannot_be_written_leaves_no_commit(tmp_path: Path, fast_retries: RetryPolicy) -> None:
     url = _url(tmp_path)
-    state = {"a": torch.ones(64, 64), "b": torch.zeros(64, 64)}
+    state = {"a": torch.ones(64, 64), "b": torch.arange(64 * 64.0).reshape(64, 64)}  # b: not a constant array
     with pytest.raises(zarrckpt.StorageError, match=r"writing .*ck/b/c/0/0 failed after 3 attempts"):
         zarrckpt.save(state, url, storage_options=_opts(tmp_path, rate=0.0, fail_paths="*/b/c/0/0"), chunk_bytes=4096)
     _no_commit(tmp_path)
@@ -272,7 +272,7 @@ def test_default_policy_gives_up_in_bounded_time(
 def test_permission_errors_are_not_retried(tmp_path: Path, clock: _FakeClock) -> None:
     opts = _opts(tmp_path, rate=0.0, fail_paths="*/w/c/0", fail_with="permission")
     with pytest.raises(zarrckpt.StorageError, match=r"writing .*ck/w/c/0 failed: PermissionError"):
-        zarrckpt.save({"w": torch.ones(8)}, _url(tmp_path), storage_options=opts)
+        zarrckpt.save({"w": torch.arange(8.0)}, _url(tmp_path), storage_options=opts)  # not constant: a shard
     assert clock.waits == []
     assert faulty.calls_on("pipe_file", "/ck/w/c/0") == 1
     _no_commit(tmp_path)

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor, Partial
 
-from . import dtypes
+from . import dtypes, fill
 from .errors import UnsupportedValueError
 from .keys import flat_key, iter_leaves
 from .layout import Box, Shape
@@ -36,7 +36,16 @@ class LocalTensor:
     python_type: str = ""  # bytes values: "bytearray" or "BytesIO" when not plain bytes
 
     def spec(self) -> TensorSpec:
-        return TensorSpec(self.shape, self.dtype, self.kind, self.box, self.topology, self.python_type)
+        return TensorSpec(self.shape, self.dtype, self.kind, self.box, self.topology, self.python_type, self.constant())
+
+    def constant(self) -> str:
+        """Hex of the one element's bytes when every element of this part has the same bits and the
+        part is small enough to check (``fill.CHECK_BYTES``); else "" (and for meta tensors)."""
+        data = self.data
+        if data.is_meta or not 0 < data.numel() * data.element_size() <= fill.CHECK_BYTES:
+            return ""
+        found = fill.constant_of(dtypes.as_numpy(data.detach().cpu()), self.dtype)
+        return "" if found is None else found.hex()
 
 
 @dataclass

@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import fill
 from .dtypes import storage_dtype
 from .errors import SaveLayoutError
 from .format import ArrayMeta, group_json, group_paths
@@ -133,6 +134,7 @@ def _build(descriptions: Sequence[RankDescription], chunk_bytes: int, small_tens
         elif len(problems) > 50:
             continue
         first = specs[0]
+        constant = _constant(first.dtype, specs)
         arrays[key] = ArrayMeta(
             key=key,
             shape=grid.shape,
@@ -145,9 +147,10 @@ def _build(descriptions: Sequence[RankDescription], chunk_bytes: int, small_tens
             kind=first.kind,
             topology=dict(grid.topology),
             python_type=first.python_type,
+            constant=constant,
         )
-        owners[key] = grid.owners
-        if grid.replicated:
+        owners[key] = grid.owners if constant is None else {}  # a constant array: metadata only
+        if grid.replicated and constant is None:  # equal constants are equal replicas
             replicated.add(key)
         if len(grid.owners) > 1 and arrays[key].nbytes < small_tensor_bytes:
             holders = sorted(set(ranks))
@@ -179,6 +182,19 @@ def _gather(writer: int, ranks: list[int], specs: list[TensorSpec]) -> Gather:
         if s.box not in own and s.box.volume:
             sender[s.box] = min(r, sender.get(s.box, r))
     return Gather(writer, tuple(sorted(sender.items(), key=lambda item: item[0].offsets)))
+
+
+def _constant(dtype: str, specs: list[TensorSpec]) -> bytes | None:
+    """The element bytes of a tensor every part of which is the same constant (each holder checked
+    its own parts, ``LocalTensor.constant``), stored as metadata only; else None."""
+    found = {t.constant for t in specs}
+    if len(found) != 1 or not specs[0].constant:
+        return None
+    try:
+        bits = bytes.fromhex(specs[0].constant)
+    except ValueError:
+        return None
+    return bits if len(bits) == storage_dtype(dtype).itemsize and fill.storable(dtype, bits) else None
 
 
 def _check(key: str, ranks: list[int], specs: list[TensorSpec]) -> list[str]:

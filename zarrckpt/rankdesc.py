@@ -32,6 +32,7 @@ class TensorSpec:
     box: Box
     topology: Mapping[str, Any]
     python_type: str = ""  # bytes values: "bytearray" or "BytesIO" when not plain bytes
+    constant: str = ""  # hex of the one element's bytes when every element of the part has them (zarrckpt.fill)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -41,6 +42,7 @@ class TensorSpec:
             "box": [list(self.box.offsets), list(self.box.sizes)],
             "topology": dict(self.topology),
             **({"python_type": self.python_type} if self.python_type else {}),
+            **({"constant": self.constant} if self.constant else {}),
         }
 
     @staticmethod
@@ -54,6 +56,7 @@ class TensorSpec:
                 box=Box(tuple(int(o) for o in offsets), tuple(int(s) for s in sizes)),
                 topology=dict(doc.get("topology") or {}),
                 python_type=str(doc.get("python_type", "")),
+                constant=str(doc.get("constant", "")),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise SaveLayoutError(f"a rank sent a malformed tensor description ({e!r}): {short(doc)}") from None
