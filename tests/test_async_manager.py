@@ -14,9 +14,11 @@ from states import check_loaded, mixed_state
 import zarrckpt
 from zarrckpt.testing import spawn
 
+RAMP = torch.arange(128 * 64, dtype=torch.float32).reshape(128, 64)  # so no tensor is a constant array (no shards)
+
 
 def _state(value: float, n: int = 6) -> dict[str, Any]:
-    return {"model": {f"w{i}": torch.full((128, 64), value + i) for i in range(n)}, "step": int(value)}
+    return {"model": {f"w{i}": torch.full((128, 64), value + i) + RAMP for i in range(n)}, "step": int(value)}
 
 
 def _assert_loads(url: str, value: float, **kw: Any) -> None:
@@ -102,7 +104,7 @@ def test_manager_retention_and_resume(tmp_path: Path) -> None:
     assert manager.latest() == 10
     target = _state(-1.0)
     assert manager.load_latest(target) == 10
-    assert torch.equal(target["model"]["w0"], torch.full((128, 64), 10.0))
+    assert torch.equal(target["model"]["w0"], torch.full((128, 64), 10.0) + RAMP)
     manager.close()
 
 

@@ -17,9 +17,11 @@ import torch
 import zarrckpt
 from zarrckpt import asyncsave
 
+RAMP = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32)  # so no tensor is a constant array (no shards)
+
 
 def _state(value: float, n: int = 4) -> dict[str, Any]:
-    return {"model": {f"w{i}": torch.full((64, 32), value + i) for i in range(n)}, "step": int(value)}
+    return {"model": {f"w{i}": torch.full((64, 32), value + i) + RAMP for i in range(n)}, "step": int(value)}
 
 
 def _loaded(url: Path) -> dict[str, Any]:
@@ -141,7 +143,7 @@ def test_without_the_check_that_bug_commits_the_changed_tensor(
     """Why ZARRCKPT_CHECK_STAGING exists: the same loop bug otherwise goes unnoticed."""
     monkeypatch.delenv("ZARRCKPT_CHECK_STAGING", raising=False)
     _mutate_before_staging(tmp_path, gate, monkeypatch, check=False)()
-    assert torch.equal(_loaded(tmp_path / "ck")["model"]["w2"], torch.full((64, 32), 1003.0))
+    assert torch.equal(_loaded(tmp_path / "ck")["model"]["w2"], torch.full((64, 32), 1003.0) + RAMP)
 
 
 def test_bad_staging_mode_is_refused(tmp_path: Path) -> None:

@@ -25,18 +25,17 @@ from zarrckpt.format import DELETING, MANIFEST, PENDING, Manifest
 from zarrckpt.storage import Storage
 from zarrckpt.testing import spawn
 
+RAMP = torch.arange(32 * 16, dtype=torch.float32).reshape(32, 16)  # so no tensor is a constant array (no shards)
 
-def _state(value: float, n: int = 4, ramp: bool = False) -> dict[str, Any]:
-    """Tensors ``value + i`` (constant arrays, metadata only), or with ``ramp`` plus 0, 1, 2, ...
-    (tensors of real shard objects)."""
-    add = torch.arange(32 * 16, dtype=torch.float32).reshape(32, 16) if ramp else torch.zeros(32, 16)
-    return {"model": {f"w{i}": torch.full((32, 16), value + i) + add for i in range(n)}, "step": int(value)}
+
+def _state(value: float, n: int = 4) -> dict[str, Any]:
+    return {"model": {f"w{i}": torch.full((32, 16), value + i) + RAMP for i in range(n)}, "step": int(value)}
 
 
 def _loads(url: str, value: float, **kwargs: Any) -> bool:
     target = _state(-1.0)
     zarrckpt.load(target, url, **kwargs)
-    return all(torch.equal(t, torch.full((32, 16), value + i)) for i, t in enumerate(target["model"].values()))
+    return all(torch.equal(t, torch.full((32, 16), value + i) + RAMP) for i, t in enumerate(target["model"].values()))
 
 
 def _files(path: Path) -> list[str]:
@@ -257,7 +256,7 @@ def _racer(
 ) -> None:
     go.wait()
     try:
-        zarrckpt.save(_state(value, n=8, ramp=True), url, chunk_bytes=512, storage_options=opts)
+        zarrckpt.save(_state(value, n=8), url, chunk_bytes=512, storage_options=opts)
         results[value] = None
     except zarrckpt.ZarrckptError as e:
         results[value] = e
@@ -277,9 +276,9 @@ def _races(urls: list[str], opts: dict[str, Any]) -> int:
         assert len(winners) == 1, results
         loser = next(e for e in results.values() if e is not None)
         assert isinstance(loser, zarrckpt.CheckpointExistsError | zarrckpt.IncompleteCheckpointError), loser
-        target = _state(-1.0, n=8, ramp=True)
+        target = _state(-1.0, n=8)
         zarrckpt.load(target, url, storage_options=opts)
-        want = _state(winners[0], n=8, ramp=True)["model"]
+        want = _state(winners[0], n=8)["model"]
         assert all(torch.equal(t, want[k]) for k, t in target["model"].items())
     return len(urls)
 
