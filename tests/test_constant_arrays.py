@@ -272,3 +272,15 @@ def test_adam_state_on_s3(s3_url: tuple[str, dict[str, Any]], s3_requests: Reque
     for n in (0, 1):
         for name, want in state["optim"]["state"][n].items():
             _same_bits(target["optim"]["state"][n][name], want, f"{n}.{name}")
+
+
+def test_a_peer_edit_of_the_arrays_own_document_is_reported(tmp_path: Path) -> None:
+    """Generic Zarr readers go by the array's own zarr.json: verify() compares it with the manifest."""
+    root = tmp_path / "ck"
+    zarrckpt.save({"step": torch.tensor(3.0)}, root)
+    doc = _doc(root, "step")
+    doc["fill_value"] = 4.0
+    (root / "step" / "zarr.json").write_text(json.dumps(doc))
+    (problem,) = zarrckpt.open(root).verify()["problems"]
+    assert "modified after commit" in problem and "(constant 3.0 -> 4.0)" in problem
+    assert zarr.open_array(str(root / "step"), mode="r", zarr_format=3)[...] == 4.0  # what peers now read

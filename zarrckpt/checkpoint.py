@@ -232,10 +232,9 @@ class Checkpoint:
             doc = None
         own = ArrayMeta.from_json(meta.path, doc, self.storage.where(path))
         if own != meta:
-            fields = ("shape", "dtype", "shard_shape", "chunk_shape", "role", "kind", "python_type")
-            changed = [
-                f"{f} {getattr(meta, f)} -> {getattr(own, f)}" for f in fields if getattr(own, f) != getattr(meta, f)
-            ]
+            fields = ("shape", "dtype", "shard_shape", "chunk_shape", "role", "kind", "python_type", "constant")
+            differ = [f for f in fields if getattr(own, f) != getattr(meta, f)]
+            changed = [f"{f} {_shown(meta, f)} -> {_shown(own, f)}" for f in differ]
             changes = ", ".join(changed)
             raise ModifiedCheckpointError(
                 f"{self.storage.where(path)} was modified after commit by another writer ({changes}); the "
@@ -251,3 +250,10 @@ class Checkpoint:
     def __repr__(self) -> str:
         total = sum(m.nbytes for m in self.manifest.arrays.values())
         return f"<zarrckpt.Checkpoint {self.storage.url!r}: {len(self)} tensors, {total / 1e6:.1f} MB>"
+
+
+def _shown(meta: ArrayMeta, field: str) -> Any:
+    """A metadata field as a message shows it (a constant as its fill value; None: not constant)."""
+    if field == "constant":
+        return None if meta.constant is None else meta.fill_json()
+    return getattr(meta, field)
