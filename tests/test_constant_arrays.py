@@ -206,7 +206,7 @@ def _save_parts(rank: int, world: int, url: str, opts: dict[str, Any]) -> None:
         "split": zarrckpt.LocalShard(torch.full((rows, 8), float(rank == 0)), (rows * world, 8), (lo, 0)),
         "step": torch.tensor(10.0),  # replicated on every rank
     }
-    zarrckpt.save(state, url, storage_options=opts)
+    zarrckpt.save(state, url, storage_options=opts, small_tensor_bytes=0)  # a shard per part, not one per tensor
 
 
 def _puts(log: RequestLog, url: str) -> list[str]:
@@ -248,7 +248,7 @@ def test_adam_state_on_s3(s3_url: tuple[str, dict[str, Any]], s3_requests: Reque
     torch.manual_seed(0)
     state = _adam_state()
     s3_requests.clear()
-    zarrckpt.save(state, url, storage_options=opts)
+    zarrckpt.save(state, url, storage_options=opts, small_tensor_bytes=0)  # a shard per part, not one per tensor
     shards = sorted(p for p in _puts(s3_requests, url) if not p.endswith(".json"))
     assert shards == [
         "/model/bias/c/0",

@@ -152,7 +152,7 @@ def _build(descriptions: Sequence[RankDescription], chunk_bytes: int, small_tens
         owners[key] = grid.owners if constant is None else {}  # a constant array: metadata only
         if grid.replicated and constant is None:  # equal constants are equal replicas
             replicated.add(key)
-        if len(grid.owners) > 1 and arrays[key].nbytes < small_tensor_bytes:
+        if constant is None and len(grid.owners) > 1 and arrays[key].nbytes < small_tensor_bytes:
             holders = sorted(set(ranks))
             writer = holders[len(gathers) % len(holders)]  # in turn, over the small tensors of the save
             gather = small.get((id(grid), writer))
