@@ -155,7 +155,8 @@ def _save_both(rank: int, world: int, example_url: str, dtensor_url: str, truth:
             n, step = tensor.shape[dim], -(-tensor.shape[dim] // world)  # torch.chunk's split: 5 -> 3 + 2
             assert flat[key].to_local().shape[dim] == max(0, min(step, n - rank * step)), key
     flat["model.replicated"] = _shard(_random((3, 4), torch.bfloat16, 400), mesh, [Replicate()])
-    zarrckpt.save(_nest(flat), dtensor_url, chunk_bytes=CHUNK_BYTES)
+    # a shard per rank's box even for small tensors: the uneven splits are what this checkpoint covers
+    zarrckpt.save(_nest(flat), dtensor_url, chunk_bytes=CHUNK_BYTES, small_tensor_bytes=0)
 
 
 def _dtensor_truth() -> dict[str, torch.Tensor]:
