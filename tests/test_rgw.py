@@ -50,3 +50,20 @@ def test_gateway_counts_every_request_and_stops_cleanly():
         pids = server.pids
     alive = subprocess.run(["ps", "-o", "pid=", "-p", ",".join(map(str, pids))], capture_output=True, text=True)
     assert alive.stdout.strip() == "", f"gateway processes left running: {alive.stdout}"
+
+
+def test_s3fs_defaults_leave_the_callers_options_winning(s3_server):
+    """zarrckpt turns botocore's payload SHA-256 off for s3fs unless the caller's config_kwargs set it."""
+    from zarrckpt.storage import Storage
+    from zarrckpt.testing import s3_storage_options
+
+    opts = s3_storage_options(s3_server)
+    plain = Storage("s3://zarrckpt-test/defaults", opts)
+    assert plain.fs.config_kwargs["s3"] == {"payload_signing_enabled": False}
+    assert plain.storage_options == opts and "config_kwargs" not in opts  # the caller's dict is left alone
+    plain.write("x", [b"payload"])
+    assert plain.read("x") == b"payload"
+    mine = {**opts, "config_kwargs": {"s3": {"payload_signing_enabled": True}, "max_pool_connections": 3}}
+    chosen = Storage("s3://zarrckpt-test/defaults", mine)
+    assert chosen.fs.config_kwargs == {"s3": {"payload_signing_enabled": True}, "max_pool_connections": 3}
+    assert Storage("memory://defaults", {}).storage_options == {}
