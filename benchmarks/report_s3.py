@@ -48,6 +48,7 @@ def _lazy_gets(lazy: dict[str, Any] | None) -> float | None:
 
 def s3_targets(runs: list[dict[str, Any]], lazy: dict[str, Any] | None) -> list[Target]:
     rgw = lazy.get("rgw") if lazy else None
+    lazy = lazy if lazy and "zarrckpt" in lazy else None  # moto's (absent with --rgw only)
     return [
         Target("S3 on moto: save, zarrckpt speed / DCP", _speedup(runs, "s3_save"), 1.5, True, "x", "s3_save/zarrckpt"),
         Target(
@@ -176,6 +177,8 @@ def section_lazy(lazy: dict[str, Any] | None, info: dict[str, Any]) -> list[str]
     out = [LAZY_TITLE, ""]
     if lazy is None:
         return [*out, "_not run in this invocation (`--only`)._"]
+    tables = ["**moto**", "", *_lazy_table(lazy)] if "zarrckpt" in lazy else ["moto: not run (`--rgw only`)."]
+    lazy = lazy if "zarrckpt" in lazy else {**lazy["rgw"], "rgw": lazy["rgw"]}
     out += [
         f"`{lazy['key']}` {lazy['shape']} float32 saved by {lazy['ranks']} ranks (Shard(0)) with both libraries, "
         f"among {lazy['tensors']} tensors of that shape; read: index [{lazy['index']}] = {lazy['slice_bytes']:,} "
@@ -189,9 +192,7 @@ def section_lazy(lazy: dict[str, Any] | None, info: dict[str, Any]) -> list[str]
         "that tensor. DCP cannot load part of a tensor into a smaller target, so it reads the `.metadata` "
         "file and every saved chunk of that tensor (through s3fs files, which read ahead).",
         "",
-        "**moto**",
-        "",
-        *_lazy_table(lazy),
+        *tables,
     ]
     if lazy.get("rgw"):
         out += ["", "**RGW** (the ops log has no Range header; body bytes are what the gateway sent)", ""]

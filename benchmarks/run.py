@@ -250,7 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=5, help="repetitions; medians are reported (default 5)")
     p.add_argument("--quick", action="store_true", help="small sizes, 1 repetition (a smoke run, < ~2 min)")
     p.add_argument("--only", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
-    p.add_argument("--rgw", choices=("auto", "on", "off"), default="auto", help="S3 scenarios on a RADOS Gateway too")
+    p.add_argument(
+        "--rgw", choices=("auto", "on", "off", "only"), default="auto", help="S3 scenarios on a RADOS Gateway too"
+    )
     p.add_argument("--s3-options", default="", help="JSON storage_options merged into every S3 store's")
     p.add_argument("--lazy-shape", default="64,256,256", help="expert tensor shape (default 64,256,256)")
     p.add_argument("--lazy-ranks", type=int, default=8, help="ranks that save the expert tensors (default 8)")
@@ -303,9 +305,10 @@ def main(argv: list[str] | None = None) -> int:
             times = {k: round(v["s"], 2) for k, v in runs[-1].items() if isinstance(v, dict) and "s" in v}
             print(f"rep {rep + 1}/{args.reps}: {times}", file=sys.stderr, flush=True)
         if "lazy" in args.only and s3:
-            lazy = lazy_scenario(args, s3[0])  # moto's; the gateway's under "rgw"
-            if len(s3) > 1:
-                lazy["rgw"] = lazy_scenario(args, s3[1])
+            lazy = {}
+            for store in s3:  # moto's at the top level, the gateway's under "rgw"
+                got = lazy_scenario(args, store)
+                lazy |= {"rgw": got} if store.name == "rgw" else got
     info["about"].append(
         f"load average at the end: {' / '.join(f'{x:.2f}' for x in os.getloadavg())}; "
         f"suite wall time {time.perf_counter() - start:.0f} s"

@@ -40,8 +40,8 @@ def _merge(opts: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def stores(want: bool, rgw: str, extra_opts: str = "") -> Iterator[tuple[list[Store], str]]:
-    """Start the servers: moto, and the gateway unless ``rgw`` is "off" (with "auto", only where
-    Ceph is installed). Yields the stores and a line for the report saying what ran.
+    """Start the servers: moto (unless ``rgw`` is "only"), and the gateway unless ``rgw`` is "off"
+    (with "auto", only where Ceph is installed). Yields the stores and a line for the report saying what ran.
     ``extra_opts``: JSON storage_options merged into every store's (to measure client settings)."""
     if not want:
         yield [], ""
@@ -49,19 +49,23 @@ def stores(want: bool, rgw: str, extra_opts: str = "") -> Iterator[tuple[list[St
     extra = json.loads(extra_opts) if extra_opts else {}
     with contextlib.ExitStack() as stack:
         moto = stack.enter_context(s3_server(BUCKET))
-        out = [
-            Store(
-                "s3",
-                "moto",
-                moto.url,
-                _merge(moto.storage_options, extra),
-                moto.log,
-                counted="moto's server, in the driver process (a WSGI middleware logs every request)",
-            )
-        ]
+        out = (
+            []
+            if rgw == "only"
+            else [
+                Store(
+                    "s3",
+                    "moto",
+                    moto.url,
+                    _merge(moto.storage_options, extra),
+                    moto.log,
+                    counted="moto's server, in the driver process (a WSGI middleware logs every request)",
+                )
+            ]
+        )
         why = rgw_available() if rgw != "off" else "`--rgw off`"
-        if why and rgw == "on":
-            raise SystemExit(f"--rgw on: cannot start the RADOS Gateway: {why}")
+        if why and rgw in ("on", "only"):
+            raise SystemExit(f"--rgw {rgw}: cannot start the RADOS Gateway: {why}")
         if why:
             note = f"S3 on RGW NOT RUN: {why}. Only moto was measured."
             if "not installed" in why:
