@@ -23,9 +23,30 @@ _MOTO = (
     "flight per rank cannot help when the CPU is the limit (`ZARRCKPT_CONCURRENCY=4` measured the same). "
     "The RGW rows measure the same clients against a server written in C++ that runs in its own processes."
 )
+_RGW = (
+    "the gateway is not the limit (its daemons use well under one core during zarrckpt's operations, "
+    "column `server cores` below); the client is. Each of zarrckpt's ~340 requests costs Python CPU in "
+    "aiobotocore / botocore (building, signing and parsing the request) on 2 cores shared by 4 rank "
+    "processes, while DCP moves the same bytes in ~20 requests. With the same requests under the same "
+    "`Storage`, obstore's Rust client saved 1.8x and loaded 2.9x faster than s3fs on this gateway "
+    "(`benchmarks/results/clients.md`). Fewer objects per save (issue 15, points 1 and 2: small tensors "
+    "coalesced, constant arrays as metadata only) cut the same cost at its source."
+)
 MISS_NOTES: dict[str, str] = {
     "S3 on moto: save, zarrckpt speed / DCP": _MOTO,
     "S3 on moto: resharding load, zarrckpt speed / DCP": "same cause as the moto save above.",
+    "S3 on RGW: save, zarrckpt speed / DCP": _RGW,
+    "S3 on RGW: resharding load, zarrckpt speed / DCP": "same cause as the RGW save above.",
+    "S3 on RGW: requests per save, zarrckpt / DCP": (
+        "zarrckpt writes one shard object per tensor per rank (54 tensors x 4 ranks), a `zarr.json` per "
+        "array and group, the markers and the manifest; DCP one file per rank plus its metadata. Issue 15's "
+        "points 1 and 2 (coalesced small tensors, constant arrays without objects) address it."
+    ),
+    "lazy expert slice after open: GETs (moto)": (
+        "zarrckpt reads the shard index, then the chunk: 2 ranged GETs. Issue 15's point 3 (data offsets "
+        "from the manifest, no index GET) makes it 1."
+    ),
+    "lazy expert slice after open: GETs (RGW)": "same cause as on moto above.",
 }
 
 

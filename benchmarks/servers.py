@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,4 +90,5 @@ def stores(want: bool, rgw: str, extra_opts: str = "") -> Iterator[tuple[list[St
             )
         if extra:
             note += f"; extra storage_options on every S3 store: `{json.dumps(extra)}`"
+        print(note, file=sys.stderr, flush=True)
         yield out, note

@@ -120,3 +120,24 @@ def test_report_renders_every_section(tmp_path):
     side = next(line for line in text.splitlines() if line.startswith("| operation | library | moto: median s"))
     assert "RGW: median s" in side and "RGW: requests" in side
     assert text.count("| PASS |") + text.count("| MISS |") == len(goals)
+
+
+def test_clients_report_decides_by_the_measured_ratio():
+    """benchmarks/clients.py keeps s3fs unless obstore is >= 1.3x faster on save and load; says which."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import clients
+    finally:
+        sys.path.remove(str(BENCH))
+
+    def runs(obstore_s: float, obstore_requests: int) -> list[dict]:
+        hits = {"bytes_in": 10, "bytes_out": 10, "PUT": 1}
+        row = {f"{op}/s3fs": {"s": 2.0, "requests": 100, **hits} for op in ("save", "load")}
+        row |= {f"{op}/obstore": {"s": obstore_s, "requests": obstore_requests, **hits} for op in ("save", "load")}
+        return [row]
+
+    slower = clients.render(runs(1.8, 100), ["made up"], 10**6)
+    assert "**keep s3fs**" in slower and "1.11x" in slower
+    faster = clients.render(runs(1.0, 100), ["made up"], 10**6)
+    assert "at equal requests" in faster and "s3fs stays" in faster and "2.00x" in faster
+    assert "NOT at equal requests" in clients.render(runs(1.0, 150), ["made up"], 10**6)

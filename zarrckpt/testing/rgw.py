@@ -21,6 +21,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -54,6 +55,10 @@ def ops_record(record: dict[str, Any]) -> S3Request:
     target = urlsplit(rest.rsplit(" ", 1)[0])  # "PUT /bucket/key?x=y HTTP/1.1"
     query = target.query.split("?", 1)[0]  # Ceph 16 repeats the query string: "?a=1?a=1"
     took = float(record.get("total_time", 0)) / 1000  # ms
+    try:  # when the gateway got the request, e.g. "2026-12-01T13:37:13.012079Z"
+        start = datetime.fromisoformat(str(record["time"]).replace("Z", "+00:00")).timestamp()
+    except (KeyError, ValueError):
+        start = time.time() - took
     return S3Request(
         method=method,
         path=unquote(target.path),
@@ -62,7 +67,7 @@ def ops_record(record: dict[str, Any]) -> S3Request:
         status=int(record.get("http_status") or 0),
         bytes_sent=int(record.get("bytes_sent", 0)),
         bytes_received=int(record.get("bytes_received", 0)),
-        start=time.time() - took,
+        start=start,
         seconds=took,
     )
 
@@ -115,11 +120,11 @@ class OpsLog(RequestLog):
 
     def sync(self, timeout: float = 10.0) -> None:
         """Wait until every request answered so far is in the log."""
-        import fsspec
         from fsspec.asyn import sync
+        from s3fs import S3FileSystem  # whatever s3:// is registered to in this process
 
         if self._fs is None:
-            self._fs = fsspec.filesystem("s3", **self._options)
+            self._fs = S3FileSystem(**self._options)
         mark = uuid.uuid4().hex
         with contextlib.suppress(FileNotFoundError):  # one HEAD, answered 404 (s3fs's info() would also list)
             sync(self._fs.loop, self._fs._call_s3, "head_object", Bucket=self._bucket, Key=f".ops-log-mark/{mark}")
