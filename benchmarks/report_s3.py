@@ -28,7 +28,8 @@ _RGW = (
     "column `server cores` below); the client is. Each of zarrckpt's ~340 requests costs Python CPU in "
     "aiobotocore / botocore (building, signing and parsing the request) on 2 cores shared by 4 rank "
     "processes, while DCP moves the same bytes in ~20 requests. With the same requests under the same "
-    "`Storage`, obstore's Rust client saved 1.8x and loaded 2.9x faster than s3fs on this gateway "
+    "`Storage`, obstore's Rust client saved 1.48x and loaded 2.00x faster than s3fs on this gateway "
+    "(5 repetitions; 1.26-1.50x and 1.87-2.01x in shorter runs) "
     "(`benchmarks/results/clients.md`). Fewer objects per save (issue 15, points 1 and 2: small tensors "
     "coalesced, constant arrays as metadata only) cut the same cost at its source."
 )

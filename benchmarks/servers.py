@@ -60,7 +60,7 @@ def stores(want: bool, rgw: str, extra_opts: str = "") -> Iterator[tuple[list[St
                     moto.url,
                     _merge(moto.storage_options, extra),
                     moto.log,
-                    counted="moto's server, in the driver process (a WSGI middleware logs every request)",
+                    counted="at moto's server, in the driver process (a WSGI middleware logs every request)",
                 )
             ]
         )
