@@ -9,7 +9,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-from report import GB, LIB_NAMES, MIB, Target, median
+from tables import GB, LIB_NAMES, MIB, Target, median
 
 COLORS = {"zarrckpt": "#1f77b4", "dcp": "#ff7f0e", "tensorstore": "#2ca02c", "raw": "#7f7f7f", "raw8": "#bcbd22"}
 
@@ -20,13 +20,15 @@ def throughput(runs: list[dict[str, Any]], info: dict[str, Any], path: Path) -> 
         ("reshard load\nlocal", "reshard", info["state_bytes"]),
         ("save\nS3 (moto)", "s3_save", info["s3_state_bytes"]),
         ("reshard load\nS3 (moto)", "s3_reshard", info["s3_state_bytes"]),
+        ("save\nS3 (RGW)", "rgw_save", info["s3_state_bytes"]),
+        ("reshard load\nS3 (RGW)", "rgw_reshard", info["s3_state_bytes"]),
     ]
     libs = list(COLORS)
     data = {(op, lib): median(runs, f"{op}/{lib}") for _, op, _ in groups for lib in libs}
     groups = [g for g in groups if any(data[(g[1], lib)] for lib in libs)]
     if not groups:
         return False
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig, ax = plt.subplots(figsize=(11, 4.5))
     width = 0.16
     for i, lib in enumerate(libs):
         xs, ys = [], []
@@ -69,7 +71,7 @@ def targets(goals: list[Target], path: Path) -> bool:
 
 
 def memory(runs: list[dict[str, Any]], path: Path) -> bool:
-    ops = ["save", "reshard", "s3_save", "s3_reshard"]
+    ops = ["save", "reshard", "s3_save", "s3_reshard", "rgw_save", "rgw_reshard"]
     libs = list(COLORS)
     data = {(op, lib): median(runs, f"{op}/{lib}", "rss_extra") for op in ops for lib in libs}
     ops = [op for op in ops if any(data[(op, lib)] is not None for lib in libs)]

@@ -288,17 +288,22 @@ def measure(fn: Callable[[], Any], profile_to: Path | None = None) -> dict[str, 
 
 
 class CpuSampler:
-    """A thread sampling, every ``interval`` s, this process's CPU time and the machine's busy time.
+    """A thread sampling, every ``interval`` s, this process's CPU time, that of the processes in
+    ``watched`` (a server's, e.g. the RADOS Gateway's daemons) and the machine's busy time.
 
     ``usage(t0, t1)`` then says, for a wall-clock window (``time.time``) measured in any process
-    of the machine: (CPU cores this process used, fraction of all the machine's CPU time busy).
+    of the machine: (CPU cores this process used, fraction of all the machine's CPU time busy,
+    CPU cores the watched processes used).
     """
 
     def __init__(self, interval: float = 0.05) -> None:
         self.interval = interval
-        self.samples: list[tuple[float, float, int, int]] = []  # (wall, own CPU s, busy jiffies, all jiffies)
+        self.watched: list[int] = []
+        # (wall, own CPU s, busy jiffies, all jiffies, watched CPU s)
+        self.samples: list[tuple[float, float, int, int, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="cpu-sampler", daemon=True)
+        self._tick = os.sysconf("SC_CLK_TCK")
 
     @staticmethod
     def _machine() -> tuple[int, int]:
@@ -306,10 +311,20 @@ class CpuSampler:
         idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
         return sum(fields) - idle, sum(fields)
 
+    def _watched_cpu(self) -> float:
+        total = 0
+        for pid in self.watched:
+            try:  # utime and stime: fields 14 and 15, counted after the ")" closing the name
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += int(fields[11]) + int(fields[12])
+        return total / self._tick
+
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
             t = os.times()
-            self.samples.append((time.time(), t.user + t.system, *self._machine()))
+            self.samples.append((time.time(), t.user + t.system, *self._machine(), self._watched_cpu()))
 
     def __enter__(self) -> CpuSampler:
         self._thread.start()
@@ -319,14 +334,15 @@ class CpuSampler:
         self._stop.set()
         self._thread.join()
 
-    def usage(self, t0: float, t1: float) -> tuple[float, float] | None:
-        """Over the samples bracketing [t0, t1]: (cores this process used, machine busy fraction)."""
+    def usage(self, t0: float, t1: float) -> tuple[float, float, float] | None:
+        """Over the samples bracketing [t0, t1]: (own cores, machine busy fraction, watched cores)."""
         before = [s for s in self.samples if s[0] <= t0]
         after = [s for s in self.samples if s[0] >= t1]
         if not before or not after:
             return None
-        (w0, c0, b0, a0), (w1, c1, b1, a1) = before[-1], after[0]
-        return (c1 - c0) / max(w1 - w0, 1e-9), (b1 - b0) / max(a1 - a0, 1)
+        (w0, c0, b0, a0, x0), (w1, c1, b1, a1, x1) = before[-1], after[0]
+        wall = max(w1 - w0, 1e-9)
+        return (c1 - c0) / wall, (b1 - b0) / max(a1 - a0, 1), (x1 - x0) / wall
 
 
 # -- files -------------------------------------------------------------------------------------

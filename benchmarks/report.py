@@ -7,42 +7,27 @@ driver-side lazy-read measurements) and ``info`` (run parameters and environment
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from report_s3 import LAZY_TITLE, S3_TITLE, s3_targets, section_lazy, section_s3
+from report_s3 import MISS_NOTES as S3_NOTES
+from tables import LIB_HEADER, LIB_NAMES, MIB, Target, median, ratio
+from tables import fmt as _s
+from tables import lib_rows as _lib_rows
+from tables import table as _table
+
 SECTIONS = {
     "local": ("## 1. Save, 4 ranks, local disk", "## 2. Resharding load 4 -> 3 ranks, local disk"),
-    "s3": ("## 3. S3 (moto): save 4 ranks, resharding load 4 -> 3 ranks",),
-    "lazy": ("## 4. Lazy read of one expert slice on S3",),
+    "s3": (S3_TITLE,),
+    "lazy": (LAZY_TITLE,),
     "async": ("## 5. Async save: time training is blocked",),
     "rss": ("## 6. Peak RSS during save and load",),
 }
-GB = 1e9
-MIB = 2**20
 
 # Causes of misses found by profiling (cProfile of rank 0, all threads) when the suite was written;
 # printed under the targets table for each target that is missed. See benchmarks/README.md.
-_S3 = (
-    "moto runs inside the benchmark's driver process (Python, one GIL) on the same 2 cores as the rank "
-    "processes: the machine is 80-90% busy and the server uses 0.6-0.8 cores whichever library runs, so "
-    "throughput is bounded by CPU spent per byte (SigV4 payload hashing over plain http, md5 ETags and "
-    "body copies in moto) and per request (a few ms of server CPU each). Both libraries move the same bytes; "
-    "zarrckpt makes ~10x the requests (343 PUTs on save: 54 tensors x 4 ranks, 111 `zarr.json` documents, "
-    "the commit; 336 GETs on load, against DCP's 31 and 36; rank 0's profile shows little CPU in zarrckpt "
-    "itself, as the HTTP work runs on fsspec's event-loop thread, which the profile does not capture), "
-    "and its 16 requests in flight per rank cannot "
-    "help when the CPU is the limit (`ZARRCKPT_CONCURRENCY=4` measured the same). On the load zarrckpt "
-    "transfers 1.44x the state against DCP's 2.12x (s3fs read-ahead) but pays it back in requests. A real "
-    "S3 endpoint (server CPU not ours; per-connection bandwidth the limit, where DCP's one sequential stream "
-    "per rank loses to parallel requests) cannot be emulated here. Proposed fix for request-bound stores: "
-    "fewer objects per save (write the per-array/group `zarr.json` documents in one batch, or make them "
-    "optional next to the consolidated manifest: a third of the PUTs). Since the suite was written, a load "
-    "reads a shard of at most 1 MiB whole in one GET; at this size the shards are larger, so the counts "
-    "above are unchanged."
-)
 _ASYNC = (
     "the blocked time is the staging copy: each rank copies its 512 MiB into host buffers (rank 0's "
     "profile: `copy_` 0.07-0.12 s CPU on a later call, 0.19-0.22 s on the first, which also page-faults its fresh "
@@ -75,8 +60,7 @@ MISS_NOTES: dict[str, str] = {
         "with arithmetic on the regular grid instead of per-chunk `Box` objects, and decode the manifest once "
         "per process (cache by save id)."
     ),
-    "S3 save: zarrckpt speed / DCP": _S3,
-    "S3 resharding load: zarrckpt speed / DCP": "same cause as the S3 save above.",
+    **S3_NOTES,
     "async save, first call: blocked / sync save": _ASYNC,
     "async save, later calls: blocked / sync save": "same cause as the first call above.",
     "async save, staging='background', first call: blocked / sync save": _BACKGROUND,
@@ -96,41 +80,6 @@ MISS_NOTES: dict[str, str] = {
 NO_NOTE = "no analysis recorded; `--profile DIR` adds a cProfile of rank 0."
 
 
-@dataclass(frozen=True)
-class Target:
-    name: str
-    measured: float | None
-    threshold: float
-    higher_is_better: bool
-    unit: str  # "x" (a ratio) or "%"
-    profile: str | None = None  # the profiled operation to show when missed
-
-    @property
-    def ok(self) -> bool | None:
-        if self.measured is None:
-            return None
-        return self.measured >= self.threshold if self.higher_is_better else self.measured <= self.threshold
-
-    @property
-    def margin(self) -> float | None:
-        """> 1 when met: measured / threshold, or threshold / measured for upper bounds."""
-        if self.measured is None or self.measured <= 0:
-            return None
-        return self.measured / self.threshold if self.higher_is_better else self.threshold / self.measured
-
-    def fmt(self, value: float) -> str:
-        return f"{value:.0%}" if self.unit == "%" else f"{value:.2f}x"
-
-
-def median(runs: list[dict[str, Any]], name: str, field: str = "s") -> float | None:
-    values = [r[name][field] for r in runs if name in r and field in r[name]]
-    return statistics.median(values) if values else None
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
 def targets(runs: list[dict[str, Any]], lazy: dict[str, Any] | None, info: dict[str, Any]) -> list[Target]:
     def m(name: str, field: str = "s") -> float | None:
         return median(runs, name, field)
@@ -141,7 +90,6 @@ def targets(runs: list[dict[str, Any]], lazy: dict[str, Any] | None, info: dict[
     sync = m("save/zarrckpt")
     raw = [t for t in (m("save/raw"), m("save/raw8")) if t is not None]
     amp = ratio(m("reshard/zarrckpt", "rchar"), info["state_bytes"]) if m("reshard/zarrckpt") else None
-    lazy_x = ratio(lazy["zarrckpt"]["bytes"], lazy["slice_bytes"]) if lazy else None
     return [
         Target("save, local: zarrckpt speed / DCP", speedup("save"), 1.2, True, "x", "save/zarrckpt"),
         Target(
@@ -154,10 +102,6 @@ def targets(runs: list[dict[str, Any]], lazy: dict[str, Any] | None, info: dict[
         ),
         Target("resharding load 4->3: zarrckpt speed / DCP", speedup("reshard"), 2.0, True, "x", "reshard/zarrckpt"),
         Target("resharding load: zarrckpt read amplification", amp, 1.1, False, "x", "reshard/zarrckpt"),
-        Target("S3 save: zarrckpt speed / DCP", speedup("s3_save"), 1.5, True, "x", "s3_save/zarrckpt"),
-        Target(
-            "S3 resharding load: zarrckpt speed / DCP", speedup("s3_reshard"), 1.5, True, "x", "s3_reshard/zarrckpt"
-        ),
         Target(
             "async save, first call: blocked / sync save",
             ratio(m("async_first/zarrckpt", "blocked"), sync),
@@ -190,50 +134,8 @@ def targets(runs: list[dict[str, Any]], lazy: dict[str, Any] | None, info: dict[
             "%",
             "async_repeat_call/zarrckpt-background",
         ),
-        Target("lazy expert slice: bytes transferred / bytes requested", lazy_x, 1.25, False, "x"),
+        *s3_targets(runs, lazy),
     ]
-
-
-def _table(header: list[str], rows: list[list[str]], left: int = 1) -> list[str]:
-    """A markdown table; the first ``left`` columns align left, the others right."""
-    align = "|" + "---|" * left + "---:|" * (len(header) - left)
-    return ["| " + " | ".join(header) + " |", align] + ["| " + " | ".join(r) + " |" for r in rows]
-
-
-def _s(v: float | None, fmt: str = "{:.2f}") -> str:
-    return "n/a" if v is None else fmt.format(v)
-
-
-LIB_NAMES = {
-    "zarrckpt": "zarrckpt",
-    "dcp": "DCP",
-    "tensorstore": "TensorStore zarr3",
-    "raw": "raw: 1 file per rank, sequential",
-    "raw8": "raw: 1 file per shard, 8 threads",
-}
-LIB_HEADER = ["library", "median s", "GB/s", "time / zarrckpt's", "machine CPU busy", "every repetition (s)"]
-
-
-def _lib_rows(runs: list[dict[str, Any]], op: str, libs: list[str], nbytes: int) -> list[list[str]]:
-    rows = []
-    ref_s = median(runs, f"{op}/zarrckpt")
-    for lib in libs:
-        s = median(runs, f"{op}/{lib}")
-        if s is None:
-            continue
-        per = [r[f"{op}/{lib}"]["s"] for r in runs if f"{op}/{lib}" in r]
-        busy = median(runs, f"{op}/{lib}", "machine_busy")
-        rows.append(
-            [
-                LIB_NAMES.get(lib, lib),
-                f"{s:.2f}",
-                f"{nbytes / s / GB:.2f}",
-                _s(ratio(s, ref_s)),
-                _s(busy, "{:.0%}"),
-                ", ".join(f"{x:.2f}" for x in per),
-            ]
-        )
-    return rows
 
 
 def section_local(runs: list[dict[str, Any]], info: dict[str, Any]) -> list[str]:
@@ -267,75 +169,6 @@ def section_local(runs: list[dict[str, Any]], info: dict[str, Any]) -> list[str]
             disk = median(runs, f"reshard/{lib}", "read_bytes") or 0
             rows.append([LIB_NAMES[lib], f"{rchar:,.0f}", f"{rchar / nbytes:.3f}", f"{disk:,.0f}"])
     out += _table(["library", "bytes read (rchar)", "read amplification", "from the block device (read_bytes)"], rows)
-    return out
-
-
-def section_s3(runs: list[dict[str, Any]], info: dict[str, Any]) -> list[str]:
-    nbytes = info["s3_state_bytes"]
-    out = [SECTIONS["s3"][0], ""]
-    out += [f"State: {nbytes:,} bytes ({nbytes / MIB:.0f} MiB). Requests and bytes counted at the moto server.", ""]
-    out += [
-        "`moto server cores`: CPU time of the benchmark's driver process (where moto's threaded server runs; "
-        "Python, so one GIL) during the operation, in cores; `machine CPU busy`: share of all CPUs busy "
-        "(4 or 3 rank processes, the server, anything else running).",
-        "",
-    ]
-    for op, title in (("s3_save", "save (4 ranks)"), ("s3_reshard", "resharding load (4 -> 3 ranks)")):
-        out += [f"**{title}**", ""]
-        rows = []
-        for lib, row in zip(("zarrckpt", "dcp"), _lib_rows(runs, op, ["zarrckpt", "dcp"], nbytes), strict=False):
-            hits = next((r[f"{op}/{lib}/s3"] for r in reversed(runs) if f"{op}/{lib}/s3" in r), None)
-            moved = (hits["bytes_in"] if op == "s3_save" else hits["bytes_out"]) if hits else None
-            row[5:5] = [
-                _s(median(runs, f"{op}/{lib}", "server_cores")),
-                str(hits["requests"]) if hits else "n/a",
-                f"{moved:,}" if moved is not None else "n/a",
-                _s(ratio(moved, nbytes), "{:.3f}"),
-            ]
-            rows.append(row)
-        header = [*LIB_HEADER[:5], "moto server cores", "requests", "body bytes", "÷ state bytes", LIB_HEADER[5]]
-        out += [*_table(header, rows), ""]
-    return out
-
-
-def section_lazy(lazy: dict[str, Any] | None, info: dict[str, Any]) -> list[str]:
-    out = [SECTIONS["lazy"][0], ""]
-    if lazy is None:
-        return [*out, "_not run in this invocation (`--only`)._"]
-    out += [
-        f"`{lazy['key']}` {lazy['shape']} float32 saved by {lazy['ranks']} ranks (Shard(0)) with both libraries, "
-        f"among {lazy['tensors']} tensors of that shape; read: index [{lazy['index']}] = {lazy['slice_bytes']:,} "
-        f"bytes. zarrckpt layout: shard {lazy['layout']['shard']}, inner chunk {lazy['layout']['chunk']}. "
-        "Requests and response-body bytes counted at the moto server; medians of the read time over "
-        f"{lazy['reps']} reads.",
-        "",
-        f"- zarrckpt: `zarrckpt.open(url)[{lazy['key']!r}][{lazy['index']}]` (`open` reads the manifest).",
-        "- DCP has no lazy API; its cheapest route: `dcp.load({key: torch.empty(shape)}, "
-        "storage_reader=FsspecReader(url))` in one process (no process group) with a target holding only "
-        "that tensor. DCP cannot load part of a tensor into a smaller target, so it reads the `.metadata` "
-        "file and every saved chunk of that tensor (through s3fs files, which read ahead).",
-        "",
-    ]
-    rows = []
-    for lib, what in (
-        ("zarrckpt", "open + [i]"),
-        ("zarrckpt_open", "open only"),
-        ("zarrckpt_index", "[i] only"),
-        ("dcp", "dcp.load of the key"),
-    ):
-        r = lazy[lib]
-        rows.append(
-            [
-                lib.split("_")[0],
-                what,
-                str(r["requests"]),
-                ", ".join(f"{k} {v}" for k, v in r["kinds"].items()),
-                f"{r['bytes']:,}",
-                f"{r['bytes'] / lazy['slice_bytes']:.2f}",
-                _s(r.get("s"), "{:.3f}"),
-            ]
-        )
-    out += _table(["library", "what", "requests", "by method", "bytes", "÷ slice bytes", "median s"], rows, 2)
     return out
 
 
@@ -385,7 +218,16 @@ def section_rss(runs: list[dict[str, Any]], info: dict[str, Any]) -> list[str]:
         "",
     ]
     rows = []
-    for op in ("save", "reshard", "s3_save", "s3_reshard", "async_first_call", "async_repeat_call"):
+    for op in (
+        "save",
+        "reshard",
+        "s3_save",
+        "s3_reshard",
+        "rgw_save",
+        "rgw_reshard",
+        "async_first_call",
+        "async_repeat_call",
+    ):
         for lib in LIB_NAMES:
             peak, extra = median(runs, f"{op}/{lib}", "rss_peak"), median(runs, f"{op}/{lib}", "rss_extra")
             if peak is not None and extra is not None:

@@ -5,6 +5,7 @@ Usage::
     python benchmarks/run.py                 # full run (make bench): 2 GiB local, 256 MiB S3, 5 reps
     python benchmarks/run.py --quick         # smoke run: small sizes, 1 repetition
     python benchmarks/run.py --only lazy     # some scenarios only: local, s3, lazy, async
+    python benchmarks/run.py --rgw off       # S3 on moto only (default: RGW too, where Ceph is installed)
 
 Writes ``benchmarks/results/latest.md`` (targets with PASS / MISS, one section per scenario)
 and PNG charts next to it. Scenarios (see benchmarks/README.md):
@@ -12,8 +13,9 @@ and PNG charts next to it. Scenarios (see benchmarks/README.md):
 1. save, 4 gloo ranks, local disk: zarrckpt, ``dcp.save`` + ``FileSystemWriter``, TensorStore
    zarr3 with zarrckpt's layout, a raw fsync'd write of the same bytes;
 2. resharding load 4 -> 3 ranks from local disk, with read amplification;
-3. the same two on ``s3://`` against moto (started here), DCP through ``FsspecWriter/Reader``;
-4. lazy read of one expert slice on S3, requests and bytes counted at the server;
+3. the same two on ``s3://`` against moto (started here) and, where Ceph is installed, a Ceph
+   RADOS Gateway (``benchmarks/rgw/start-rgw.sh``, started here); DCP through ``FsspecWriter/Reader``;
+4. lazy read of one expert slice on S3 (both servers), requests and bytes counted at the server;
 5. async save: time the caller is blocked vs the synchronous save, and DCP's ``async_save``;
 6. peak RSS per rank of every save and load.
 
@@ -24,7 +26,6 @@ loads); the order of the libraries rotates between repetitions; medians are repo
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -46,9 +47,10 @@ import scenarios  # noqa: E402  (after the sys.path setup)
 import torch  # noqa: E402
 from common import CpuSampler, generate_rows, state_nbytes, summarize_profiles  # noqa: E402
 from report import render, targets  # noqa: E402
+from servers import Store, stores  # noqa: E402
 
 import zarrckpt  # noqa: E402
-from zarrckpt.testing import remove_tree, s3_server, spawn  # noqa: E402
+from zarrckpt.testing import remove_tree, spawn  # noqa: E402
 
 SAVE_WORLD, LOAD_WORLD = 4, 3
 PARTS = ("local", "s3", "lazy", "async")
@@ -58,37 +60,36 @@ SAMPLER = CpuSampler()
 
 
 def run_spawn(world: int, fn: Any, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Run ``fn`` on ``world`` gloo ranks; annotate each measurement with the CPU use of this
-    process (the moto server lives here) and of the whole machine during it."""
+    """Run ``fn`` on ``world`` gloo ranks; annotate each measurement with the CPU use of the S3
+    server (moto: this process; RGW: its daemons) and of the whole machine during it."""
     spawn(world, fn, cfg, timeout_s=1800.0)
     results = json.loads(Path(cfg["result"]).read_text())
-    for value in results.values():
+    for key, value in results.items():
         if isinstance(value, dict) and "t0" in value:
             usage = SAMPLER.usage(value["t0"], value["t1"])
             if usage is not None:
-                value["server_cores"], value["machine_busy"] = usage
+                own, value["machine_busy"], watched = usage
+                value["server_cores"] = watched if key.startswith("rgw_") else own
     return results
 
 
 def one_rep(
     args: argparse.Namespace,
     rep: int,
-    s3: tuple[str, dict[str, Any], Any] | None,
+    s3: list[Store],
     profile: str | None,
     layout: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Both spawns of one repetition; returns the merged results (with S3 request counts)."""
     only = set(args.only)
     root = Path(tempfile.mkdtemp(prefix="zarrckpt-bench-", dir=args.tmp))
-    base, opts, log = s3 if s3 else (None, None, None)
-    url = f"{base}/rep{rep}-{os.getpid()}" if base else None
+    url = {store.name: f"{store.url}/rep{rep}-{os.getpid()}" for store in s3}
     cfg = {
         "root": str(root),
         "rep": rep,
         "gib": args.gib,
         "s3_gib": args.s3_mib / 1024,
-        "s3": url,
-        "opts": opts,
+        "stores": [store.cfg() | {"url": url[store.name]} for store in s3],
         "profile": profile,
         "evict": args.evict_cache,
         "tensorstore": not args.no_tensorstore,
@@ -99,37 +100,49 @@ def one_rep(
     try:
         save_parts = sorted(only & {"local", "async", "s3"})
         if save_parts:
-            if log:
-                log.clear()
+            clear_logs(s3)
             results |= run_spawn(SAVE_WORLD, scenarios.save_phase, {**cfg, "parts": save_parts})
-            if log and "s3" in only:
-                for lib in scenarios.LIBS:
-                    results[f"s3_save/{lib}/s3"] = log.summary(f"{url}/{lib}", ("PUT", "POST", "GET", "HEAD", "DELETE"))
+            if "s3" in only:
+                count(results, s3, url, "save", ("PUT", "POST", "GET", "HEAD", "DELETE"))
         load_parts = sorted(only & {"local", "s3"})
         if load_parts:
-            if log:
-                log.clear()
+            clear_logs(s3)
             results |= run_spawn(LOAD_WORLD, scenarios.load_phase, {**cfg, "parts": load_parts})
-            if log and "s3" in only:
-                for lib in scenarios.LIBS:
-                    results[f"s3_reshard/{lib}/s3"] = log.summary(f"{url}/{lib}", ("GET", "HEAD"))
+            if "s3" in only:
+                count(results, s3, url, "reshard", ("GET", "HEAD"))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-        if url and opts is not None:
-            remove_tree(url, opts)
+        for store in s3:
+            remove_tree(url[store.name], store.opts)
     return results
 
 
-def lazy_scenario(args: argparse.Namespace, s3: tuple[str, dict[str, Any], Any]) -> dict[str, Any]:
+def clear_logs(s3: list[Store]) -> None:
+    for store in s3:
+        if store.log is not None:
+            store.log.clear()
+
+
+def count(results: dict[str, Any], s3: list[Store], url: dict[str, str], op: str, methods: tuple[str, ...]) -> None:
+    """Requests and body bytes each server answered about each library's checkpoint, as
+    ``results["<server>_<op>/<library>/s3"]``."""
+    for store in s3:
+        if store.log is not None:
+            for lib in scenarios.LIBS:
+                results[f"{store.name}_{op}/{lib}/s3"] = store.log.summary(f"{url[store.name]}/{lib}", methods)
+
+
+def lazy_scenario(args: argparse.Namespace, store: Store) -> dict[str, Any]:
     """Save the expert tensors with ``--lazy-ranks`` ranks, then read one slice here, counting requests."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-    base, opts, log = s3
-    url = f"{base}/lazy-{os.getpid()}"
+    opts, log = store.opts, store.log
+    assert log is not None, "the lazy scenario counts requests at the server"
+    url = f"{store.url}/lazy-{os.getpid()}"
     shape = tuple(args.lazy_shape)
     root = Path(tempfile.mkdtemp(prefix="zarrckpt-bench-lazy-", dir=args.tmp))
-    cfg = {"root": str(root), "rep": 0, "s3": url, "opts": opts, "lazy_shape": shape, "result": str(root / "r.json")}
+    cfg = {"root": str(root), "rep": 0, "url": url, "opts": opts, "lazy_shape": shape, "result": str(root / "r.json")}
     try:
         saved = run_spawn(args.lazy_ranks, scenarios.lazy_phase, cfg)
     finally:
@@ -237,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=5, help="repetitions; medians are reported (default 5)")
     p.add_argument("--quick", action="store_true", help="small sizes, 1 repetition (a smoke run, < ~2 min)")
     p.add_argument("--only", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    p.add_argument(
+        "--rgw", choices=("auto", "on", "off", "only"), default="auto", help="S3 scenarios on a RADOS Gateway too"
+    )
+    p.add_argument("--s3-options", default="", help="JSON storage_options merged into every S3 store's")
     p.add_argument("--lazy-shape", default="64,256,256", help="expert tensor shape (default 64,256,256)")
     p.add_argument("--lazy-ranks", type=int, default=8, help="ranks that save the expert tensors (default 8)")
     p.add_argument("--lazy-index", type=int, default=5, help="expert index read lazily (default 5)")
@@ -273,8 +290,10 @@ def main(argv: list[str] | None = None) -> int:
     needs_s3 = bool({"s3", "lazy"} & set(args.only))
     runs: list[dict[str, Any]] = []
     lazy = None
-    with SAMPLER, s3_server("zarrckpt-bench") if needs_s3 else contextlib.nullcontext(None) as server:
-        s3 = (server.url, server.storage_options, server.log) if server else None
+    with SAMPLER, stores(needs_s3, args.rgw, args.s3_options) as (s3, note):
+        SAMPLER.watched = [pid for store in s3 for pid in store.pids]
+        info["s3_note"] = note
+        info["stores"] = {store.name: {"title": store.title, "counted": store.counted} for store in s3}
         if args.profile:
             args.profile.mkdir(parents=True, exist_ok=True)
             one_rep(args, 0, s3, str(args.profile))
@@ -285,13 +304,17 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(one_rep(args, rep, s3, None, layout))
             times = {k: round(v["s"], 2) for k, v in runs[-1].items() if isinstance(v, dict) and "s" in v}
             print(f"rep {rep + 1}/{args.reps}: {times}", file=sys.stderr, flush=True)
-        if "lazy" in args.only and s3 is not None:
-            lazy = lazy_scenario(args, s3)
+        if "lazy" in args.only and s3:
+            lazy = {}
+            for store in s3:  # moto's at the top level, the gateway's under "rgw"
+                got = lazy_scenario(args, store)
+                lazy |= {"rgw": got} if store.name == "rgw" else got
     info["about"].append(
         f"load average at the end: {' / '.join(f'{x:.2f}' for x in os.getloadavg())}; "
         f"suite wall time {time.perf_counter() - start:.0f} s"
     )
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"runs": runs, "lazy": lazy, "info": info}, indent=1))
     write_report(args, runs, lazy, info)
     return 0

@@ -214,7 +214,7 @@ class Phase:
         if local:
             targets.append((str(where), None))
         if s3:
-            targets.append((f"{self.cfg['s3']}/warmup-{self.name}", self.cfg["opts"]))
+            targets += [(f"{store['url']}/warmup-{self.name}", store["opts"]) for store in self.cfg["stores"]]
         for base, opts in targets:
             for lib in LIBS:
                 saver(lib, state, f"{base}/{lib}", opts)()
@@ -232,11 +232,13 @@ class Phase:
         if s3 and self.rank == 0:
             from zarrckpt.testing import remove_tree
 
-            remove_tree(f"{self.cfg['s3']}/warmup-{self.name}", self.cfg["opts"])
+            for store in self.cfg["stores"]:
+                remove_tree(f"{store['url']}/warmup-{self.name}", store["opts"])
 
 
 def save_phase(rank: int, world: int, cfg: dict[str, Any]) -> None:
-    """Scenarios 1 (local save), 5 (async save), 3 (S3 save), with peak RSS (6) for each."""
+    """Scenarios 1 (local save), 5 (async save), 3 (S3 save on each of ``cfg["stores"]``), with peak
+    RSS (6) for each."""
     ph = Phase(rank, world, cfg, "save")
     parts = set(cfg["parts"])
     ph.warm_up("local" in parts, "s3" in parts, "async" in parts)
@@ -292,8 +294,9 @@ def save_phase(rank: int, world: int, cfg: dict[str, Any]) -> None:
         del source
     if "s3" in parts:
         source, _ = build_state(cfg["s3_gib"], ph.mesh, fill=True)
-        for lib in ph.order(LIBS):
-            ph.run(f"s3_save/{lib}", saver(lib, source, f"{cfg['s3']}/{lib}", cfg["opts"]))
+        for store in cfg["stores"]:  # moto ("s3"), then the RADOS Gateway ("rgw") where there is one
+            for lib in ph.order(LIBS):
+                ph.run(f"{store['name']}_save/{lib}", saver(lib, source, f"{store['url']}/{lib}", store["opts"]))
         del source
     ph.finish()
 
@@ -314,9 +317,10 @@ def load_phase(rank: int, world: int, cfg: dict[str, Any]) -> None:
         del target
     if "s3" in parts:
         target, checksums = build_state(cfg["s3_gib"], ph.mesh, fill=False)
-        for lib in ph.order(LIBS):
-            ph.run(f"s3_reshard/{lib}", loader(lib, target, f"{cfg['s3']}/{lib}", cfg["opts"]))
-            verify(target, checksums, f"{lib} S3 resharding load")
+        for store in cfg["stores"]:
+            for lib in ph.order(LIBS):
+                ph.run(f"{store['name']}_reshard/{lib}", loader(lib, target, f"{store['url']}/{lib}", store["opts"]))
+                verify(target, checksums, f"{lib} resharding load from {store['name']}")
         del target
     ph.finish()
 
@@ -326,7 +330,7 @@ def lazy_phase(rank: int, world: int, cfg: dict[str, Any]) -> None:
     ph = Phase(rank, world, cfg, "lazy")
     state, _ = build_specs_state(lazy_specs(tuple(cfg["lazy_shape"])), ph.mesh, fill=True)
     for lib in LIBS:
-        ph.run(f"lazy_save/{lib}", saver(lib, state, f"{cfg['s3']}/{lib}", cfg["opts"]))
+        ph.run(f"lazy_save/{lib}", saver(lib, state, f"{cfg['url']}/{lib}", cfg["opts"]))
     ph.finish()
 
 

@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from zarrckpt.testing.rgw import rgw_available
+
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 TITLES = [
     "## Targets",
     "## 1. Save, 4 ranks, local disk",
     "## 2. Resharding load 4 -> 3 ranks, local disk",
-    "## 3. S3 (moto)",
+    "## 3. S3: save 4 ranks, resharding load 4 -> 3 ranks, on moto and on a Ceph RADOS Gateway",
     "## 4. Lazy read of one expert slice on S3",
     "## 5. Async save",
     "## 6. Peak RSS",
@@ -34,7 +36,8 @@ def _import_report():
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_quick_lazy_scenario_runs(tmp_path):
-    """The lazy-read scenario (2 saving ranks, a small tensor, moto started by the suite) end to end."""
+    """The lazy-read scenario (2 saving ranks, a small tensor, moto and, where Ceph is installed, a RADOS
+    Gateway started by the suite) end to end; without Ceph the report says how to install it."""
     out = tmp_path / "latest.md"
     cmd = [sys.executable, str(BENCH / "run.py"), "--quick", "--only", "lazy", "--lazy-ranks", "2"]
     cmd += ["--lazy-shape", "8,64,64", "--lazy-index", "5", "--out", str(out)]
@@ -46,14 +49,32 @@ def test_quick_lazy_scenario_runs(tmp_path):
     assert text.count("_not run in this invocation") == 5  # sections 1, 2, 3, 5, 6
     target = next(line for line in text.splitlines() if line.startswith("| lazy expert slice"))
     assert target.rstrip(" |").endswith(("PASS", "MISS")), target
-    assert "| zarrckpt | open + [i] |" in text and "| dcp | dcp.load of the key |" in text
+    assert text.count("| zarrckpt | open + [i] |") == text.count("| dcp | dcp.load of the key |")
+    why = rgw_available()
+    if why is None:
+        assert text.count("| zarrckpt | open + [i] |") == 2, "no lazy read measured on the RADOS Gateway"
+        assert "**RGW**" in text
+        gets = next(line for line in text.splitlines() if line.startswith("| lazy expert slice after open: GETs (RGW)"))
+        assert gets.rstrip(" |").endswith(("PASS", "MISS")), gets
+    else:
+        assert text.count("| zarrckpt | open + [i] |") == 1
+        assert "S3 on RGW NOT RUN" in text and ("apt-get install" in text or "--rgw off" in text), text[-2000:]
     assert (tmp_path / "targets.png").stat().st_size > 1000
 
 
 def test_report_renders_every_section(tmp_path):
     """Every scenario section, the targets and the charts, from made-up measurements."""
     report = _import_report()
-    ops = ["save", "reshard", "s3_save", "s3_reshard", "async_first_call", "async_repeat_call"]
+    ops = [
+        "save",
+        "reshard",
+        "s3_save",
+        "s3_reshard",
+        "rgw_save",
+        "rgw_reshard",
+        "async_first_call",
+        "async_repeat_call",
+    ]
     libs = ["zarrckpt", "dcp", "tensorstore", "raw", "raw8"]
     meas = {"s": 1.0, "call_s": 0.1, "rss_peak": 2**30, "rss_extra": 2**20, "rchar": 1.05e9, "read_bytes": 0.0}
     run: dict = {f"{op}/{lib}": dict(meas) for op in ops for lib in libs}
@@ -64,8 +85,9 @@ def test_report_renders_every_section(tmp_path):
         for lib in async_libs
     }
     run |= {f"{op}/zarrckpt-background": dict(meas) for op in ("async_first_call", "async_repeat_call")}
-    hits = {"requests": 10, "bytes_in": 10**9, "bytes_out": 10**9}
-    run |= {f"{op}/{lib}/s3": hits for op in ("s3_save", "s3_reshard") for lib in ("zarrckpt", "dcp")}
+    hits = {"requests": 10, "bytes_in": 10**9, "bytes_out": 10**9, "PUT": 9, "GET": 1}
+    saves = ("s3_save", "s3_reshard", "rgw_save", "rgw_reshard")
+    run |= {f"{op}/{lib}/s3": hits for op in saves for lib in ("zarrckpt", "dcp")}
     run["files"] = {"zarrckpt": (334, 10**9, 10**9)}
     one = {"requests": 3, "bytes": 270_000, "kinds": {"GET": 3}, "s": 0.1}
     lazy = {
@@ -79,6 +101,7 @@ def test_report_renders_every_section(tmp_path):
         "reps": 3,
         **{k: dict(one) for k in ("zarrckpt", "zarrckpt_open", "zarrckpt_index", "dcp")},
     }
+    lazy["rgw"] = dict(lazy)
     info = {
         "about": ["made up"],
         "only": ["local", "s3", "lazy", "async"],
@@ -93,4 +116,28 @@ def test_report_renders_every_section(tmp_path):
     for title in TITLES:
         assert title in text
     assert "_not run" not in text
+    assert "### moto" in text and "### RGW" in text and "**RGW**" in text
+    side = next(line for line in text.splitlines() if line.startswith("| operation | library | moto: median s"))
+    assert "RGW: median s" in side and "RGW: requests" in side
     assert text.count("| PASS |") + text.count("| MISS |") == len(goals)
+
+
+def test_clients_report_decides_by_the_measured_ratio():
+    """benchmarks/clients.py keeps s3fs unless obstore is >= 1.3x faster on save and load; says which."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import clients
+    finally:
+        sys.path.remove(str(BENCH))
+
+    def runs(obstore_s: float, obstore_requests: int) -> list[dict]:
+        hits = {"bytes_in": 10, "bytes_out": 10, "PUT": 1}
+        row = {f"{op}/s3fs": {"s": 2.0, "requests": 100, **hits} for op in ("save", "load")}
+        row |= {f"{op}/obstore": {"s": obstore_s, "requests": obstore_requests, **hits} for op in ("save", "load")}
+        return [row]
+
+    slower = clients.render(runs(1.8, 100), ["made up"], 10**6)
+    assert "**keep s3fs**" in slower and "1.11x" in slower
+    faster = clients.render(runs(1.0, 100), ["made up"], 10**6)
+    assert "at equal requests" in faster and "s3fs stays" in faster and "2.00x" in faster
+    assert "NOT at equal requests" in clients.render(runs(1.0, 150), ["made up"], 10**6)

@@ -35,6 +35,19 @@ _ATOMIC_CREATE_MODULES = ("s3fs", "gcsfs")
 _warned_no_create: set[str] = set()
 
 
+def _with_defaults(url: str, options: dict[str, Any] | None) -> dict[str, Any]:
+    """``options`` plus zarrckpt's s3fs defaults, wherever the caller's ``config_kwargs`` leave them unset:
+    no SHA-256 of each request body (``payload_signing_enabled=False``; botocore hashes every body sent
+    over plain http, and the server hashes it again: 40% of the client's CPU per PUT byte against Ceph RGW,
+    benchmarks/README.md). Over https botocore already skips it for bodies that carry a checksum."""
+    opts = dict(options or {})
+    protocol = fsspec.core.split_protocol(url)[0]
+    if protocol in ("s3", "s3a") and fsspec.get_filesystem_class(protocol).__module__.startswith("s3fs"):
+        config = dict(opts.get("config_kwargs") or {})
+        opts["config_kwargs"] = {**config, "s3": {"payload_signing_enabled": False, **(config.get("s3") or {})}}
+    return opts
+
+
 class Storage:
     """A checkpoint root on some fsspec filesystem; paths are relative to the root.
 
@@ -55,7 +68,7 @@ class Storage:
         if not self.url:
             raise ZarrckptError("empty checkpoint URL")
         try:
-            self.fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+            self.fs, root = fsspec.core.url_to_fs(self.url, **_with_defaults(self.url, storage_options))
         except (ValueError, ImportError, TypeError) as e:
             raise ZarrckptError(f"cannot open storage for {self.url!r}: {e}") from e
         self.root = root.rstrip("/")
