@@ -14,6 +14,7 @@ import zarr
 
 import zarrckpt
 from zarrckpt.coalesce import _assemble
+from zarrckpt.coarsen import Gather
 from zarrckpt.errors import ZarrckptError
 from zarrckpt.layout import Box
 from zarrckpt.localstate import LocalState, LocalTensor
@@ -24,7 +25,7 @@ from zarrckpt.types import ArrayKind
 
 WORLD = 4
 SMALL = [(f"model.norm{i}.weight", (WORLD * 40,)) for i in range(6)]  # 160 fp32 = 640 bytes, 160 per rank
-BIG = ("model.proj.weight", (WORLD * 64, 1024))  # 1 MiB: at the threshold, so not coalesced
+BIG = ("model.proj.weight", (WORLD * 256, 1024))  # 1 MiB per rank: at the threshold, so not joined
 
 
 def _full(key: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -129,18 +130,33 @@ def _descriptions(keys: list[tuple[str, tuple[int, ...]]], world: int) -> list[R
 
 def test_writers_take_turns_and_receive_every_other_part() -> None:
     plan = build_save_plan(_descriptions([*SMALL, BIG], WORLD), small_tensor_bytes=DEFAULT_SMALL_TENSOR_BYTES)
-    writers = [plan.gathers[k].writer for k, _ in SMALL]
+    writers = [plan.gathers[k][(0,)].writer for k, _ in SMALL]
     assert writers == [0, 1, 2, 3, 0, 1]  # in turn, over the save's small tensors (sorted keys)
     for key, shape in SMALL:
-        gather, meta = plan.gathers[key], plan.arrays[key]
+        (gather,) = plan.gathers[key].values()
+        meta = plan.arrays[key]
         assert meta.shard_shape == shape and plan.owners[key] == {(0,): gather.writer}
         senders = sorted(r for _, r in gather.pieces)
         assert senders == [r for r in range(WORLD) if r != gather.writer]
         assert sum(box.volume for box, _ in gather.pieces) == shape[0] * (WORLD - 1) // WORLD
     assert BIG[0] not in plan.gathers and len(plan.owners[BIG[0]]) == WORLD
     assert not build_save_plan(_descriptions(SMALL, WORLD), small_tensor_bytes=0).gathers
-    at = build_save_plan(_descriptions(SMALL, WORLD), small_tensor_bytes=SMALL[0][1][0] * 4)  # 640: not below
+    at = build_save_plan(_descriptions(SMALL, WORLD), small_tensor_bytes=SMALL[0][1][0])  # shards of 160 B: not below
     assert not at.gathers
+
+
+def test_small_shards_of_a_larger_tensor_are_joined_not_made_whole() -> None:
+    """A router-like [32, 1024] fp32 tensor, a row on each of 32 ranks (4 KiB shards), with 16 KiB
+    as the threshold: shards of 4 rows, each written by one of its 4 rows' ranks (in turn) and sent
+    the other 3 rows."""
+    key, shape = "router", (32, 1024)
+    plan = build_save_plan(_descriptions([(key, shape)], 32), small_tensor_bytes=16 * 1024)
+    meta, shards = plan.arrays[key], plan.gathers[key]
+    assert meta.shard_shape == (4, 1024) and sorted(shards) == [(i, 0) for i in range(8)]
+    for (i, _), gather in shards.items():
+        assert gather.writer == 4 * i + i % 4 and plan.owners[key][(i, 0)] == gather.writer
+        assert sorted(r for _, r in gather.pieces) == [r for r in range(4 * i, 4 * i + 4) if r != gather.writer]
+        assert all(box.sizes == (1, 1024) and box.offsets == (r, 0) for box, r in gather.pieces)
 
 
 def test_a_writer_holding_a_replica_is_sent_only_what_it_lacks() -> None:
@@ -151,8 +167,7 @@ def test_a_writer_holding_a_replica_is_sent_only_what_it_lacks() -> None:
         box = Box(((rank % 2) * 4, 0), (4, 2))
         descs.append(RankDescription.of([(key, TensorSpec(shape, "float32", ArrayKind.TENSOR, box, {}))], {}))
     plan = build_save_plan(descs, small_tensor_bytes=1024)
-    gather = plan.gathers[key]
-    assert gather.writer == 0 and gather.pieces == ((Box((4, 0), (4, 2)), 1),)
+    assert plan.gathers[key] == {(0, 0): Gather(0, ((Box((4, 0), (4, 2)), 1),))}
 
 
 def test_assembling_refuses_pieces_of_the_wrong_size() -> None:

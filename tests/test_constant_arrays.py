@@ -284,3 +284,19 @@ def test_a_peer_edit_of_the_arrays_own_document_is_reported(tmp_path: Path) -> N
     (problem,) = zarrckpt.open(root).verify()["problems"]
     assert "modified after commit" in problem and "(constant 3.0 -> 4.0)" in problem
     assert zarr.open_array(str(root / "step"), mode="r", zarr_format=3)[...] == 4.0  # what peers now read
+
+
+def test_dcp_sees_a_constant_array_in_the_manifest(tmp_path: Path) -> None:
+    """Read through ZarrReader: a constant array's chunks lie in the manifest (it has no objects),
+    an ordinary array's in its shard objects; dcp.load fills both."""
+    import torch.distributed.checkpoint as dcp
+
+    url = tmp_path / "ckpt"
+    zarrckpt.save({"step": torch.tensor(3.0), "w": torch.arange(4.0)}, url)
+    md = zarrckpt.ZarrReader(url).read_metadata()
+    where = {index.fqn: info for index, info in md.storage_data.items()}
+    assert where["step"].relative_path == "zarr.json" and where["step"].length == (url / "zarr.json").stat().st_size
+    assert (url / where["w"].relative_path).stat().st_size == where["w"].length
+    target = {"step": torch.tensor(0.0), "w": torch.zeros(4)}
+    dcp.load(target, storage_reader=zarrckpt.ZarrReader(url))
+    assert target["step"].item() == 3.0 and torch.equal(target["w"], torch.arange(4.0))

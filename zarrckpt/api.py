@@ -63,9 +63,10 @@ def save(
             The old checkpoint is un-committed and deleted *before* the new one is written: if
             this save then fails, both are lost. Without it an existing checkpoint is an error.
         chunk_bytes: the target size of an inner chunk (the unit of a read and of a checksum).
-        small_tensor_bytes: a tensor smaller than this that several ranks hold parts of is
-            written as one object by one of them, which the others send their parts (one
-            exchange per save); 0 writes every rank's part as objects of its own.
+        small_tensor_bytes: parts smaller than this (ranks' blocks of a tensor) are joined into
+            objects of at least this size (a smaller tensor: one object), each written by one of
+            its holders, which the others send their parts (one exchange per save); 0 writes
+            every rank's part as objects of its own.
         check_replicas: ranks holding the same block compare a crc32c digest of all its bytes
             (about 0.1 s per GiB per rank); ``False`` skips that for large DDP-style replicas.
         allow_pickle: store values of other types (arbitrary classes) pickled, marked as such;

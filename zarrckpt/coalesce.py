@@ -1,10 +1,11 @@
-"""Small tensors written whole: the one exchange per save that hands each writer the parts it lacks.
+"""Small shards joined: the one exchange per save that hands each joined shard's writer the parts it lacks.
 
-A tensor of fewer than ``small_tensor_bytes`` bytes held in parts by several ranks (an FSDP
-``Shard(0)`` of a norm weight over 128 ranks: 128 objects of 160 bytes) is planned as one shard
-written by one of its holders (:class:`zarrckpt.plan.Gather`). Before writing, every rank sends
-each writer the parts it lacks, all tensors of the save in one all-to-all; the writer assembles
-the whole tensor, the other holders drop their parts of it.
+Where one shard per rank's box gives shards under ``small_tensor_bytes`` (an FSDP ``Shard(0)`` of
+a norm weight over 128 ranks: 128 objects of 160 bytes; of a router: 128 of 20 KiB), the plan
+joins them (:mod:`zarrckpt.coarsen`): the whole tensor when it is smaller, else shards of at
+least that size, each written by one of the ranks holding part of it. Before writing, every rank
+sends each writer the parts it lacks, all of a save's in one all-to-all; the writer assembles its
+shards, the other ranks drop their parts of those tensors.
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ import torch
 from . import dtypes
 from .dist import Group
 from .errors import ZarrckptError
-from .layout import Box
+from .layout import Box, cell_box
 from .localstate import LocalState, LocalTensor
 from .plan import ZarrSavePlan
 
 
 def gather_small(group: Group, plan: ZarrSavePlan, local: LocalState) -> None:
-    """Give the writer of every small tensor the whole of it, in ``local`` (collective).
+    """Give the writer of every joined shard all of its region, in ``local`` (collective).
 
     Raises ZarrckptError on every rank when some rank cannot send what the plan expects of it.
     """
@@ -35,10 +36,11 @@ def gather_small(group: Group, plan: ZarrSavePlan, local: LocalState) -> None:
 def _outgoing(group: Group, plan: ZarrSavePlan, local: LocalState) -> list[bytes]:
     """What this rank sends each rank: the bytes of the pieces it is the sender of, in plan order."""
     out: list[list[bytes]] = [[] for _ in range(group.size)]
-    for key, gather in plan.gathers.items():
-        for box, sender in gather.pieces:
-            if sender == group.rank:
-                out[gather.writer].append(_piece(local, key, box))
+    for key, shards in plan.gathers.items():
+        for gather in shards.values():
+            for box, sender in gather.pieces:
+                if sender == group.rank:
+                    out[gather.writer].append(_piece(local, key, box))
     return [b"".join(parts) for parts in out]
 
 
@@ -51,28 +53,33 @@ def _piece(local: LocalState, key: str, box: Box) -> bytes:
 
 
 def _assemble(rank: int, plan: ZarrSavePlan, local: LocalState, received: list[bytes]) -> None:
-    """Build each tensor this rank writes from its own parts and the pieces received; drop the
-    parts of small tensors others write."""
+    """Build each joined shard this rank writes from its own parts and the pieces received; the
+    parts of joined tensors are replaced by those shards (none, where others write them all)."""
     at = [0] * len(received)
-    for key, gather in plan.gathers.items():
+    for key, shards in plan.gathers.items():
         parts = local.tensors.pop(key, [])
-        if gather.writer != rank:
-            continue
         meta = plan.arrays[key]
-        whole = torch.empty(meta.shape, dtype=dtypes.torch_dtype(meta.dtype))
-        view = dtypes.as_numpy(whole)
-        for part in parts:
-            view[part.box.slices()] = dtypes.as_numpy(part.data.detach().cpu())
         stored = dtypes.storage_dtype(meta.dtype)
-        for box, sender in gather.pieces:
-            n = box.volume * stored.itemsize
-            raw = received[sender][at[sender] : at[sender] + n]
-            if len(raw) != n:
-                raise ZarrckptError(f"{key}: rank {sender} sent {len(raw)} bytes of {box}, expected {n}")
-            view[box.slices()] = np.frombuffer(raw, dtype=stored).reshape(box.sizes)
-            at[sender] += n
-        first = parts[0]
-        local.add(LocalTensor(key, whole, meta.shape, Box.full(meta.shape), meta.dtype, first.kind, first.topology))
+        for idx, gather in shards.items():
+            if gather.writer != rank:
+                continue
+            region = cell_box(idx, meta.shard_shape, meta.shape)
+            data = torch.empty(region.sizes, dtype=dtypes.torch_dtype(meta.dtype))
+            view = dtypes.as_numpy(data)
+            for part in parts:
+                common = part.box.intersect(region)
+                if common is not None:
+                    own = dtypes.as_numpy(part.data.detach().cpu())[common.relative_to(part.box.offsets).slices()]
+                    view[common.relative_to(region.offsets).slices()] = own
+            for box, sender in gather.pieces:
+                n = box.volume * stored.itemsize
+                raw = received[sender][at[sender] : at[sender] + n]
+                if len(raw) != n:
+                    raise ZarrckptError(f"{key}: rank {sender} sent {len(raw)} bytes of {box}, expected {n}")
+                view[box.relative_to(region.offsets).slices()] = np.frombuffer(raw, dtype=stored).reshape(box.sizes)
+                at[sender] += n
+            first = parts[0]
+            local.add(LocalTensor(key, data, meta.shape, region, meta.dtype, first.kind, first.topology))
     extra = [r for r, (n, data) in enumerate(zip(at, received, strict=True)) if n != len(data)]
     if extra:
         raise ZarrckptError(f"small tensors: ranks {extra} sent more bytes than the plan expects (a bug)")

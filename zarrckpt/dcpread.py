@@ -239,7 +239,7 @@ def _items(
     for key, meta in manifest.arrays.items():
         if key.startswith(inside):
             continue
-        shards = _shards(meta, as_is)
+        shards = _shards(meta, as_is, in_manifest)
         if meta.kind != ArrayKind.TENSOR:  # a bytes or numpy value
             md[key] = BytesStorageMetadata()
             where[MetadataIndex(key)] = shards[0][1] if len(shards) == 1 else in_manifest.holding(shards)
@@ -257,15 +257,20 @@ def _items(
     for key in objects:  # a dict saved whole (flatten_state_dict=False): its arrays and values under key.
         md[key] = BytesStorageMetadata()
         under = [m for k, m in manifest.arrays.items() if k.startswith(key + ".")]
-        where[MetadataIndex(key)] = in_manifest.holding([s for m in under for s in _shards(m, as_is)])
+        shards = [s for m in under if m.constant is None for s in _shards(m, as_is, in_manifest)]
+        where[MetadataIndex(key)] = in_manifest.holding(shards)
     return md, where
 
 
-def _shards(meta: ArrayMeta, as_is: bool) -> list[tuple[Box, ZarrStorageInfo]]:
+def _shards(meta: ArrayMeta, as_is: bool, in_manifest: ZarrStorageInfo) -> list[tuple[Box, ZarrStorageInfo]]:
     """Every shard of an array (none for an empty one): its box and its object, and the object's size
-    as committed (None ``as_is``: see :class:`ZarrStorageInfo`)."""
+    as committed (None ``as_is``: see :class:`ZarrStorageInfo`); a constant array has no objects,
+    its value is in the manifest."""
     out = []
     for idx in _cells(meta.shape, meta.shard_shape):
+        if meta.constant is not None:
+            out.append((cell_box(idx, meta.shard_shape, meta.shape), in_manifest))
+            continue
         length = None if as_is else ShardLayout.of(meta, idx).nbytes
         info = ZarrStorageInfo(meta.shard_path(idx), 0, length, tuple(meta.chunk_shape))
         out.append((cell_box(idx, meta.shard_shape, meta.shape), info))

@@ -39,6 +39,11 @@ class Box:
             return None
         return Box(lo, tuple(h - lo_ for lo_, h in zip(lo, hi, strict=True)))
 
+    def contains(self, other: Box) -> bool:
+        """Whether all of ``other`` lies inside this box."""
+        inside = zip(self.offsets, other.offsets, other.ends, self.ends, strict=True)
+        return all(lo <= o and e <= hi for lo, o, e, hi in inside)
+
     def relative_to(self, origin: Shape) -> Box:
         return Box(tuple(o - r for o, r in zip(self.offsets, origin, strict=True)), self.sizes)
 

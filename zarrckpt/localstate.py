@@ -62,11 +62,7 @@ class LocalState:
 
     def part_holding(self, key: str, box: Box) -> LocalTensor | None:
         """The part of ``key`` that holds all of ``box`` (None when no part does)."""
-        for part in self.tensors.get(key, ()):
-            inside = zip(part.box.offsets, box.offsets, box.ends, part.box.ends, strict=True)
-            if all(lo <= o and e <= hi for lo, o, e, hi in inside):
-                return part
-        return None
+        return next((part for part in self.tensors.get(key, ()) if part.box.contains(box)), None)
 
     def describe(self) -> RankDescription:
         """What this rank holds, for :func:`zarrckpt.plan.build_save_plan` (every save path's

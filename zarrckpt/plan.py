@@ -10,26 +10,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import fill
+from .coarsen import Gather, coarse_shard, shard_gathers
 from .dtypes import storage_dtype
 from .errors import SaveLayoutError
 from .format import ArrayMeta, group_json, group_paths
 from .gcpause import gc_paused
 from .keys import infer_role, validate_keys
-from .layout import Box, Claim, Shape, coverage_problems, inner_chunk_shape, owner_of_cells, shard_shape_for
+from .layout import Claim, Shape, coverage_problems, inner_chunk_shape, owner_of_cells, shard_shape_for
 from .rankdesc import RankDescription, TensorSpec
 from .types import ArrayKind, Role
 
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 DEFAULT_SMALL_TENSOR_BYTES = 1024 * 1024  # a tensor smaller than this is written whole, by one rank
-
-
-@dataclass(frozen=True)
-class Gather:
-    """A small tensor written whole, as one shard, by ``writer``: the regions it does not hold
-    and the rank that sends each (all of a save's in one exchange, :mod:`zarrckpt.coalesce`)."""
-
-    writer: int
-    pieces: tuple[tuple[Box, int], ...]
 
 
 @dataclass(frozen=True)
@@ -43,7 +35,7 @@ class ZarrSavePlan:
     values: dict[str, Any]
     world_size: int
     replicated: frozenset[str] = frozenset()  # keys of which some block is held by several ranks
-    gathers: Mapping[str, Gather] = field(default_factory=dict)  # small tensors held in parts, written whole
+    gathers: Mapping[str, Mapping[Shape, Gather]] = field(default_factory=dict)  # key -> small shards joined
 
     def shards_of(self, rank: int) -> list[tuple[ArrayMeta, Shape]]:
         """The shards ``rank`` writes: (array, shard grid index) pairs."""
@@ -83,9 +75,11 @@ def build_save_plan(
     """Check that ranks agree and every global tensor is covered exactly once; choose grids and writers.
 
     ``descriptions[r]`` is rank r's ``LocalState.describe()``. Raises SaveLayoutError listing
-    every problem found, before anything is written. A tensor of fewer than ``small_tensor_bytes``
-    bytes held in several parts becomes one shard, written by one of its holders (taken in turn)
-    once the others sent it their parts (``ZarrSavePlan.gathers``); 0 keeps every part's shards.
+    every problem found, before anything is written. Shards smaller than ``small_tensor_bytes``
+    (an FSDP ``Shard(0)`` of a norm weight over 128 ranks) are joined into shards of at least that
+    size, or the whole tensor when it is smaller, each written by one of the ranks holding a part
+    of it (taken in turn) once the others sent it their parts (``ZarrSavePlan.gathers``); 0 keeps
+    every part's shards.
 
     Keys whose holders hold the very same spec objects (a weight and its Adam moments, the same
     shard of every layer on a pipeline stage) are checked and gridded once.
@@ -119,8 +113,8 @@ def _build(descriptions: Sequence[RankDescription], chunk_bytes: int, small_tens
     owners: dict[str, dict[Shape, int]] = {}
     replicated: set[str] = set()
     grids: dict[tuple[tuple[int, ...], tuple[int, ...]], _Grid] = {}
-    gathers: dict[str, Gather] = {}
-    small: dict[tuple[int, int], Gather] = {}  # (id of the grid, writer) -> the gather
+    gathers: dict[str, dict[Shape, Gather]] = {}
+    turn = 0  # small shards' writers are taken in turn over the save
     for key in sorted(tensors):
         ranks, specs = tensors[key]
         same = (tuple(ranks), tuple(map(id, specs)))
@@ -152,18 +146,14 @@ def _build(descriptions: Sequence[RankDescription], chunk_bytes: int, small_tens
         owners[key] = grid.owners if constant is None else {}  # a constant array: metadata only
         if grid.replicated and constant is None:  # equal constants are equal replicas
             replicated.add(key)
-        if constant is None and len(grid.owners) > 1 and arrays[key].nbytes < small_tensor_bytes:
-            holders = sorted(set(ranks))
-            writer = holders[len(gathers) % len(holders)]  # in turn, over the small tensors of the save
-            gather = small.get((id(grid), writer))
-            if gather is None:
-                gather = small[(id(grid), writer)] = _gather(writer, ranks, specs)
-            whole = tuple(max(1, n) for n in grid.shape)
-            itemsize = storage_dtype(first.dtype).itemsize
-            chunk = inner_chunk_shape(whole, itemsize, chunk_bytes)
-            arrays[key] = dataclasses.replace(arrays[key], shard_shape=whole, chunk_shape=chunk)
-            owners[key] = {(0,) * len(whole): writer}
-            gathers[key] = gather
+        itemsize = storage_dtype(first.dtype).itemsize
+        if constant is None and len(grid.owners) > 1 and small_tensor_bytes:
+            coarse = coarse_shard(grid.shape, grid.shard, itemsize, small_tensor_bytes)
+            if coarse != grid.shard:
+                chunk = inner_chunk_shape(coarse, itemsize, chunk_bytes)
+                arrays[key] = dataclasses.replace(arrays[key], shard_shape=coarse, chunk_shape=chunk)
+                gathers[key], turn = shard_gathers(grid.shape, grid.shard, coarse, grid.owners, ranks, specs, turn)
+                owners[key] = {idx: g.writer for idx, g in gathers[key].items()}
     if problems:
         raise SaveLayoutError(
             "nothing was written: the ranks' state does not describe each global tensor exactly once:\n  "
@@ -171,17 +161,6 @@ def _build(descriptions: Sequence[RankDescription], chunk_bytes: int, small_tens
         )
     values_ = {k: v[1][0] for k, v in sorted(values.items())}
     return ZarrSavePlan(arrays, owners, values_, len(descriptions), frozenset(replicated), gathers)
-
-
-def _gather(writer: int, ranks: list[int], specs: list[TensorSpec]) -> Gather:
-    """What ``writer`` must receive to hold all of a tensor: every distinct box it does not hold,
-    from the lowest rank holding it (the boxes tile the tensor: a box is held whole or not at all)."""
-    own = {s.box for r, s in zip(ranks, specs, strict=True) if r == writer}
-    sender: dict[Box, int] = {}
-    for r, s in zip(ranks, specs, strict=True):
-        if s.box not in own and s.box.volume:
-            sender[s.box] = min(r, sender.get(s.box, r))
-    return Gather(writer, tuple(sorted(sender.items(), key=lambda item: item[0].offsets)))
 
 
 def _constant(dtype: str, specs: list[TensorSpec]) -> bytes | None:
