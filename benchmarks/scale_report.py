@@ -232,9 +232,10 @@ def render(r: Results) -> str:
         "",
         "Shard objects by size: "
         + ", ".join(f"{label}: {n:,}" for label, n in c.objects_by_size.items())
-        + f". A tensor under 1 MiB held in parts (FSDP's `Shard(0)` of a {d.d_model:,}-element norm weight over "
-        f"{r.save.dp} ranks) is written whole, as one object, by one of its holders (`small_tensor_bytes`); "
-        f"{c.small_arrays:,} arrays are under 64 KiB in all.",
+        + f". Shards under 1 MiB are joined (`small_tensor_bytes`): FSDP's `Shard(0)` of a {d.d_model:,}-element "
+        f"norm weight over {r.save.dp} ranks is one object, a router's 1-row shards become shards of 52 rows; "
+        f"{c.small_arrays:,} arrays are under 64 KiB in all (the objects under 64 KiB are such arrays: per-rank "
+        "RNG states).",
         "",
         "## Loading into a different layout (resharding)",
         "",
