@@ -9,7 +9,6 @@ import os
 import random
 import threading
 import time
-import uuid
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from datetime import UTC, datetime
@@ -19,6 +18,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from .errors import StorageError, ZarrckptError
+from .localfile import Buffer, publish
 from .retry import RetryPolicy, current_policy, is_transient
 from .storecaps import LOCAL_FILES, OBJECT_STORE, default_concurrency
 from .types import URL
@@ -27,7 +27,6 @@ log = logging.getLogger("zarrckpt")
 
 T = TypeVar("T")
 R = TypeVar("R")
-Buffer = bytes | memoryview
 # Filesystems whose ``pipe_file(..., mode="create")`` is an atomic create-only write on the server:
 # S3 ``If-None-Match: *`` (s3fs), GCS ``ifGenerationMatch=0`` (gcsfs). fsspec's memory store checks
 # when a file is opened and stores it when closed: not atomic between threads.
@@ -148,7 +147,7 @@ class Storage:
             return
         full = self._abs(path)
         if self.local:
-            self._request("writing", path, lambda: self._publish_local(full, parts, False), missing_ok=False)
+            self._request("writing", path, lambda: publish(full, parts, False, self._made), missing_ok=False)
         else:
             data = b"".join(parts)
             self._request("writing", path, lambda: self.fs.pipe_file(full, data), missing_ok=False)
@@ -163,7 +162,7 @@ class Storage:
         """
         full = self._abs(path)
         if self.local:
-            if self._request("creating", path, lambda: self._publish_local(full, parts, True), missing_ok=False):
+            if self._request("creating", path, lambda: publish(full, parts, True, self._made), missing_ok=False):
                 return
             data = b"".join(parts)
         elif self.atomic_create:
@@ -201,30 +200,6 @@ class Storage:
             # object is visible; try again (transient: retried with backoff) until one of them is.
             raise OSError(errno.EAGAIN, f"create refused ({e}), yet no object is there: a racing create?") from e
         return True
-
-    def _publish_local(self, full: str, parts: Sequence[Buffer], exclusive: bool) -> bool:
-        """Write aside and flush to disk, then rename into place (never a half-written file) or,
-        ``exclusive``, hard-link into place: False when the name exists."""
-        parent = os.path.dirname(full)
-        if parent not in self._made:
-            os.makedirs(parent, exist_ok=True)
-            self._made.add(parent)
-        tmp = f"{full}.{uuid.uuid4().hex[:12]}.tmp"
-        try:
-            with open(tmp, "wb") as f:
-                for p in parts:
-                    f.write(p)
-                f.flush()
-                os.fsync(f.fileno())
-            (os.link if exclusive else os.replace)(tmp, full)
-            return True
-        except FileExistsError:
-            if not exclusive:
-                raise
-            return False
-        finally:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
 
     def _holds(self, path: str, data: bytes) -> bool:
         """True when the object at ``path`` holds exactly ``data``."""
