@@ -1,5 +1,5 @@
 """Which S3 client under zarrckpt's Storage: s3fs (aiobotocore) against obstore (Rust ``object_store``,
-through its fsspec filesystem ``obstore.fsspec``), on a Ceph RADOS Gateway (issue 15, point 7).
+zarrckpt/obstorefs.py), on a Ceph RADOS Gateway (issue 15, point 7).
 
 Usage::
 
@@ -8,9 +8,8 @@ Usage::
 
 The same scenarios as ``run.py``'s S3 part, with zarrckpt only: save from 4 gloo ranks, resharding
 load into 3. Each repetition runs both clients (order alternating), each in fresh rank processes
-that make ``s3://`` resolve to that client (``obstore.fsspec.register("s3")`` for obstore). Requests
-are counted at the gateway (its ops log). Needs Ceph (``apt-get install -y radosgw ceph-mon ceph-osd``)
-and ``pip install obstore``.
+with ``$ZARRCKPT_S3_CLIENT`` set to that client, and the same URL and storage_options. Requests are
+counted at the gateway (its ops log). Needs Ceph (``apt-get install -y radosgw ceph-mon ceph-osd``).
 """
 
 from __future__ import annotations
@@ -37,61 +36,15 @@ from tables import fmt, ratio, table  # noqa: E402
 
 import zarrckpt  # noqa: E402
 from zarrckpt.testing import S3Request, remove_tree, spawn  # noqa: E402
-from zarrckpt.testing.rgw import ACCESS_KEY, SECRET_KEY, RgwServer, rgw_available, rgw_storage_options  # noqa: E402
+from zarrckpt.testing.rgw import RgwServer, rgw_available, rgw_storage_options  # noqa: E402
 
 CLIENTS = ("s3fs", "obstore")
-ADOPT = 1.3  # obstore is adopted only if this much faster on both save and load, at equal requests
-
-
-def client_options(client: str, endpoint: str) -> dict[str, Any]:
-    """storage_options reaching the same gateway with the same keys through ``client``."""
-    if client == "s3fs":
-        return rgw_storage_options(endpoint)
-    return {
-        "endpoint": endpoint,
-        "access_key_id": ACCESS_KEY,
-        "secret_access_key": SECRET_KEY,
-        "region": "us-east-1",
-        "client_options": {"allow_http": True},
-        "skip_instance_cache": True,
-    }
+ADOPT = 1.3  # obstore serves s3:// by default if this much faster on both save and load, at equal requests
 
 
 def _use(client: str) -> None:
-    """Make ``s3://`` resolve to ``client`` in this process. obstore's fsspec filesystem (0.12.1) cannot
-    serve zarrckpt's Storage as it is: ``cat_file(start=0)`` (an open range, how zarrckpt reads its
-    manifest) raises NotImplementedError and ``pipe_file(mode="create")`` silently overwrites. Both are
-    filled in here with obstore's own calls (a ranged GET from an offset; ``put(mode="create")``, i.e.
-    ``If-None-Match: *``), and puts are single PUTs (obstore's default goes multipart above 5 MiB), so
-    obstore is measured doing the same requests."""
-    if client != "obstore":
-        return
-    import fsspec
-    import obstore.fsspec
-
-    class ObstoreS3(obstore.fsspec.FsspecStore):  # type: ignore[misc]
-        protocol = "s3"
-
-        async def _cat_file(self, path: str, start: int | None = None, end: int | None = None, **kw: Any) -> bytes:
-            if start is None or end is not None:
-                return bytes(await super()._cat_file(path, start, end, **kw))
-            bucket, key = self._split_path(path)
-            got = await self._construct_store(bucket).get_async(key, options={"range": {"offset": start}})
-            return bytes((await got.bytes_async()).to_bytes())
-
-        async def _pipe_file(self, path: str, value: Any, mode: str = "overwrite", **kw: Any) -> Any:
-            from obstore.exceptions import AlreadyExistsError, PreconditionError
-
-            bucket, key = self._split_path(path)
-            store = self._construct_store(bucket)
-            try:  # one PUT per object, as s3fs's pipe_file (obstore goes multipart above 5 MiB by default)
-                return await store.put_async(
-                    key, value, mode="create" if mode == "create" else "overwrite", use_multipart=False
-                )
-            except (AlreadyExistsError, PreconditionError) as e:
-                raise FileExistsError(path) from e
-
-    fsspec.register_implementation("s3", ObstoreS3, clobber=True)
+    """Make zarrckpt's Storage serve ``s3://`` through ``client`` in this process (same URL, same options)."""
+    os.environ["ZARRCKPT_S3_CLIENT"] = client
 
 
 def _phase(rank: int, world: int, cfg: dict[str, Any]) -> None:
@@ -140,14 +93,14 @@ def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
             row: dict[str, Any] = {}
             for client in CLIENTS if rep % 2 == 0 else CLIENTS[::-1]:
                 url = f"{server.url}/rep{rep}-{client}"
-                cfg = {"client": client, "url": url, "opts": client_options(client, server.endpoint), "gib": args.gib}
+                cfg = {"client": client, "url": url, "opts": rgw_storage_options(server.endpoint), "gib": args.gib}
                 for op, world in (("save", 4), ("load", 3)):
                     cfg |= {"op": op, "result": f"{tmp}/{client}-{op}.json"}
                     server.log.clear()
                     spawn(world, _phase, cfg, timeout_s=900.0)
                     measured = json.loads(Path(cfg["result"]).read_text())
                     row[f"{op}/{client}"] = {"s": measured["s"], **_window(server.log.requests(), measured)}
-                remove_tree(url, client_options("s3fs", server.endpoint))
+                remove_tree(url, rgw_storage_options(server.endpoint))
             runs.append(row)
             print(f"rep {rep + 1}/{args.reps}: " + ", ".join(f"{k} {v['s']:.2f} s" for k, v in row.items()), flush=True)
         about.append(f"load average at the end: {' / '.join(f'{x:.2f}' for x in os.getloadavg())}")
@@ -180,11 +133,10 @@ def render(runs: list[dict[str, Any]], about: list[str], nbytes: int) -> str:
     verdict = (
         f"obstore is >= {ADOPT}x faster on both (save {fmt(speedups['save'])}x, load {fmt(speedups['load'])}x) "
         f"{'at equal requests' if equal else 'but NOT at equal requests'} ({said}). "
-        "s3fs stays for now: adopting obstore means its own Storage backend (create-only writes, open ranges, "
-        "retry classification, the request-counting tests), which the lead decides on."
-        if faster
+        "obstore serves s3:// by default (zarrckpt/obstorefs.py); s3fs where the storage_options need it."
+        if faster and equal
         else f"obstore is not >= {ADOPT}x faster on both (save {fmt(speedups['save'])}x, load "
-        f"{fmt(speedups['load'])}x; {said}): **keep s3fs**."
+        f"{fmt(speedups['load'])}x; {said}) at equal requests: **s3fs should serve s3:// by default**."
     )
     header = ["scenario", "client", "median s", "GB/s", "speed / s3fs", "requests", "by method", "body bytes"]
     out = [
@@ -195,22 +147,12 @@ def render(runs: list[dict[str, Any]], about: list[str], nbytes: int) -> str:
         "both clients in alternating order, fresh rank processes per operation (gloo); time = max over ranks "
         "between a barrier before and after; requests and body bytes: all those the gateway got in that window "
         "(its ops log; bucket-level ones such as a multi-object delete included), last repetition",
-        "- s3fs with zarrckpt's default storage_options for s3 (see zarrckpt/storage.py); obstore through "
-        "`obstore.fsspec.register('s3')` with endpoint, keys, region and `allow_http`, its defaults otherwise",
+        "- both clients get the same URL and storage_options (zarrckpt.testing.rgw); "
+        "`$ZARRCKPT_S3_CLIENT` picks the client (zarrckpt/filesystems.py)",
         "",
         *table([*header, "every repetition (s)"], rows, 2),
         "",
         f"**Decision:** {verdict}",
-        "",
-        "What obstore's fsspec filesystem (0.12.1) lacks for zarrckpt's Storage as it is, whatever the speed "
-        "(`_use` above fills the first two in for this measurement, with obstore's own calls): "
-        "`cat_file(path, start=0)` (an open range: how zarrckpt reads its manifest) raises NotImplementedError; "
-        "`pipe_file(mode='create')` ignores the mode and overwrites (no `If-None-Match: *`), and Storage, "
-        "which recognises create-only writes by the filesystem's module (s3fs, gcsfs), falls back to a "
-        "check then a write for its markers and manifest (a HEAD and a listing more per create, and not "
-        "atomic: two racing saves can both win); `rm_file` is a multi-object-delete POST; its errors are "
-        "obstore's own exception types, which zarrckpt's retry policy (zarrckpt/retry.py) does not know; "
-        "and the request-counting tests all run on s3fs.",
     ]
     return "\n".join(out) + "\n"
 

@@ -1,4 +1,5 @@
-"""The only module that talks to storage (fsspec): local paths, file://, memory://, s3://, gs://."""
+"""The only module that talks to storage: local paths, file://, memory://, s3://, gs://, through the
+filesystem :mod:`zarrckpt.filesystems` picks (obstore for s3:// where it can, fsspec otherwise)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
-import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from .errors import StorageError, ZarrckptError
+from .filesystems import open_filesystem
 from .localfile import Buffer, publish
 from .retry import RetryPolicy, current_policy, is_transient
 from .storecaps import LOCAL_FILES, OBJECT_STORE, default_concurrency
@@ -27,24 +28,11 @@ log = logging.getLogger("zarrckpt")
 
 T = TypeVar("T")
 R = TypeVar("R")
-# Filesystems whose ``pipe_file(..., mode="create")`` is an atomic create-only write on the server:
-# S3 ``If-None-Match: *`` (s3fs), GCS ``ifGenerationMatch=0`` (gcsfs). fsspec's memory store checks
-# when a file is opened and stores it when closed: not atomic between threads.
-_ATOMIC_CREATE_MODULES = ("s3fs", "gcsfs")
+# Clients whose ``pipe_file(..., mode="create")`` is an atomic create-only write on the server:
+# S3 ``If-None-Match: *`` (obstore, s3fs), GCS ``ifGenerationMatch=0`` (gcsfs). fsspec's memory store
+# checks when a file is opened and stores it when closed: not atomic between threads.
+_ATOMIC_CREATE_CLIENTS = ("obstore", "s3fs", "gcsfs")
 _warned_no_create: set[str] = set()
-
-
-def _with_defaults(url: str, options: dict[str, Any] | None) -> dict[str, Any]:
-    """``options`` plus zarrckpt's s3fs defaults, wherever the caller's ``config_kwargs`` leave them unset:
-    no SHA-256 of each request body (``payload_signing_enabled=False``; botocore hashes every body sent
-    over plain http, and the server hashes it again: 40% of the client's CPU per PUT byte against Ceph RGW,
-    benchmarks/README.md). Over https botocore already skips it for bodies that carry a checksum."""
-    opts = dict(options or {})
-    protocol = fsspec.core.split_protocol(url)[0]
-    if protocol in ("s3", "s3a") and fsspec.get_filesystem_class(protocol).__module__.startswith("s3fs"):
-        config = dict(opts.get("config_kwargs") or {})
-        opts["config_kwargs"] = {**config, "s3": {"payload_signing_enabled": False, **(config.get("s3") or {})}}
-    return opts
 
 
 class Storage:
@@ -66,14 +54,11 @@ class Storage:
         self.storage_options = storage_options
         if not self.url:
             raise ZarrckptError("empty checkpoint URL")
-        try:
-            self.fs, root = fsspec.core.url_to_fs(self.url, **_with_defaults(self.url, storage_options))
-        except (ValueError, ImportError, TypeError) as e:
-            raise ZarrckptError(f"cannot open storage for {self.url!r}: {e}") from e
+        self.fs, root, self.client = open_filesystem(self.url, storage_options)
         self.root = root.rstrip("/")
         self.local = isinstance(self.fs, LocalFileSystem)
         self.caps = LOCAL_FILES if self.local else OBJECT_STORE
-        self.atomic_create = self.local or type(self.fs).__module__.split(".", 1)[0] in _ATOMIC_CREATE_MODULES
+        self.atomic_create = self.local or self.client in _ATOMIC_CREATE_CLIENTS
         self._concurrency = concurrency
         self.concurrency = concurrency or default_concurrency(self.local, writing=False)
         self.write_concurrency = concurrency or default_concurrency(self.local, writing=True)
@@ -215,7 +200,7 @@ class Storage:
         Local files are read into pooled buffers (no fresh allocation and page faults per read).
         """
         if not self.local:
-            yield memoryview(self.read(path, start, end))
+            yield memoryview(self._get(path, start, end))  # obstore's buffer as it came: no copy
             return
 
         def fill() -> tuple[bytearray, int]:
@@ -273,8 +258,12 @@ class Storage:
 
     def read(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
         """Read an object or the byte range ``[start, end)``; FileNotFoundError when absent."""
+        return bytes(self._get(path, start, end))
+
+    def _get(self, path: str, start: int | None, end: int | None) -> Buffer:
         full = self._abs(path)
-        return bytes(self._request("reading", path, lambda: self.fs.cat_file(full, start=start, end=end)))
+        got: Buffer = self._request("reading", path, lambda: self.fs.cat_file(full, start=start, end=end))
+        return got
 
     def age(self, path: str) -> float | None:
         """Seconds since the object at ``path`` was last modified (None if absent or unknown)."""

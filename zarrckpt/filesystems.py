@@ -1,0 +1,77 @@
+"""Which filesystem serves a URL: obstore for ``s3://`` where it can mean exactly what the options
+say (:mod:`zarrckpt.s3config`), else fsspec's (s3fs, gcsfs, local files, memory, ...)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from typing import Any
+
+import fsspec
+
+from . import s3config
+from .errors import ZarrckptError
+
+log = logging.getLogger("zarrckpt")
+_S3 = ("s3", "s3a")
+_cache: dict[tuple[int, str], Any] = {}  # (pid, options) -> ObstoreFS: its connection pools are reused
+_lock = threading.Lock()
+_told: set[str] = set()
+
+
+def with_defaults(url: str, options: dict[str, Any] | None) -> dict[str, Any]:
+    """``options`` plus zarrckpt's s3fs defaults, wherever the caller's ``config_kwargs`` leave them unset:
+    no SHA-256 of each request body (``payload_signing_enabled=False``; botocore hashes every body sent
+    over plain http, and the server hashes it again: 40% of the client's CPU per PUT byte against Ceph RGW,
+    benchmarks/README.md). Over https botocore already skips it for bodies that carry a checksum."""
+    opts = dict(options or {})
+    protocol = fsspec.core.split_protocol(url)[0]
+    if protocol in _S3 and fsspec.get_filesystem_class(protocol).__module__.startswith("s3fs"):
+        config = dict(opts.get("config_kwargs") or {})
+        opts["config_kwargs"] = {**config, "s3": {"payload_signing_enabled": False, **(config.get("s3") or {})}}
+    return opts
+
+
+def open_filesystem(url: str, options: dict[str, Any] | None) -> tuple[Any, str, str]:
+    """(filesystem, root path on it, client name) for ``url``; ZarrckptError when none can serve it."""
+    protocol, path = fsspec.core.split_protocol(url)
+    if protocol in _S3:
+        fs = _obstore(url, options)
+        if fs is not None:
+            return fs, path.rstrip("/"), "obstore"
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **with_defaults(url, options))
+    except (ValueError, ImportError, TypeError) as e:
+        raise ZarrckptError(f"cannot open storage for {url!r}: {e}") from e
+    return fs, root, type(fs).__module__.split(".", 1)[0]
+
+
+def _obstore(url: str, options: dict[str, Any] | None) -> Any:
+    """An ObstoreFS for ``url``, or None where s3fs is to serve it (chosen, or needed)."""
+    wanted = s3config.choice(os.environ)
+    if wanted == "s3fs":
+        return None
+    try:
+        key = json.dumps(options or {}, sort_keys=True, default=repr)
+    except (TypeError, ValueError):
+        key = repr(options)
+    with _lock:
+        fs = _cache.get((os.getpid(), key))
+        if fs is not None:
+            return fs
+        try:
+            from .obstorefs import ObstoreFS
+
+            fs = ObstoreFS(s3config.translate(options, os.environ))
+        except (ImportError, s3config.Untranslatable) as e:
+            why = "obstore is not installed" if isinstance(e, ImportError) else f"option {e} has no obstore equivalent"
+            if wanted == "obstore":
+                raise ZarrckptError(f"cannot open {url!r} with obstore ($ZARRCKPT_S3_CLIENT=obstore): {why}") from e
+            if why not in _told:
+                _told.add(why)
+                log.info("s3fs serves %s: %s", url, why)
+            return None
+        _cache[(os.getpid(), key)] = fs
+    return fs
