@@ -21,8 +21,10 @@ import zarrckpt
 from zarrckpt import cli, clitensors, display, export
 from zarrckpt import commit as protocol
 from zarrckpt.display import human
-from zarrckpt.format import DELETING, MANIFEST
+from zarrckpt.format import DELETING, HEAD_BYTES, MANIFEST, Manifest, ManifestHead
+from zarrckpt.jsondoc import Unsettled
 from zarrckpt.storage import Storage
+from zarrckpt.testing import RequestLog
 
 G = torch.Generator().manual_seed(11)
 EXPERTS = torch.randn(8, 6, 10, generator=G)
@@ -380,6 +382,67 @@ def test_ls_root_lists_checkpoints(tmp_path: Path, capsys: pytest.CaptureFixture
     assert rc == 3 and "never committed" in err
     rc, _, err = run(capsys, "ls", str(root / "notes"))
     assert rc == 3 and err.startswith("error: ")
+
+
+def test_ls_root_reads_only_the_head_of_large_manifests(
+    s3_url: tuple[str, dict[str, Any]], s3_requests: RequestLog, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root, opts = s3_url
+    # one inner chunk per 16 elements: a commit record of 40,000 checksums, a manifest of ~215 KB
+    big = {"model": {"w": torch.randn(40_000 * 16, generator=G)}, "trainer": {"step": 3}}
+    for name, step in [("step_0000000001", 1), ("step_0000000002", 2), ("best", 42)]:
+        zarrckpt.save(big | {"trainer": {"step": step}}, f"{root}/{name}", storage_options=opts, chunk_bytes=64)
+    zarrckpt.save(state(), f"{root}/small", storage_options=opts)  # its manifest fits in the head read
+    fs = Storage(root, opts).fs
+    sizes = {n: fs.size(f"{root[5:]}/{n}/zarr.json") for n in ["step_0000000001", "step_0000000002", "best", "small"]}
+    assert min(sizes[n] for n in ["step_0000000001", "step_0000000002", "best"]) > 3 * HEAD_BYTES > sizes["small"]
+    zarrckpt.save(state(), f"{root}/corrupt", storage_options=opts)  # a manifest that is no JSON: reported, as before
+    Storage(f"{root}/corrupt", opts).write(MANIFEST, [b'{"zarr_format":3,"node_type":"group","attributes":{"zarr'])
+    cli_opts = [a for k, v in opts.items() for a in ("--storage-option", f"{k}={json.dumps(v)}")]
+
+    s3_requests.clear()
+    rc, out, err = run(capsys, "ls", root, "--json", *cli_opts)
+    assert rc == 0 and err == ""
+    rows = {r["name"]: r for r in json.loads(out)}
+    gets = [r for r in s3_requests.requests(root) if r.method == "GET" and r.path.endswith("/zarr.json")]
+    read = {r.path.split("/")[-2]: r.bytes_sent for r in gets}
+    assert len(gets) == len(read), "one GET per manifest"
+    for name in ["step_0000000001", "step_0000000002", "best"]:
+        assert read[name] == HEAD_BYTES < sizes[name], name  # not the whole manifest
+        assert rows[name]["state"] == "committed" and rows[name]["time"]
+        assert rows[name]["tensors"] is None and rows[name]["bytes"] is None
+    assert read["small"] == sizes["small"]
+    assert [rows[n]["step"] for n in ["step_0000000001", "step_0000000002", "best"]] == [1, 2, 42]
+    assert rows["small"]["tensors"] == 4 and rows["small"]["bytes"] == EXPERTS.nbytes + BF.nbytes + 4 + 5 * 8
+    assert "is invalid: not JSON" in rows["corrupt"]["error"]
+
+    rc, out, _ = run(capsys, "ls", root, *cli_opts)  # the table says how to get the rest
+    assert rc == 0 and "--sizes" in out and "corrupt: checkpoint manifest" in out
+    rc, out, _ = run(capsys, "ls", root, "--json", "--sizes", *cli_opts)
+    rows = {r["name"]: r for r in json.loads(out)}
+    assert rows["best"]["tensors"] == 1 and rows["best"]["bytes"] == 40_000 * 16 * 4 and rows["best"]["step"] == 42
+
+
+def test_manifest_head_parses_as_the_whole_manifest_does() -> None:
+    full = Manifest("id", {}, {"trainer.step": 5, "x": [1, {"a": "}"}]}, 2, created="2026-01-01T00:00:00+00:00")
+    raw = full.dumps()
+    head = ManifestHead.parse(raw + b" " * 10, "w", whole=False)  # as if the prefix stopped short of the end
+    assert (head.save_id, head.world_size, head.values, head.created) == ("id", 2, full.values, full.created)
+    assert head.tensors is None and ManifestHead.parse(raw, "w", whole=True).tensors == 0
+    for cut in [10, raw.index(b"values") + 12]:  # cut before the head's end: the whole manifest decides
+        with pytest.raises(Unsettled):
+            ManifestHead.parse(raw[:cut], "w", whole=False)
+    newer = raw.replace(b'"format_version":1', b'"format_version":99')
+    with pytest.raises(zarrckpt.InvalidCheckpointError, match="newer than this zarrckpt reads"):
+        ManifestHead.parse(newer + b" ", "w", whole=False)
+    with pytest.raises(zarrckpt.InvalidCheckpointError, match="not a Zarr v3 group"):
+        ManifestHead.parse(raw.replace(b'"zarr_format":3', b'"zarr_format":2') + b" ", "w", whole=False)
+    foreign = b'{"zarr_format":3,"node_type":"group","attributes":{"other":1},"consolidated_metadata":{'
+    with pytest.raises(Unsettled):  # a plain Zarr group: the whole manifest says what it is
+        ManifestHead.parse(foreign, "w", whole=False)
+    reordered = json.dumps({"consolidated_metadata": {}, **json.loads(raw)}).encode()  # another tool's layout
+    with pytest.raises(Unsettled):
+        ManifestHead.parse(reordered, "w", whole=False)
 
 
 def test_json_into_a_closed_pipe_exits_quietly(url: str, tmp_path: Path) -> None:

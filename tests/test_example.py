@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import zarrckpt
-from zarrckpt.example import scenario
+from zarrckpt.example import launch, scenario
 from zarrckpt.example.config import ModelConfig, Topology, TrainConfig
 from zarrckpt.example.scenario import Layout
 from zarrckpt.testing import spawn
@@ -193,3 +193,32 @@ def test_layouts_that_do_not_fit_are_refused_before_any_collective() -> None:
         Topology(6, ep=3).resolved(ModelConfig())
     with pytest.raises(ValueError, match=r"pp=3 must divide the number of layers \(4\)"):
         Topology(6, pp=3).resolved(ModelConfig())
+
+
+BLOCK_TESTING = """
+import sys
+sys.modules["zarrckpt.testing"] = None  # importing the test harness now raises ImportError
+import zarrckpt.example.scenario, zarrckpt.example.train
+from zarrckpt.example import train
+sys.exit(train.main(["--ckpt", sys.argv[1], "--steps", "2", "--save-every", "2", "--log-every", "2"]))
+"""
+
+
+def test_the_example_runs_without_the_test_harness(tmp_path: Path) -> None:
+    root = str(tmp_path / "job")
+    proc = subprocess.run([sys.executable, "-c", BLOCK_TESTING, root], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "done: step 2 loss" in proc.stdout and zarrckpt.list_checkpoints(root) == {"step_0000000002": "committed"}
+
+
+def _ranks_agree(rank: int, world: int, out: str) -> None:
+    import torch.distributed as dist
+
+    total = torch.tensor([rank + 1])
+    dist.all_reduce(total)
+    Path(out, str(rank)).write_text(f"{world} {int(total.item())}")
+
+
+def test_the_example_launcher_joins_local_processes(tmp_path: Path) -> None:
+    launch.spawn(3, _ranks_agree, str(tmp_path))
+    assert sorted(p.read_text() for p in tmp_path.iterdir()) == ["3 6"] * 3

@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import zarrckpt
 from zarrckpt import fanout
@@ -257,6 +258,19 @@ def test_several_parts_of_one_array_on_one_rank() -> None:
     _simulate(wants, [info], plan)
 
 
+def test_constant_arrays_are_never_exchanged() -> None:
+    step, zeros = ArrayInfo((), (), (), 8, constant=True), ArrayInfo((16, 4), (8, 4), (4, 4), 4, constant=True)
+    weight = ArrayInfo((16, 4), (8, 4), (4, 4), 4)
+    every = [(0, Box.full(())), (1, Box.full((16, 4))), (2, Box.full((16, 4)))]
+    wants: Wants = [list(every) for _ in range(3)]
+    plan = fanout.plan(wants, [step, zeros, weight], whole_bytes=0)
+    assert plan.solo == ((0, 1), (0, 1), (0, 1))  # each rank fills its constants itself
+    items = [item for rnd in plan.rounds for item in rnd.items]
+    assert items and {item.array for item in items} == {2}  # only the stored array travels
+    alone = fanout.plan([[(0, Box.full(()))], [(0, Box.full(()))]], [step])
+    assert alone.rounds == () and alone.solo == ((0,), (0,))
+
+
 # ---------------------------------------------------------------------------------------------
 # loads on gloo ranks against moto; bytes counted by the server
 
@@ -457,3 +471,80 @@ def test_a_failed_read_on_the_reader_raises_on_every_rank(
     # the one rank that read w3 raises the storage error itself; the others a ZarrckptError naming it
     assert kinds == ["CorruptChunkError", "ZarrckptError", "ZarrckptError", "ZarrckptError"], got
     assert all("CorruptChunkError" in msg for kind, msg in got if kind == "ZarrckptError"), got
+
+
+def _adam_state() -> dict[str, Any]:
+    """A model and its Adam state after one step: 0-d ``step`` counters (constant arrays), plus an
+    all-zero tensor (constant too) and stored tensors."""
+    g = torch.Generator().manual_seed(11)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 8))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(4, 64, generator=g)).sum().backward()
+    opt.step()
+    model_sd, optim_sd = get_state_dict(model, opt)
+    return {"model": model_sd, "optim": optim_sd, "zeros": torch.zeros(32, 16), "step": 1}
+
+
+def _load_constants(rank: int, world: int, url: str, opts: dict[str, Any], out: str) -> None:
+    planned: list[FanOutPlan] = []
+    real_plan = fanout.plan
+
+    def spy(*args: Any, **kwargs: Any) -> FanOutPlan:  # the real planner, its plan kept for the test
+        result = real_plan(*args, **kwargs)
+        planned.append(result)
+        return result
+
+    fanout.plan = spy
+    want = _adam_state()
+    target = {
+        "model": {k: torch.full_like(v, 9) for k, v in want["model"].items()},
+        "optim": {
+            "state": {p: {k: torch.full_like(v, 9) for k, v in s.items()} for p, s in want["optim"]["state"].items()},
+            "param_groups": want["optim"]["param_groups"],
+        },
+        "zeros": torch.full((32, 16), 9.0),
+        "step": 0,
+    }
+    zarrckpt.load(target, url, storage_options=opts, fan_out=True)
+    for k, v in want["model"].items():
+        assert torch.equal(target["model"][k], v), k
+    for p, s in want["optim"]["state"].items():
+        for k, v in s.items():
+            got = target["optim"]["state"][p][k]
+            assert got.dtype == v.dtype and got.shape == v.shape and torch.equal(got, v), (p, k)
+    assert torch.equal(target["zeros"], torch.zeros(32, 16)) and target["step"] == 1
+    (plan,) = planned
+    exchanged: dict[int, int] = {}
+    for rnd in plan.rounds:
+        for msg in rnd.messages:
+            for i in msg.items:
+                exchanged[rnd.items[i].array] = exchanged.get(rnd.items[i].array, 0) + rnd.items[i].nbytes
+    Path(out, f"{rank}").write_text(json.dumps({"exchanged": exchanged, "solo": len(plan.solo[rank])}))
+
+
+def test_fan_out_fills_constant_arrays_locally_on_3_ranks(
+    s3_url: tuple[str, dict[str, Any]], s3_requests: RequestLog, tmp_path: Path
+) -> None:
+    url, opts = s3_url
+    zarrckpt.save(_adam_state(), url, storage_options=opts, chunk_bytes=8 * 1024)
+    ck = zarrckpt.open(url, storage_options=opts)
+    keys = ck.keys()  # the fan-out planner numbers the arrays in this order
+    constant = {n for n, k in enumerate(keys) if ck[k].meta.constant is not None}
+    steps = {n for n, k in enumerate(keys) if k.endswith(".step")}
+    assert steps and steps < constant and keys.index("zeros") in constant
+    assert len(constant) < len(keys)  # the weights and moments are stored
+    s3_requests.clear()
+    spawn(3, _load_constants, url, opts, str(tmp_path))
+    got = [json.loads(Path(tmp_path, str(r)).read_text()) for r in range(3)]
+    for view in got:
+        exchanged = {int(a): n for a, n in view["exchanged"].items()}
+        assert exchanged, "the stored replicas are fanned out"
+        assert not exchanged.keys() & constant, {keys[a]: n for a, n in exchanged.items() if a in constant}
+        assert view["solo"] >= len(constant)  # each rank's constants, filled locally
+    # no shard object of a constant array was asked for
+    assert not [
+        r for r in s3_requests.requests(url) if any(f"/{keys[a].replace('.', '/')}/c" in r.path for a in constant)
+    ]

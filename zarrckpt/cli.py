@@ -27,6 +27,7 @@ import zarrckpt
 from zarrckpt import commit as protocol
 from zarrckpt.cliargs import CliError, emit_json, parse_duration, parse_storage_options
 from zarrckpt.display import human, pretty
+from zarrckpt.format import ManifestHead
 from zarrckpt.keys import ROLES
 from zarrckpt.lifecycle import Entry, scan
 from zarrckpt.storage import Storage
@@ -75,8 +76,10 @@ def root_entries(url: str, opts: dict[str, Any] | None) -> list[Entry]:
     return scan(url, storage_options=opts)
 
 
-def root_row(entry: Entry, opts: dict[str, Any] | None) -> dict[str, Any]:
-    """One checkpoint under a root: its state, step, tensors and size (committed ones: one GET)."""
+def root_row(entry: Entry, opts: dict[str, Any] | None, sizes: bool = False) -> dict[str, Any]:
+    """One checkpoint under a root: its state, step, tensors and size, and time. A committed one costs
+    one ranged GET of its manifest's first bytes (:class:`~zarrckpt.format.ManifestHead`), which hold the step and
+    time; tensors and size only when they hold the whole manifest, or with ``sizes`` (one whole read)."""
     match = _STEP_NAME.fullmatch(entry.name)
     row: dict[str, Any] = {"name": entry.name, "url": entry.url, "state": entry.state}
     row |= {"step": int(match[1]) if match else None, "tensors": None, "bytes": None, "time": None}
@@ -85,16 +88,17 @@ def root_row(entry: Entry, opts: dict[str, Any] | None) -> dict[str, Any]:
             started = datetime.now(UTC) - timedelta(seconds=entry.age_seconds)
             row["time"] = started.isoformat(timespec="seconds")
         return row
+    storage = Storage(entry.url, opts)
     try:
-        manifest = protocol.read_manifest(Storage(entry.url, opts))
+        head = ManifestHead.of(protocol.read_manifest(storage)) if sizes else protocol.read_manifest_head(storage)
     except zarrckpt.ZarrckptError as e:  # deleted meanwhile, or invalid: list it, say why
         return row | {"error": str(e)}
     if row["step"] is None:  # else a metadata value named step (trainer.step), the shallowest
-        steps = [k for k, v in manifest.values.items() if k.split(".")[-1] == "step" and type(v) is int]
-        row["step"] = manifest.values[min(steps, key=lambda k: (k.count("."), k))] if steps else None
-    row["tensors"] = len(manifest.arrays)
-    row["bytes"] = sum(a.nbytes for a in manifest.arrays.values())
-    row["time"] = manifest.created or None
+        steps = [k for k, v in head.values.items() if k.split(".")[-1] == "step" and type(v) is int]
+        row["step"] = head.values[min(steps, key=lambda k: (k.count("."), k))] if steps else None
+    row["tensors"] = head.tensors
+    row["bytes"] = head.nbytes
+    row["time"] = head.created or None
     return row
 
 
@@ -102,7 +106,7 @@ def ls_root(args: argparse.Namespace, opts: dict[str, Any] | None, entries: list
     if args.pattern:
         entries = [e for e in entries if fnmatch.fnmatchcase(e.name, args.pattern)]
     with ThreadPoolExecutor(min(16, max(1, len(entries)))) as pool:  # one manifest GET each
-        rows = list(pool.map(lambda e: root_row(e, opts), entries))
+        rows = list(pool.map(lambda e: root_row(e, opts, args.sizes), entries))
     rows.sort(key=lambda r: (r["step"] is None, r["step"] or 0, r["name"]))
     if args.json:
         emit_json(rows)
@@ -125,6 +129,8 @@ def ls_root(args: argparse.Namespace, opts: dict[str, Any] | None, entries: list
     for r in rows:
         if "error" in r:
             print(f"  {r['name']}: {r['error']}")
+    if not args.sizes and any(r["state"] == "committed" and r["tensors"] is None and "error" not in r for r in rows):
+        print("(TENSORS and SIZE of large manifests: `--sizes`, which reads each manifest whole)")
     if states["incomplete"] or states["deleting"]:
         print(f"(incomplete or deleting: a save or deletion is running, or died; `zarrckpt gc {args.url}` cleans up)")
     return 0
@@ -283,6 +289,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ls", parents=[common], help="list a checkpoint's tensors, or the checkpoints under a root")
     p.add_argument("url", help="a checkpoint, or a root of checkpoints (e.g. a CheckpointManager's)")
     p.add_argument("pattern", nargs="?", help="fnmatch glob on keys (or names under a root), e.g. 'model.layers.*'")
+    p.add_argument(
+        "--sizes",
+        action="store_true",
+        help="under a root: tensors and size of every checkpoint, reading each manifest whole "
+        "(default: only of those whose manifest fits in the first 64 KiB read for step and time)",
+    )
     p.set_defaults(func=cmd_ls)
     p = sub.add_parser("info", parents=[common], help="summary, topology and plain values")
     p.add_argument("url")

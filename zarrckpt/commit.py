@@ -27,7 +27,8 @@ from .errors import (
     IncompleteCheckpointError,
     ZarrckptError,
 )
-from .format import DELETING, MANIFEST, PENDING, Manifest
+from .format import DELETING, HEAD_BYTES, MANIFEST, PENDING, Manifest, ManifestHead
+from .jsondoc import Unsettled
 from .storage import Storage
 
 COMMITTED, INCOMPLETE, DELETING_STATE = "committed", "incomplete", "deleting"
@@ -38,10 +39,25 @@ def read_manifest(storage: Storage) -> Manifest:
     return Manifest.loads(read_manifest_bytes(storage), storage.where(MANIFEST))
 
 
-def read_manifest_bytes(storage: Storage) -> bytes:
-    """The committed manifest's bytes (unparsed), or a clear error saying why there is none."""
+def read_manifest_head(storage: Storage) -> ManifestHead:
+    """The committed manifest's checkpoint-wide fields (:class:`ManifestHead`): one ranged read of
+    its first :data:`HEAD_BYTES`; the whole manifest only when they do not settle them. Errors as
+    :func:`read_manifest`'s."""
+    where = storage.where(MANIFEST)
+    raw = read_manifest_bytes(storage, HEAD_BYTES)
+    if len(raw) < HEAD_BYTES:  # the whole document
+        return ManifestHead.parse(raw, where, whole=True)
     try:
-        return storage.read(MANIFEST, 0)  # an open range: s3fs skips its HEAD for the size
+        return ManifestHead.parse(raw, where, whole=False)
+    except Unsettled:
+        return ManifestHead.parse(read_manifest_bytes(storage), where, whole=True)
+
+
+def read_manifest_bytes(storage: Storage, end: int | None = None) -> bytes:
+    """The committed manifest's bytes (unparsed; those before ``end`` when given), or a clear error
+    saying why there is none."""
+    try:
+        return storage.read(MANIFEST, 0, end)  # an open range: s3fs skips its HEAD for the size
     except FileNotFoundError:
         if storage.is_empty():
             raise CheckpointNotFoundError(f"no checkpoint at {storage.url!r}: nothing is stored there") from None

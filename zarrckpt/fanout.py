@@ -8,7 +8,9 @@ replicas larger than ``piece_bytes`` is cut into pieces along dimension 0, so th
 ranks read it: between shards, or at chunk rows inside shards too large to be read whole. One
 rank reading a whole group (one storage read call) fetches each saved chunk it touches once,
 partial overlaps included. Where shards are small enough to be read whole, groups touching a
-common shard join when one of them is replicated, so that object is read once too.
+common shard join when one of them is replicated, so that object is read once too. A constant
+array (``ArrayInfo.constant``: no shard objects, every element its fill value) is never
+exchanged: each rank fills its own requests of it locally, as in a plain load.
 
 The exchange runs in rounds that bound, per rank, the bytes read for others plus the bytes
 received (``round_bytes``); items smaller than ``pack_bytes`` travel packed, one message per
@@ -34,12 +36,14 @@ Slot = tuple[int, int]  # (rank, index of one of its requests)
 
 @dataclass(frozen=True)
 class ArrayInfo:
-    """What planning needs of a saved array: its shape, shard and inner chunk shapes, element size."""
+    """What planning needs of a saved array: its shape, shard and inner chunk shapes, element size,
+    and whether it is constant (filled locally by each rank, never exchanged)."""
 
     shape: Shape
     shard_shape: Shape
     chunk_shape: Shape
     itemsize: int
+    constant: bool = False
 
     def shard_nbytes(self, row: int) -> int:
         """The bytes of the smallest shard object holding row ``row`` of dimension 0 (shards are
@@ -135,18 +139,21 @@ def plan(
 
     Returns:
         The plan; without a region that two ranks need, it has no rounds and every request is solo.
+        Requests of constant arrays are always solo.
 
     Raises:
         ValueError: a request names an array not in ``arrays`` or a box of the wrong rank.
     """
     by_array: dict[int, dict[Box, list[Slot]]] = {}
+    solo: list[list[int]] = [[] for _ in wants]
     for rank, reqs in enumerate(wants):
         for i, (array, box) in enumerate(reqs):
             if not 0 <= array < len(arrays) or len(box.offsets) != len(arrays[array].shape):
                 raise ValueError(f"rank {rank} request {i}: {box} of array {array} does not fit the arrays given")
-            if box.volume:
+            if arrays[array].constant:  # filled locally: nothing to read, nothing to send
+                solo[rank].append(i)
+            elif box.volume:
                 by_array.setdefault(array, {}).setdefault(box, []).append((rank, i))
-    solo: list[list[int]] = [[] for _ in wants]
     load = [0] * len(wants)
     units: list[_Unit] = []
     for array in sorted(by_array):

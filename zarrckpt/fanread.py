@@ -58,7 +58,9 @@ def read_shared(
     infos = []
     for key in keys:
         meta = manifest.arrays[key]
-        infos.append(fanout.ArrayInfo(meta.shape, meta.shard_shape, meta.chunk_shape, meta.itemsize))
+        # a constant array is filled locally, unless a peer may have written chunks into it (any_layout)
+        constant = meta.constant is not None and not any_layout
+        infos.append(fanout.ArrayInfo(meta.shape, meta.shard_shape, meta.chunk_shape, meta.itemsize, constant))
     wants = [[(a, Box(tuple(o), tuple(s))) for a, o, s in view] for view in views]
     plan = fanout.plan(
         wants, infos, piece_bytes=fanout.PIECE_BYTES, round_bytes=fanout.ROUND_BYTES, pack_bytes=fanout.PACK_BYTES

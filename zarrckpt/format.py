@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from . import dtypes, fill, integrity
+from . import dtypes, fill, integrity, jsondoc
 from .errors import InvalidCheckpointError, InvalidKeyError
 from .jsondoc import Bad, check_extensions, finite_float, get_field, meaning, no_constant, shape_field, short
 from .keys import ROLES, key_to_path, validate_keys
@@ -25,6 +25,8 @@ DELETING = ".zarrckpt-deleting.json"  # a deletion is removing this checkpoint (
 ARRAY_KINDS: tuple[str, ...] = tuple(kind.value for kind in ArrayKind)  # an array's stored "kind"s
 BYTES_TYPE_NAMES = ("bytes", "bytearray", "BytesIO")
 MAX_ELEMENTS = 2**62
+HEAD_BYTES = 64 * 1024  # the prefix of a manifest read for its head (ManifestHead)
+_HEAD_FIELDS = ("format_version", "save_id", "world_size", "values")  # those a head needs; "created" optional
 
 
 @dataclass(frozen=True)
@@ -333,3 +335,63 @@ class Manifest:
             modified |= changed
         arrays_record = None if record is None else record.get("arrays")
         return cls(save_id, arrays, values, world, created, library, dcp, arrays_record, modified)
+
+
+@dataclass(frozen=True)
+class ManifestHead:
+    """A manifest's checkpoint-wide fields; ``tensors`` and ``nbytes`` only when the whole document was parsed.
+
+    zarrckpt writes those fields (``format_version``, ``save_id``, ``created``, ``world_size``,
+    ``values``) before the commit record and the consolidated metadata, which grow with the tensors
+    and the saving ranks (megabytes at a thousand ranks): :meth:`parse` reads them from a prefix.
+    """
+
+    save_id: str
+    world_size: int
+    values: dict[str, Any]
+    created: str = ""
+    tensors: int | None = None
+    nbytes: int | None = None
+
+    @classmethod
+    def of(cls, manifest: Manifest) -> ManifestHead:
+        """The head of a whole, parsed manifest (tensor count and bytes included)."""
+        m, nbytes = manifest, sum(a.nbytes for a in manifest.arrays.values())
+        return cls(m.save_id, m.world_size, m.values, m.created, len(m.arrays), nbytes)
+
+    @classmethod
+    def parse(cls, raw: bytes, where: str, *, whole: bool) -> ManifestHead:
+        """The head of the manifest whose first bytes are ``raw`` (all of it when ``whole``: then
+        parsed by :meth:`Manifest.loads`, every check included).
+
+        Raises:
+            InvalidCheckpointError: what the prefix holds is invalid, worded as :meth:`Manifest.loads`
+                words it; with ``whole``, anything :meth:`Manifest.loads` refuses.
+            Unsettled: not ``whole``, and the prefix does not settle it (the fields run past it, the
+                document is laid out otherwise, as after an edit by another tool, or is not JSON):
+                parse the whole manifest.
+        """
+        if whole:
+            return cls.of(Manifest.loads(raw, where))
+
+        def bad(why: str) -> InvalidCheckpointError:
+            return InvalidCheckpointError(f"checkpoint manifest {where} is invalid: {why}")
+
+        large = frozenset({"integrity", "consolidated_metadata"})  # the head ends before them
+        doc = jsondoc.leading_members(raw, ("attributes", "zarrckpt"), large)
+        # a field the walk did not reach may come after the large parts: only the whole manifest tells
+        if "zarr_format" not in doc or "node_type" not in doc:
+            raise jsondoc.Unsettled
+        if doc["zarr_format"] != 3 or doc["node_type"] != "group":
+            raise bad("not a Zarr v3 group")
+        fields = doc.get("attributes", {}).get("zarrckpt")  # a dict when present: the walk descends into it
+        if not isinstance(fields, dict) or any(f not in fields for f in _HEAD_FIELDS):
+            raise jsondoc.Unsettled
+        info = "attributes.zarrckpt."  # checked as Manifest.loads checks them
+        _check_version(doc, info + "format_version", bad)
+        save_id = get_field(doc, info + "save_id", str, bad)
+        world = get_field(doc, info + "world_size", int, bad)
+        if world < 1:
+            raise bad(f"field {info + 'world_size'!r} must be a positive integer, not {world}")
+        values = get_field(doc, info + "values", dict, bad)
+        return cls(save_id, world, values, get_field(doc, info + "created", str, bad, ""))

@@ -1,8 +1,10 @@
 """Reading untrusted JSON metadata documents: typed field access, bounded reprs in messages,
-Zarr v3's rule for unknown fields, and comparison of metadata by meaning (no I/O)."""
+Zarr v3's rule for unknown fields, comparison of metadata by meaning, and the leading members of
+a document from a prefix of it (no I/O)."""
 
 from __future__ import annotations
 
+import json
 import math
 import reprlib
 from collections.abc import Callable
@@ -112,3 +114,71 @@ def _fill_meaning(value: Any) -> Any:
     if isinstance(value, (bool, int, float)) and value == 0 and str(value) != "-0.0":
         return 0
     return value
+
+
+class Unsettled(Exception):
+    """A prefix of a document does not settle what was asked of it (cut short, laid out otherwise, or not JSON)."""
+
+
+def leading_members(raw: bytes, into: tuple[str, ...], stop: frozenset[str]) -> dict[str, Any]:
+    """The members of the JSON object whose first bytes are ``raw``, decoded one by one in document
+    order, descending into the member named ``into[0]`` (then ``into[1]`` inside it...), up to the
+    first member named in ``stop`` at any of those levels or the end of the object.
+
+    Raises Unsettled when the prefix ends before that point or is not JSON up to it.
+    """
+    for cut in range(4):  # less a UTF-8 sequence the prefix cut in two
+        try:
+            text = raw[: len(raw) - cut].decode()
+            break
+        except UnicodeDecodeError:
+            continue
+    else:
+        raise Unsettled
+    return _members(text, 0, into, stop)[0]
+
+
+_DECODER = json.JSONDecoder(parse_float=finite_float, parse_constant=no_constant)
+_SPACE = " \t\n\r"
+
+
+def _members(text: str, at: int, into: tuple[str, ...], stop: frozenset[str]) -> tuple[dict[str, Any], int, bool]:
+    """The object at ``at`` as :func:`leading_members` reads it; also where it stopped, and whether at a ``stop``."""
+    at = _skip(text, at)
+    if text[at : at + 1] != "{":
+        raise Unsettled
+    out: dict[str, Any] = {}
+    at = _skip(text, at + 1)
+    if text[at : at + 1] == "}":
+        return out, at + 1, False
+    while True:
+        try:
+            key, at = _DECODER.raw_decode(text, at)
+        except ValueError:
+            raise Unsettled from None
+        at = _skip(text, at)
+        if not isinstance(key, str) or text[at : at + 1] != ":":
+            raise Unsettled
+        if key in stop:
+            return out, at, True
+        if into and key == into[0]:
+            out[key], at, stopped = _members(text, at + 1, into[1:], stop)
+            if stopped:
+                return out, at, True
+        else:
+            try:
+                out[key], at = _DECODER.raw_decode(text, _skip(text, at + 1))
+            except (ValueError, RecursionError):  # cut by the prefix's end, or not JSON
+                raise Unsettled from None
+        at = _skip(text, at)
+        if text[at : at + 1] == "}":
+            return out, at + 1, False
+        if text[at : at + 1] != ",":
+            raise Unsettled
+        at = _skip(text, at + 1)
+
+
+def _skip(text: str, at: int) -> int:
+    while at < len(text) and text[at] in _SPACE:
+        at += 1
+    return at

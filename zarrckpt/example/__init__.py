@@ -10,4 +10,5 @@ data manifest) in every checkpoint.
 - ``python -m zarrckpt.example.train`` — the training job (single process or under torchrun).
 - ``zarrckpt.example.scenario`` — run A vs run B resumed under other topologies.
 - ``python -m zarrckpt.example.demo`` (or ``python -m zarrckpt.demo``) — the scenario on an embedded S3 server.
+- ``zarrckpt.example.launch`` — a process group of one, or N local gloo processes (not the test harness).
 """

@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 import zarrckpt
 
-from ..testing import spawn
 from .config import ExpertDP, ModelConfig, Topology, TrainConfig
+from .launch import spawn
 from .trainer import Trainer
 
 LOSS_TOLERANCE = 1e-5

@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 import zarrckpt
 
-from ..testing import free_port
 from .config import ExpertDP, ModelConfig, Topology, TrainConfig
+from .launch import init_alone
 from .trainer import Trainer
 
 
@@ -60,7 +60,7 @@ def _init(backend: str) -> None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend, init_method="env://", timeout=timedelta(minutes=10))
     else:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        init_alone(backend)
 
 
 def _latest(manager: zarrckpt.CheckpointManager) -> int | None:

@@ -8,7 +8,8 @@
 - :mod:`zarrckpt.testing.gcs`: gcp-storage-emulator (import it before anything imports gcsfs).
 - :mod:`zarrckpt.testing.rgw`: a throwaway Ceph RADOS Gateway, where Ceph is installed.
 
-The library proper never imports it (the example job uses :func:`spawn` and :func:`free_port`).
+The library proper and the example job never import it (the example has its own launcher,
+:mod:`zarrckpt.example.launch`; only the demo starts the S3 server from here).
 moto, the GCS emulator and Ceph are only needed by the helpers that start them
 (``pip install 'zarrckpt[test]'``).
 """
