@@ -25,13 +25,10 @@ _MOTO = (
 )
 _RGW = (
     "the gateway is not the limit (its daemons use well under one core during zarrckpt's operations, "
-    "column `server cores` below); the client is. Each of zarrckpt's ~340 requests costs Python CPU in "
-    "aiobotocore / botocore (building, signing and parsing the request) on 2 cores shared by 4 rank "
-    "processes, while DCP moves the same bytes in ~20 requests. With the same requests under the same "
-    "`Storage`, obstore's Rust client saved 1.48x and loaded 2.00x faster than s3fs on this gateway "
-    "(5 repetitions; 1.26-1.50x and 1.87-2.01x in shorter runs) "
-    "(`benchmarks/results/clients.md`). Fewer objects per save (issue 15, points 1 and 2: small tensors "
-    "coalesced, constant arrays as metadata only) cut the same cost at its source."
+    "column `server cores` below); the client is: each request costs client CPU on 2 cores shared by 4 "
+    "rank processes, while DCP moves the same bytes in ~30 requests. obstore (zarrckpt's S3 client "
+    "since issue 15, point 7) saved 1.72x and loaded 1.76x faster than s3fs on this gateway at the same "
+    "requests (`benchmarks/results/clients.md`)."
 )
 MISS_NOTES: dict[str, str] = {
     "S3 on moto: save, zarrckpt speed / DCP": _MOTO,
@@ -39,13 +36,17 @@ MISS_NOTES: dict[str, str] = {
     "S3 on RGW: save, zarrckpt speed / DCP": _RGW,
     "S3 on RGW: resharding load, zarrckpt speed / DCP": "same cause as the RGW save above.",
     "S3 on RGW: requests per save, zarrckpt / DCP": (
-        "zarrckpt writes one shard object per tensor per rank (54 tensors x 4 ranks), a `zarr.json` per "
-        "array and group, the markers and the manifest; DCP one file per rank plus its metadata. Issue 15's "
-        "points 1 and 2 (coalesced small tensors, constant arrays without objects) address it."
+        "with small shards joined and constant arrays stored as metadata only (issue 15, points 1 and 2), "
+        "zarrckpt still writes a `zarr.json` per array and per group (117 of its 242 PUTs here), which every "
+        "Zarr v3 reader without consolidated metadata (TensorStore, for one) needs, and one shard object "
+        "per rank's box of each tensor over `small_tensor_bytes`; DCP writes one file per rank plus its "
+        "metadata. Below ~3x would take a format without per-array documents."
     ),
     "lazy expert slice after open: GETs (moto)": (
-        "zarrckpt reads the shard index, then the chunk: 2 ranged GETs. Issue 15's point 3 (data offsets "
-        "from the manifest, no index GET) makes it 1."
+        "the expert is a fraction of an inner chunk, so zarrckpt reads part of that chunk: it cannot be "
+        "checked by the chunk's crc32c, and the shard index (1 GET) is what shows the bytes at the committed "
+        "offsets are the committed chunk's. Without it a peer's rewrite of the shard would go unnoticed "
+        "(tests/test_lazy_reads.py). An expert spanning whole inner chunks takes 1 GET."
     ),
     "lazy expert slice after open: GETs (RGW)": "same cause as on moto above.",
 }
@@ -133,8 +134,9 @@ def section_s3(runs: list[dict[str, Any]], info: dict[str, Any]) -> list[str]:
     if info.get("s3_note"):
         out += [f"**{info['s3_note']}**", ""]
     out += [
-        f"State: {nbytes:,} bytes ({nbytes / MIB:.0f} MiB); the same state, processes and clients (s3fs; "
-        "DCP through `FsspecWriter` / `FsspecReader`) on both servers, one after the other in each repetition. "
+        f"State: {nbytes:,} bytes ({nbytes / MIB:.0f} MiB); the same state, processes and clients "
+        "(zarrckpt: obstore, its default for s3://; DCP: s3fs, through `FsspecWriter` / `FsspecReader`) "
+        "on both servers, one after the other in each repetition. "
         "`speed / DCP` = DCP's median time / this library's; `requests`: answered by the server about the "
         "library's checkpoint (saves: PUT, POST, GET, HEAD, DELETE; loads: GET, HEAD; listings count as GET).",
         "",
