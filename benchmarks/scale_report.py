@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from zarrckpt.plan import DEFAULT_SMALL_TENSOR_BYTES
+
 GB = 1e9
 GiB = 2**30
 S3_MULTIPART_CHUNK = 50 * 2**20  # s3fs: one PUT below 2 x 50 MiB, else multipart of 50 MiB parts
@@ -232,8 +234,9 @@ def render(r: Results) -> str:
         "",
         "Shard objects by size: "
         + ", ".join(f"{label}: {n:,}" for label, n in c.objects_by_size.items())
-        + f". Shards under 1 MiB are joined (`small_tensor_bytes`): FSDP's `Shard(0)` of a {d.d_model:,}-element "
-        f"norm weight over {r.save.dp} ranks is one object, a router's 1-row shards become shards of 52 rows; "
+        + f". Shards under {_small_mib()} MiB are joined (`small_tensor_bytes`): FSDP's `Shard(0)` of a "
+        f"{d.d_model:,}-element norm weight over {r.save.dp} ranks is one object, a router's 1-row shards become "
+        f"shards of {-(-DEFAULT_SMALL_TENSOR_BYTES // (4 * d.d_model))} rows; "
         f"{c.small_arrays:,} arrays are under 64 KiB in all (the objects under 64 KiB are such arrays: per-rank "
         "RNG states).",
         "",
@@ -294,9 +297,9 @@ def render(r: Results) -> str:
         "typically faster. The all-gather itself (each rank receives the padded descriptions) is not timed.",
         "- The load-side timings cover planning only (manifest parse, `plan_fetches`); they do not include "
         "building the target state dict or the key comparison `zarrckpt.load` does.",
-        "- Object counts follow from the layout: one object per distinct rank box, except tensors under 1 MiB "
-        "(one object each). A small tensor is then read whole by every rank that needs part of it, which is "
-        "where bytes read exceed bytes needed.",
+        f"- Object counts follow from the layout: one object per distinct rank box, except boxes under "
+        f"{_small_mib()} MiB (joined: a tensor under it is one object). A joined shard is then read whole by "
+        "every rank that needs part of it when small, which is where bytes read exceed bytes needed.",
         "- The DCP column models its algorithm (whole saved chunks per overlapping read item, `.metadata` on "
         "every rank, one request in flight), not a run of DCP; its planning collectives are not included.",
         "- Predictions are first-order (bandwidth, latency, request rate); real object stores add throttling "
@@ -455,3 +458,7 @@ def _prediction_table(r: Results) -> list[str]:
         ],
         rows,
     )
+
+
+def _small_mib() -> str:
+    return f"{DEFAULT_SMALL_TENSOR_BYTES / 2**20:g}"

@@ -25,7 +25,8 @@ from zarrckpt.types import ArrayKind
 
 WORLD = 4
 SMALL = [(f"model.norm{i}.weight", (WORLD * 40,)) for i in range(6)]  # 160 fp32 = 640 bytes, 160 per rank
-BIG = ("model.proj.weight", (WORLD * 256, 1024))  # 1 MiB per rank: at the threshold, so not joined
+# DEFAULT_SMALL_TENSOR_BYTES per rank: at the threshold, so not joined
+BIG = ("model.proj.weight", (WORLD * DEFAULT_SMALL_TENSOR_BYTES // 4096, 1024))
 
 
 def _full(key: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -96,7 +97,7 @@ def test_small_tensors_are_one_object_each(
     for key, _ in SMALL:
         assert len(by_array[key.replace(".", "/")]) == 1, key  # was one per rank
     assert len(by_array["model/bf16"]) == 1 and "optim/step" not in by_array  # 0-d: a constant array, no object
-    assert len(by_array["model/proj/weight"]) == WORLD  # 1 MiB is not small: a shard per rank
+    assert len(by_array["model/proj/weight"]) == WORLD  # the threshold is not small: a shard per rank
     assert all(s >= 64 * 1024 for a, sizes in by_array.items() for s in sizes if a == "model/proj/weight")
     puts = [r for r in s3_requests.requests(url) if r.kind == "PUT" and re.search(r"/c(/|$)", r.path)]
     assert len(puts) == len(objects) == len(SMALL) + 1 + WORLD

@@ -21,7 +21,7 @@ from .rankdesc import RankDescription, TensorSpec
 from .types import ArrayKind, Role
 
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
-DEFAULT_SMALL_TENSOR_BYTES = 1024 * 1024  # shards smaller than this are joined (a smaller tensor: one shard)
+DEFAULT_SMALL_TENSOR_BYTES = 2 * 1024 * 1024  # shards smaller than this are joined (a smaller tensor: one shard)
 
 
 @dataclass(frozen=True)
