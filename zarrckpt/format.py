@@ -293,12 +293,7 @@ class Manifest:
             raise bad("it is a Zarr group but not a zarrckpt checkpoint (no 'zarrckpt' attribute)")
         info = "attributes.zarrckpt."
         check_extensions(doc, GROUP_FIELDS, bad)
-        _check_version(doc, info + "format_version", bad)
-        save_id = get_field(doc, info + "save_id", str, bad)
-        world = get_field(doc, info + "world_size", int, bad)
-        if world < 1:
-            raise bad(f"field {info + 'world_size'!r} must be a positive integer, not {world}")
-        values = get_field(doc, info + "values", dict, bad)
+        save_id, world, values = _checkpoint_fields(doc, bad)
         created, library = (
             get_field(doc, info + "created", str, bad, ""),
             get_field(doc, info + "library", str, bad, ""),
@@ -387,11 +382,16 @@ class ManifestHead:
         fields = doc.get("attributes", {}).get("zarrckpt")  # a dict when present: the walk descends into it
         if not isinstance(fields, dict) or any(f not in fields for f in _HEAD_FIELDS):
             raise jsondoc.Unsettled
-        info = "attributes.zarrckpt."  # checked as Manifest.loads checks them
-        _check_version(doc, info + "format_version", bad)
-        save_id = get_field(doc, info + "save_id", str, bad)
-        world = get_field(doc, info + "world_size", int, bad)
-        if world < 1:
-            raise bad(f"field {info + 'world_size'!r} must be a positive integer, not {world}")
-        values = get_field(doc, info + "values", dict, bad)
-        return cls(save_id, world, values, get_field(doc, info + "created", str, bad, ""))
+        save_id, world, values = _checkpoint_fields(doc, bad)  # checked as Manifest.loads checks them
+        return cls(save_id, world, values, get_field(doc, "attributes.zarrckpt.created", str, bad, ""))
+
+
+def _checkpoint_fields(doc: dict[str, Any], bad: Bad) -> tuple[str, int, dict[str, Any]]:
+    """A manifest's format version (checked), save id, world size and values."""
+    info = "attributes.zarrckpt."
+    _check_version(doc, info + "format_version", bad)
+    save_id = get_field(doc, info + "save_id", str, bad)
+    world = get_field(doc, info + "world_size", int, bad)
+    if world < 1:
+        raise bad(f"field {info + 'world_size'!r} must be a positive integer, not {world}")
+    return save_id, world, get_field(doc, info + "values", dict, bad)

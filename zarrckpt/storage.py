@@ -260,10 +260,10 @@ class Storage:
         """Read an object or the byte range ``[start, end)``; FileNotFoundError when absent."""
         return bytes(self._get(path, start, end))
 
-    def _get(self, path: str, start: int | None, end: int | None) -> Buffer:
+    def _get(self, path: str, start: int | None, end: int | None) -> Any:
+        """What the filesystem read: bytes, or a buffer of its own (obstore's ``Bytes``)."""
         full = self._abs(path)
-        got: Buffer = self._request("reading", path, lambda: self.fs.cat_file(full, start=start, end=end))
-        return got
+        return self._request("reading", path, lambda: self.fs.cat_file(full, start=start, end=end))
 
     def age(self, path: str) -> float | None:
         """Seconds since the object at ``path`` was last modified (None if absent or unknown)."""

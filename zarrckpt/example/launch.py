@@ -35,10 +35,11 @@ def spawn(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120
     """
     with tempfile.TemporaryDirectory(prefix="zarrckpt-example-") as tmp:
         init = f"file://{os.path.join(tmp, 'rendezvous')}"
-        mp_spawn(_entry, args=(world, init, timeout_s, fn, args), nprocs=world, join=True)
+        mp_spawn(run_rank, args=(world, init, timeout_s, fn, args), nprocs=world, join=True)
 
 
-def _entry(rank: int, world: int, init: str, timeout_s: float, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+def run_rank(rank: int, world: int, init: str, timeout_s: float, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    """One spawned rank: join the gloo group at ``init``, run ``fn(rank, world, *args)``, leave cleanly."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
