@@ -37,7 +37,7 @@ MISS_NOTES: dict[str, str] = {
     "S3 on RGW: resharding load, zarrckpt speed / DCP": "same cause as the RGW save above.",
     "S3 on RGW: requests per save, zarrckpt / DCP": (
         "with small shards joined and constant arrays stored as metadata only (issue 15, points 1 and 2), "
-        "zarrckpt still writes a `zarr.json` per array and per group (117 of its 242 PUTs here), which every "
+        "zarrckpt still writes a `zarr.json` per array and per group (117 of its 224 PUTs here), which every "
         "Zarr v3 reader without consolidated metadata (TensorStore, for one) needs, and one shard object "
         "per rank's box of each tensor over `small_tensor_bytes`; DCP writes one file per rank plus its "
         "metadata. Below ~3x would take a format without per-array documents."
