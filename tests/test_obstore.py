@@ -373,3 +373,44 @@ def test_payload_signing_on_the_wire(proxy, client):
     signing = {**opts, "config_kwargs": {"s3": {"payload_signing_enabled": True}}}
     Storage(unique_url("s3"), signing).write("a", [b"x"])
     assert proxy.signed == ["UNSIGNED-PAYLOAD", hashlib.sha256(b"x").hexdigest()]
+
+
+# -- fork(): obstore's runtime does not survive it ----------------------------------------------------
+def _in_forked_child(url: str, opts: dict[str, Any], inherited: Storage, out: Any) -> None:
+    try:
+        fresh = Storage(url, opts)
+        got: list[Any] = [fresh.client, fresh.read("a")]
+        try:
+            inherited.read("a")
+            got.append("read")
+        except ZarrckptError as e:
+            got.append(str(e))
+        out.put(got)
+    except BaseException as e:  # report, never hang the parent
+        out.put(repr(e))
+
+
+def test_a_forked_child_uses_s3fs_and_an_inherited_client_fails_clearly(s3_server, client):
+    """A child forked after obstore ran would hang in obstore (its tokio runtime's threads are gone):
+    a Storage opened in the child uses s3fs instead, and one inherited from the parent raises."""
+    import multiprocessing
+
+    client("auto")
+    opts = s3_storage_options(s3_server)
+    url = unique_url("s3")
+    parent = Storage(url, opts)
+    parent.write("a", [b"hello"])
+    assert parent.client == "obstore" and parent.read("a") == b"hello"
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_in_forked_child, args=(url, opts, parent, out))
+    child.start()
+    try:
+        got = out.get(timeout=60)
+    finally:
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+    assert got[:2] == ["s3fs", b"hello"], got
+    assert "obstore cannot run after fork()" in got[2] and "Open the checkpoint again" in got[2]
+    assert child.exitcode == 0 and parent.read("a") == b"hello"  # the parent's client still works

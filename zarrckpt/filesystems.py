@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import threading
 from typing import Any
 
@@ -19,6 +20,17 @@ _S3 = ("s3", "s3a")
 _cache: dict[tuple[int, str], Any] = {}  # (pid, options) -> ObstoreFS: its connection pools are reused
 _lock = threading.Lock()
 _told: set[str] = set()
+_forked = False  # this process was forked from one that had imported obstore
+
+
+def _after_fork_in_child() -> None:
+    """obstore's tokio runtime does not survive fork(): a child using it hangs (obstore#441). A child
+    of a process that had imported obstore therefore uses s3fs (fsspec resets its event loop)."""
+    global _forked
+    _forked = _forked or "obstore" in sys.modules
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def with_defaults(url: str, options: dict[str, Any] | None) -> dict[str, Any]:
@@ -52,6 +64,14 @@ def _obstore(url: str, options: dict[str, Any] | None) -> Any:
     """An ObstoreFS for ``url``, or None where s3fs is to serve it (chosen, or needed)."""
     wanted = s3config.choice(os.environ)
     if wanted == "s3fs":
+        return None
+    if _forked:
+        why = "this process was forked from one that had imported obstore, whose runtime does not survive fork()"
+        if wanted == "obstore":
+            raise ZarrckptError(f"cannot open {url!r} with obstore: {why}; start processes with 'spawn'")
+        if why not in _told:
+            _told.add(why)
+            log.warning("s3fs serves %s: %s (start processes with 'spawn' to keep obstore)", url, why)
         return None
     try:
         key = json.dumps(options or {}, sort_keys=True, default=repr)

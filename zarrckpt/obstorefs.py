@@ -11,6 +11,7 @@ zarrckpt retries each request itself, and counts it once per attempt.
 from __future__ import annotations
 
 import errno
+import os
 import re
 import threading
 from collections.abc import Callable, Iterator
@@ -119,6 +120,7 @@ class ObstoreFS:
         from obstore.store import S3Store
 
         self._settings = settings
+        self._pid = os.getpid()
         self._provider = _botocore_credentials(settings) if settings.credentials == "botocore" else None
         self._stores: dict[str, Any] = {}
         self._lock = threading.Lock()
@@ -129,6 +131,12 @@ class ObstoreFS:
         self._client = {"connect_timeout": "60s", "read_timeout": "60s", "timeout": "24h"} | settings.client_options
 
     def _store(self, path: str) -> tuple[Any, str]:
+        if os.getpid() != self._pid:  # a Storage inherited through fork(): obstore would hang here
+            raise ZarrckptError(
+                f"an S3 client made in process {self._pid} is used in process {os.getpid()}, forked from it: "
+                "obstore cannot run after fork(). Open the checkpoint again in this process (s3fs then "
+                "serves it), or start processes with 'spawn'"
+            )
         bucket, _, key = path.strip("/").partition("/")
         if not bucket:
             raise ZarrckptError(f"no bucket in S3 path {path!r}")
