@@ -199,6 +199,9 @@ def _storage_calls(url: str, opts: dict[str, Any]) -> list[tuple[str, Any]]:
     do("child's children", lambda: st.child("a").children())
     do("missing child's children", lambda: st.child("q").children())
     do("usage", st.usage)
+    do("an object's own path: is_empty", lambda: st.child("a/x").is_empty())
+    do("an object's own path: usage", lambda: st.child("a/x").usage())
+    do("an object's own path: children", lambda: st.child("a/x").children())
     do("is_empty", st.is_empty)
     do("delete", lambda: st.delete("a/y"))
     do("delete missing", lambda: st.delete("a/y"))
@@ -414,3 +417,16 @@ def test_a_forked_child_uses_s3fs_and_an_inherited_client_fails_clearly(s3_serve
     assert got[:2] == ["s3fs", b"hello"], got
     assert "obstore cannot run after fork()" in got[2] and "Open the checkpoint again" in got[2]
     assert child.exitcode == 0 and parent.read("a") == b"hello"  # the parent's client still works
+
+
+@pytest.mark.parametrize("name", CLIENTS)
+def test_a_chunk_a_peer_adds_to_a_0d_constant_is_reported(s3_server, client, name):
+    """A 0-d array's only chunk is the object ``<array>/c`` itself: a listing of that path must find it."""
+    client(name)
+    opts = s3_storage_options(s3_server)
+    url = unique_url("s3")
+    zarrckpt.save({"step": torch.tensor(3.0)}, url, storage_options=opts)
+    assert zarrckpt.open(url, storage_options=opts).verify().ok
+    Storage(url, opts).write("step/c", [b"\x00" * 8])  # another writer's chunk, after the commit
+    problems = zarrckpt.open(url, storage_options=opts).verify()["problems"]
+    assert len(problems) == 1 and "constant array" in problems[0] and "another writer" in problems[0]

@@ -242,3 +242,27 @@ def test_a_rewritten_layout_is_explained_by_the_index(
     target = _rows_target(100, 300)
     zarrckpt.load(target, url, storage_options=opts, allow_modified=True)
     assert torch.equal(target["w"].data, full[100:300])
+
+
+@pytest.mark.parametrize("client", ["obstore", "s3fs"])
+def test_is_empty_is_one_listing_however_many_objects(
+    s3_url: tuple[str, dict[str, Any]], s3_requests: RequestLog, monkeypatch: pytest.MonkeyPatch, client: str
+) -> None:
+    """Is anything stored under a prefix (a failed open tells "nothing there" from "never committed";
+    verify checks a constant array has no chunks): one LIST, not a listing of every object."""
+    from zarrckpt.storage import Storage
+
+    monkeypatch.setenv("ZARRCKPT_S3_CLIENT", client)
+    url, opts = s3_url
+    store = Storage(url, opts)
+    store.run_all(lambda i: store.write(f"a/c/{i}", [b"x"]), range(1001), writing=True)  # > 1 page of 1,000
+    s3_requests.clear()
+    assert not store.is_empty()
+    assert [r.kind for r in s3_requests.requests()] == ["LIST"]
+    s3_requests.clear()
+    assert store.child("a").child("nothing").is_empty()
+    # s3fs lists the parent too, to tell an empty directory from a missing one; obstore asks whether
+    # the path is itself an object (a 0-d array's chunk "c")
+    assert [r.kind for r in s3_requests.requests()] == (["LIST", "LIST"] if client == "s3fs" else ["LIST", "HEAD"])
+    with pytest.raises(zarrckpt.errors.IncompleteCheckpointError, match="never committed"):
+        zarrckpt.open(url, storage_options=opts)

@@ -249,13 +249,24 @@ class ObstoreFS:
     def _entries(self, path: str) -> list[dict[str, Any]]:
         return list(self._list(path))
 
+    def _itself(self, path: str) -> list[dict[str, Any]]:
+        """As s3fs, a listing of an object's own path holds that object (a 0-d array's chunk "c"):
+        object_store lists only what lies below it."""
+        if not path.strip("/").partition("/")[2]:
+            return []
+        try:
+            size = self._head(path)["size"]
+        except FileNotFoundError:
+            return []
+        return [{"name": path.strip("/"), "size": size, "type": "file"}]
+
     def find(
         self, path: str, maxdepth: int | None = None, withdirs: bool = False, detail: bool = False, **_: Any
     ) -> Any:
-        """Every object below ``path`` (names, or name -> info with ``detail``)."""
+        """Every object below ``path``, or ``path`` itself when it is one (names, or name -> info with ``detail``)."""
         if maxdepth is not None or withdirs:
             raise NotImplementedError("find: only the whole tree of objects")
-        entries = self._entries(path)
+        entries = self._entries(path) or self._itself(path)
         return {e["name"]: e for e in entries} if detail else [e["name"] for e in entries]
 
     def ls(self, path: str, detail: bool = False, **_: Any) -> list[Any]:
@@ -267,7 +278,7 @@ class ObstoreFS:
         found = _call(path, lambda: obstore.list_with_delimiter(store, key or None))
         dirs = [{"name": f"{bucket}/{p.rstrip('/')}", "size": 0, "type": "directory"} for p in found["common_prefixes"]]
         files = [{"name": f"{bucket}/{m['path']}", "size": m["size"], "type": "file"} for m in found["objects"]]
-        entries = dirs + files
+        entries = dirs + files or self._itself(path)
         if not entries:
             raise FileNotFoundError(errno.ENOENT, "nothing there", path)
         return entries if detail else [e["name"] for e in entries]

@@ -287,9 +287,12 @@ class Storage:
             self._request("deleting", path, lambda: self.fs.rm_file(full))
 
     def is_empty(self) -> bool:
-        """True when nothing is stored under the root."""
+        """True when nothing is stored under the root: the first entry found answers (object stores:
+        one listing of the root's direct entries, however many objects lie below them)."""
+        if self.local:  # the root may itself be a file (a 0-d array's chunk "c")
+            return not os.path.isfile(self.root) and not any(files for _, _, files in os.walk(self.root))
         try:
-            return not self._request("listing", "", lambda: self.fs.find(self.root, maxdepth=None, withdirs=False))
+            return not self._request("listing", "", lambda: self.fs.ls(self.root, detail=False, refresh=True))
         except FileNotFoundError:
             return True
 
