@@ -125,7 +125,7 @@ def test_every_storage_request_is_retried(tmp_path: Path) -> None:
         assert s.read("a/x") == b"hello world"
         with s.reading("a/x", 6, 11) as view:
             assert bytes(view) == b"world"
-        assert not s.is_empty() and s.children() == ["a"]
+        assert not s.is_empty() and s.children() == ["a"] and s.usage() == (1, 11)
         s.delete("a/x")
         s.delete("a/never-written")
         s.write("b/y", [b"1"])
