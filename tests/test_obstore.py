@@ -8,6 +8,7 @@ import hashlib
 import http.client
 import http.server
 import logging
+import re
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -271,6 +272,7 @@ class FaultProxy:
         self.faults: list[tuple[str, str, int]] = []
         self.answered: list[tuple[str, str, int]] = []
         self.signed: list[str] = []  # each PUT's x-amz-content-sha256
+        self.refuse_deletes = False  # bulk deletes (POST ?delete) answer 200, listing each key as refused
         target = urlsplit(upstream)
         proxy = self
 
@@ -287,6 +289,16 @@ class FaultProxy:
                 fault = next(
                     (f for f in proxy.faults if f[0] == self.command and self.path.split("?")[0].endswith(f[1])), None
                 )
+                if proxy.refuse_deletes and self.command == "POST":  # a bulk delete: 200, every key refused
+                    keys = re.findall(rb"<Key>(.*?)</Key>", body)
+                    error = b"<Error><Key>%s</Key><Code>AccessDenied</Code><Message>denied</Message></Error>"
+                    refused = b"".join(error % k for k in keys)
+                    payload = b"<DeleteResult>%s</DeleteResult>" % refused
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                    return
                 if fault is not None:
                     proxy.faults.remove(fault)
                     proxy.answered.append((self.command, self.path, fault[2]))
@@ -430,3 +442,24 @@ def test_a_chunk_a_peer_adds_to_a_0d_constant_is_reported(s3_server, client, nam
     Storage(url, opts).write("step/c", [b"\x00" * 8])  # another writer's chunk, after the commit
     problems = zarrckpt.open(url, storage_options=opts).verify()["problems"]
     assert len(problems) == 1 and "constant array" in problems[0] and "another writer" in problems[0]
+
+
+@pytest.mark.parametrize("name", CLIENTS)
+def test_a_delete_the_store_partly_refuses_is_an_error(proxy, client, name):
+    """A bulk delete can answer 200 and refuse keys inside (s3fs ignores those): zarrckpt.delete must
+    not say it deleted, and what is left says what it is."""
+    client(name)
+    opts = s3_storage_options(proxy.endpoint)
+    url = unique_url("s3")
+    zarrckpt.save({"w": torch.randn(8, 8), "b": torch.randn(3)}, url, storage_options=opts)
+    proxy.refuse_deletes = True
+    with pytest.raises(StorageError, match=r"did not delete|DeleteObjects request failed"):
+        zarrckpt.delete(url, storage_options=opts)
+    proxy.refuse_deletes = False
+    if name == "s3fs":  # the manifest went (one DELETE), the objects did not: the deleting marker says so
+        with pytest.raises(zarrckpt.errors.IncompleteCheckpointError, match="being deleted"):
+            zarrckpt.open(url, storage_options=opts)
+    else:  # obstore deletes even one object by bulk delete: refused at the manifest, nothing deleted
+        assert zarrckpt.open(url, storage_options=opts).verify().ok
+    zarrckpt.delete(url, storage_options=opts)  # allowed again: it finishes
+    assert Storage(url, opts).is_empty()

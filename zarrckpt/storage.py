@@ -314,13 +314,9 @@ class Storage:
         With ``keep``, the rest is listed and deleted in batches; the kept objects stay, so a
         marker written first can say what the prefix is until the very end.
         """
+        kept = {self._abs(k) for k in keep}
         if keep:
-            kept = {self._abs(k) for k in keep}
-            try:
-                found = self._request("listing", "", lambda: self.fs.find(self.root, withdirs=False))
-            except FileNotFoundError:
-                found = []
-            doomed = sorted(set(map(str, found)) - kept)
+            doomed = sorted(self._objects() - kept)
             if doomed:
                 with contextlib.suppress(FileNotFoundError):
                     self._request("deleting", "", lambda: self.fs.rm(doomed))
@@ -330,6 +326,20 @@ class Storage:
                 self._request("deleting", "", lambda: self.fs.rm(self.root, recursive=True))
         self.fs.invalidate_cache()
         self._made.clear()
+        # One listing more: a bulk delete can answer 200 and refuse some keys, which s3fs ignores.
+        left = sorted(self._objects() - kept) if keep else ([] if self.is_empty() else sorted(self._objects()))
+        if left:
+            raise StorageError(
+                f"deleting {self.where('')} left {len(left)} object(s) the store did not delete, e.g. "
+                f"{left[0]!r}: check the delete permission (s3:DeleteObject) and retry"
+            )
+
+    def _objects(self) -> set[str]:
+        """Every object under the root (full paths on the filesystem)."""
+        try:
+            return set(map(str, self._request("listing", "", lambda: self.fs.find(self.root, withdirs=False))))
+        except FileNotFoundError:
+            return set()
 
     def prune(self) -> None:
         """Local files: remove the directories left empty under the root, and the root if empty."""
