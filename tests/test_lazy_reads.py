@@ -9,6 +9,7 @@ saves the index GET. A check that fails fetches the index to tell a peer's rewri
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import fsspec
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 import zarrckpt
+import zarrckpt.storage as storage_module
 from zarrckpt.errors import CorruptChunkError, ModifiedCheckpointError
 from zarrckpt.fetch import Request, plan_fetches
 from zarrckpt.format import ArrayMeta
@@ -177,15 +179,35 @@ def _load_columns(url: str, opts: dict[str, Any], rows: int, cols: int) -> torch
     return target["w"].data
 
 
-def test_a_load_gets_one_request_per_run(s3_url: tuple[str, dict[str, Any]], s3_requests: RequestLog) -> None:
-    """Rows longer than an inner chunk: the left half of every row is a run of 2 chunks, 16 runs in
-    the one shard: 16 ranged GETs, no index GET, exactly the needed chunks' bytes."""
-    url, opts = s3_url
-    rows, cols = 16, 65536
+def _save_rows(url: str, opts: dict[str, Any], rows: int, cols: int) -> torch.Tensor:
     full = torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols)
     zarrckpt.save({"w": full}, url, storage_options=opts, chunk_bytes=64 * 1024)
-    meta = zarrckpt.open(url, storage_options=opts)["w"].meta
-    assert meta.chunk_shape == (1, 16384)  # 4 inner chunks per row
+    assert zarrckpt.open(url, storage_options=opts)["w"].meta.chunk_shape == (1, 16384)  # 4 inner chunks per row
+    return full
+
+
+def test_a_load_reads_through_small_gaps(s3_url: tuple[str, dict[str, Any]], s3_requests: RequestLog) -> None:
+    """Rows longer than an inner chunk: the left half of every row is a run of 2 chunks, 16 runs in
+    the one shard, 2 chunks (256 KiB) apart: far less than a request is worth
+    (READ_THROUGH_BYTES), so one ranged GET from the first needed chunk to the last, no index GET."""
+    url, opts = s3_url
+    rows, cols = 16, 65536
+    full = _save_rows(url, opts, rows, cols)
+    s3_requests.clear()
+    assert torch.equal(_load_columns(url, opts, rows, cols), full[:, : cols // 2])
+    chunk, head = 16384 * 4 + 4, 16 * 64 + 4
+    assert _shard_gets(s3_requests, url) == [("GET", f"bytes={head}-{head + (4 * (rows - 1) + 2) * chunk - 1}")]
+
+
+def test_a_load_gets_one_request_per_run_past_the_gap(
+    s3_url: tuple[str, dict[str, Any]], s3_requests: RequestLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With gaps wider than READ_THROUGH_BYTES (made small here), each run is a ranged GET of its own:
+    16 GETs, no index GET, exactly the needed chunks' bytes."""
+    monkeypatch.setattr(storage_module, "OBJECT_STORE", replace(OBJECT_STORE, read_through_bytes=64 * 1024))
+    url, opts = s3_url
+    rows, cols = 16, 65536
+    full = _save_rows(url, opts, rows, cols)
     s3_requests.clear()
     assert torch.equal(_load_columns(url, opts, rows, cols), full[:, : cols // 2])
     gets = _shard_gets(s3_requests, url)
@@ -194,3 +216,47 @@ def test_a_load_gets_one_request_per_run(s3_url: tuple[str, dict[str, Any]], s3_
         ("GET", f"bytes={head + 4 * r * chunk}-{head + (4 * r + 2) * chunk - 1}") for r in range(rows)
     )
     assert sum(r.bytes_sent for r in s3_requests.requests(url) if r.path.endswith("/w/c/0/0")) == rows * 2 * chunk
+
+
+# --- whole loads on object stores: request size and read-through gaps (pure) ---
+
+
+def _expert_meta() -> ArrayMeta:
+    """The scale model's expert shard: 2 experts x [2560, 1280] float32 (26.2 MB), 4 MiB inner chunks."""
+    shape = (2, 2560, 1280)
+    chunk = (1, 640, 1280)  # 3.3 MB: 8 chunks
+    return ArrayMeta("e", shape, "float32", shape, chunk, committed_crc32c=b"\0" * 4 * 8)
+
+
+def _load_plan(meta: ArrayMeta, box: Box, caps: Any = OBJECT_STORE) -> list[tuple[int, int | None, tuple[int, ...]]]:
+    (read,) = plan_fetches([Request(meta, box, np.empty(box.sizes, np.float32))], caps)
+    return [(f.start, f.end, f.chunks) for f in read.fetches]
+
+
+def test_a_whole_object_over_8_mib_is_one_get() -> None:
+    meta = _expert_meta()
+    assert _load_plan(meta, Box.full(meta.shape)) == [(0, None, tuple(range(8)))]
+
+
+def test_two_runs_a_quarter_apart_are_one_get_through_the_gap() -> None:
+    """A shrink from EP-DP 2 to 4: half of each expert's rows, two runs 6.5 MB apart -> one GET of 19.7 MB."""
+    meta = _expert_meta()
+    layout_head, chunk = 8 * 16 + 4, 640 * 1280 * 4 + 4
+    plan = _load_plan(meta, Box((0, 0, 0), (2, 1280, 1280)))
+    assert plan == [(layout_head, layout_head + 6 * chunk, (0, 1, 4, 5))]
+    # past the gap worth a request, or past the request size: two GETs, the bytes needed only
+    for caps in (
+        replace(OBJECT_STORE, read_through_bytes=2 * chunk - 1),
+        replace(OBJECT_STORE, max_request_bytes=4 * chunk),
+    ):
+        assert _load_plan(meta, Box((0, 0, 0), (2, 1280, 1280)), caps) == [
+            (layout_head, layout_head + 2 * chunk, (0, 1)),
+            (layout_head + 4 * chunk, layout_head + 6 * chunk, (4, 5)),
+        ]
+
+
+def test_local_files_never_read_through_a_gap() -> None:
+    meta = _expert_meta()
+    head, chunk = 8 * 16 + 4, 640 * 1280 * 4 + 4
+    plan = _load_plan(meta, Box((0, 0, 0), (2, 1280, 1280)), LOCAL_FILES)
+    assert [(s, e) for s, e, _ in plan] == [(0, head), (head, head + 2 * chunk), (head + 4 * chunk, head + 6 * chunk)]

@@ -181,37 +181,40 @@ def plan_shard(task: ShardTask, caps: ReadCaps, partial: bool = False) -> ShardR
             ranged = bare if len(bare) < len(ranged) else ranged
         return ShardRead(task, layout, ranged)
     needed = sorted(task.needs)
-    if caps.per_request_cost and reads_whole(layout, needed):
+    if caps.per_request_cost and reads_whole(layout, needed, caps):
         return ShardRead(task, layout, (Fetch(0, None, index=True, chunks=tuple(needed)),))
     fetches = [] if skip_index else [Fetch(0, layout.index_nbytes, index=True)]
-    for run in _runs(needed, layout):
+    for run in _runs(needed, layout, caps):
         start = _offset(layout, run[0])
+        end = _offset(layout, run[-1]) + layout.chunk_nbytes
         direct = caps.vectored and all(task.direct_view(k) is not None for k in run)
-        fetches.append(Fetch(start, start + layout.chunk_nbytes * len(run), chunks=tuple(run), direct=direct))
+        fetches.append(Fetch(start, end, chunks=tuple(run), direct=direct))
     return ShardRead(task, layout, tuple(fetches))
 
 
-def reads_whole(layout: ShardLayout, needed: list[int]) -> bool:
+def reads_whole(layout: ShardLayout, needed: list[int], caps: ReadCaps) -> bool:
     """Object stores: whether a shard is fetched whole in one GET rather than index + ranged GETs.
 
     When every stored chunk is needed, or the object is small (one request costs more than the
     extra bytes), and it fits one request.
     """
     whole = layout.nbytes
-    return whole <= MAX_REQUEST_BYTES and (tuple(needed) == layout.stored or whole <= SMALL_OBJECT_BYTES)
+    return whole <= caps.max_request_bytes and (tuple(needed) == layout.stored or whole <= SMALL_OBJECT_BYTES)
 
 
-def _runs(needed: list[int], layout: ShardLayout) -> list[list[int]]:
-    """Split needed chunk numbers into runs stored back to back, each one read of bounded size."""
+def _runs(needed: list[int], layout: ShardLayout, caps: ReadCaps) -> list[list[int]]:
+    """Split needed chunk numbers (in storage order) into reads of at most ``caps.max_request_bytes``:
+    chunks stored back to back, or at most ``caps.read_through_bytes`` apart (the gap is read and dropped)."""
     runs: list[list[int]] = []
     size = layout.chunk_nbytes
     for k in needed:
-        last = runs[-1][-1] if runs else None
-        at, prev = layout.offset(k), None if last is None else layout.offset(last)
-        if prev is not None and at == prev + size and (len(runs[-1]) + 1) * size <= MAX_REQUEST_BYTES:
-            runs[-1].append(k)
-        else:
-            runs.append([k])
+        at = _offset(layout, k)
+        if runs:
+            start, end = _offset(layout, runs[-1][0]), _offset(layout, runs[-1][-1]) + size
+            if end <= at <= end + caps.read_through_bytes and at + size - start <= caps.max_request_bytes:
+                runs[-1].append(k)
+                continue
+        runs.append([k])
     return runs
 
 

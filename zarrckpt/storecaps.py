@@ -24,13 +24,30 @@ def default_concurrency(local: bool, writing: bool) -> int:
     return LOCAL_WRITE_CONCURRENCY if writing else min(LOCAL_READ_CONCURRENCY, os.cpu_count() or 1)
 
 
+MiB = 1024 * 1024
+# object stores: one GET moves at most this much (a rank holds at most concurrency x this in read
+# buffers: 512 MiB at 16 in flight), so that the largest shard objects (26 MB at 1,000 ranks in the
+# scale model) are one request each
+OBJECT_REQUEST_BYTES = 32 * MiB
+# object stores: a gap this small between needed chunks of one object is read through rather than
+# paid for with another request (AWS sizes ranged GETs at 8-16 MB for a request's cost to amortize)
+READ_THROUGH_BYTES = 8 * MiB
+LOCAL_REQUEST_BYTES = 8 * MiB  # local files: one read moves at most this much (bounds read buffers)
+
+
 @dataclass(frozen=True)
 class ReadCaps:
     """What a storage does well, which decides how reads are planned (:mod:`zarrckpt.fetch`)."""
 
     per_request_cost: bool  # a request costs more than moving a MiB (object stores): fetch small objects whole
     vectored: bool  # reads straight into the caller's buffers, several in one call (local files, preadv)
+    max_request_bytes: int  # one read moves at most this much
+    read_through_bytes: int  # a gap this small between needed byte ranges of one object is read, not skipped
 
 
-OBJECT_STORE = ReadCaps(per_request_cost=True, vectored=False)
-LOCAL_FILES = ReadCaps(per_request_cost=False, vectored=True)
+OBJECT_STORE = ReadCaps(
+    per_request_cost=True, vectored=False, max_request_bytes=OBJECT_REQUEST_BYTES, read_through_bytes=READ_THROUGH_BYTES
+)
+LOCAL_FILES = ReadCaps(
+    per_request_cost=False, vectored=True, max_request_bytes=LOCAL_REQUEST_BYTES, read_through_bytes=0
+)
