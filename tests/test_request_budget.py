@@ -21,7 +21,8 @@ from zarrckpt.testing import RequestLog, S3Request, s3_storage_options, spawn, u
 EXPERTS, ROWS, COLS = 64, 256, 256
 WORLD = 8
 PER_RANK = EXPERTS // WORLD
-INDEX_BYTES = 16 * 1 + 4  # one inner chunk per shard: one index entry + the index crc32c
+INDEX_BYTES = 16 * PER_RANK + 4  # one inner chunk per expert (256 KiB): 8 index entries + the index crc32c
+CHUNK_BYTES = ROWS * COLS * 4 + 4  # one stored inner chunk: an expert's elements and their crc32c
 
 
 def _expert_block(lo: int, hi: int) -> torch.Tensor:
@@ -60,47 +61,57 @@ def test_open_1000_tensors_is_one_get(s3_url: tuple[str, dict[str, Any]], s3_req
     assert [(r.kind, r.path, r.status) for r in got] == [("GET", f"/{url[5:]}/zarr.json", 206)]
 
 
-@pytest.mark.parametrize(
-    ("index", "start"),
-    [
-        ((5,), 5 * ROWS * COLS),  # one whole expert: 256 KiB
-        ((5, 17), (5 * ROWS + 17) * COLS),  # one row of it: 1 KiB
-    ],
-    ids=["expert", "row"],
-)
-def test_lazy_view_reads_only_what_it_needs(
-    experts_url: tuple[str, dict[str, Any]], s3_requests: RequestLog, index: tuple[int, ...], start: int
+def test_a_lazy_expert_is_one_get_of_its_own_chunk(
+    experts_url: tuple[str, dict[str, Any]], s3_requests: RequestLog
 ) -> None:
+    """Each expert of the [8, 256, 256] shards is an inner chunk of its own (a stack's slices of at
+    least 64 KiB are): reading one after open is one ranged GET of that chunk, checked whole by its
+    crc32c against the commit record; no index GET."""
     url, opts = experts_url
     ckpt = zarrckpt.open(url, storage_options=opts)
     meta = ckpt["model.experts.w1"].meta
-    assert (meta.shard_shape, meta.chunk_shape) == ((PER_RANK, ROWS, COLS),) * 2  # one 2 MiB chunk per rank
+    assert (meta.shard_shape, meta.chunk_shape) == ((PER_RANK, ROWS, COLS), (1, ROWS, COLS))
     s3_requests.clear()
-    got = ckpt["model.experts.w1"][index]
-    want = _expert_block(5, 6)[0][index[1:]]
-    assert torch.equal(got, want)
-    requested = got.numel() * 4
-    log = s3_requests.requests()
+    got = ckpt["model.experts.w1"][5]
+    assert torch.equal(got, _expert_block(5, 6)[0])
+    first = INDEX_BYTES + 5 * CHUNK_BYTES  # expert 5 is chunk 5 of shard 0
     shard = f"/{url[5:]}/model/experts/w1/c/0/0/0"
-    first = INDEX_BYTES + start * 4  # the data follows the index
+    log = s3_requests.requests()
     assert [(r.kind, r.path, r.range, r.status) for r in log] == [
-        ("GET", shard, f"bytes=0-{INDEX_BYTES - 1}", 206),
-        ("GET", shard, f"bytes={first}-{first + requested - 1}", 206),
+        ("GET", shard, f"bytes={first}-{first + CHUNK_BYTES - 1}", 206)
     ]
-    transferred = sum(r.bytes_sent for r in log)
-    assert transferred == requested + INDEX_BYTES <= 1.25 * requested + INDEX_BYTES
-    assert len(log) <= 4
+    assert sum(r.bytes_sent for r in log) == got.numel() * 4 + 4 <= 1.25 * got.numel() * 4
+
+
+def test_a_lazy_row_is_one_get_with_its_chunks_crc32c(
+    experts_url: tuple[str, dict[str, Any]], s3_requests: RequestLog
+) -> None:
+    """One 1 KiB row of expert 5: a piece of its chunk, which the chunk's crc32c cannot check; the
+    stored crc32c (238 KiB after the row, less than a request is worth) comes in the same GET and
+    is compared with the commit record, so no index GET."""
+    url, opts = experts_url
+    view = zarrckpt.open(url, storage_options=opts)["model.experts.w1"]
+    s3_requests.clear()
+    assert torch.equal(view[5, 17], _expert_block(5, 6)[0, 17])
+    first = INDEX_BYTES + 5 * CHUNK_BYTES + 17 * COLS * 4
+    end = INDEX_BYTES + 6 * CHUNK_BYTES
+    assert [(r.kind, r.range, r.bytes_sent) for r in s3_requests.requests()] == [
+        ("GET", f"bytes={first}-{end - 1}", end - first)
+    ]
 
 
 def test_verified_reads_fetch_whole_chunks(experts_url: tuple[str, dict[str, Any]], s3_requests: RequestLog) -> None:
-    """partial_reads=False: whole inner chunks, each checked against its crc32c (one GET per shard here)."""
+    """partial_reads=False: whole inner chunks, each checked against its crc32c: the row's chunk
+    (expert 5), one ranged GET, no index GET (the commit record gives the offsets)."""
     url, opts = experts_url
     ckpt = zarrckpt.open(url, storage_options=opts, partial_reads=False)
     s3_requests.clear()
     assert torch.equal(ckpt["model.experts.w1"][5, 17], _expert_block(5, 6)[0, 17])
     log = s3_requests.requests()
-    whole = INDEX_BYTES + PER_RANK * ROWS * COLS * 4 + 4
-    assert [(r.kind, r.range, r.bytes_sent) for r in log] == [("GET", "bytes=0-", whole)]
+    first = INDEX_BYTES + 5 * CHUNK_BYTES
+    assert [(r.kind, r.range, r.bytes_sent) for r in log] == [
+        ("GET", f"bytes={first}-{first + CHUNK_BYTES - 1}", CHUNK_BYTES)
+    ]
 
 
 def test_verify_reads_each_shard_once(experts_url: tuple[str, dict[str, Any]], s3_requests: RequestLog) -> None:
@@ -110,7 +121,7 @@ def test_verify_reads_each_shard_once(experts_url: tuple[str, dict[str, Any]], s
     ckpt = zarrckpt.open(url, storage_options=opts)
     s3_requests.clear()
     summary = ckpt.verify()
-    whole = INDEX_BYTES + PER_RANK * ROWS * COLS * 4 + 4
+    whole = INDEX_BYTES + PER_RANK * CHUNK_BYTES
     requests = s3_requests.requests()
     docs = [r for r in requests if r.path.endswith("/zarr.json")]
     assert [(r.kind, r.path, r.range) for r in docs] == [("GET", f"/{url[5:]}/model/experts/w1/zarr.json", "bytes=0-")]
@@ -120,28 +131,23 @@ def test_verify_reads_each_shard_once(experts_url: tuple[str, dict[str, Any]], s
 
 
 def test_strided_views(experts_url: tuple[str, dict[str, Any]], s3_requests: RequestLog) -> None:
-    """Rows 1 KiB long, 256 KiB apart: coalesced into one range, with the index when it is close,
-    else with the chunk's stored crc32c (checked against the commit record) when that is close;
-    a view needing most of a chunk reads it whole and verifies it."""
+    """Rows 1 KiB long, 256 KiB apart (one per expert, each expert its own chunk): coalesced into one
+    range, with the index when it is close, else with the chunks' stored crc32c (checked against the
+    commit record) when they are close."""
     url, opts = experts_url
     view = zarrckpt.open(url, storage_options=opts)["model.experts.w1"]
     row = COLS * 4
     s3_requests.clear()
     assert torch.equal(view[6:8, 17], _expert_block(6, 8)[:, 17])  # experts 6 and 7 of shard 0
-    # 238 KiB from the last row to the chunk's crc32c: read through, no index GET
-    lo, hi = INDEX_BYTES + (6 * ROWS + 17) * row, INDEX_BYTES + PER_RANK * ROWS * row + 4
+    # 238 KiB from each row to its chunk's crc32c: read through, no index GET
+    lo, hi = INDEX_BYTES + 6 * CHUNK_BYTES + 17 * row, INDEX_BYTES + PER_RANK * CHUNK_BYTES
     assert [(r.range, r.bytes_sent) for r in s3_requests.requests()] == [
         (f"bytes={lo}-{hi - 1}", hi - lo),  # 495 KiB for 2 KiB: fewer requests beat fewer bytes here
     ]
     s3_requests.clear()
     assert torch.equal(view[:2, 17], _expert_block(0, 2)[:, 17])  # experts 0 and 1: 255 KiB apart, one GET
-    end = INDEX_BYTES + (ROWS + 18) * row
+    end = INDEX_BYTES + CHUNK_BYTES + 18 * row  # the index 17 KiB before the first row: read with it
     assert [(r.range, r.bytes_sent) for r in s3_requests.requests()] == [(f"bytes=0-{end - 1}", end)]
-    s3_requests.clear()
-    assert torch.equal(view[:, 17], _expert_block(0, EXPERTS)[:, 17])  # ranges would span 7/8 of each chunk
-    whole = INDEX_BYTES + PER_RANK * ROWS * row + 4
-    got = sorted((r.path.rsplit("/", 3)[-3], r.range, r.bytes_sent) for r in s3_requests.requests())
-    assert got == [(str(rank), "bytes=0-", whole) for rank in range(WORLD)]
 
 
 def test_request_log_counts_requests_and_bytes(s3_url: tuple[str, dict[str, Any]], s3_requests: RequestLog) -> None:
@@ -187,13 +193,46 @@ def _load_experts(rank: int, world: int, url: str, opts: dict[str, Any]) -> None
 def test_a_load_reads_the_manifest_once_per_job(
     experts_url: tuple[str, dict[str, Any]], s3_requests: RequestLog
 ) -> None:
-    """4 ranks load: rank 0 reads the manifest and hands its bytes to the others (one GET, not 4),
-    and makes the end-of-load check (one more), whatever the world size."""
+    """4 ranks load: rank 0 reads the manifest and hands its bytes to the others: one GET, not 4,
+    whatever the world size. No end-of-load re-read: every chunk used was compared with the commit
+    record, so no save replacing the checkpoint meanwhile can have mixed into what was loaded."""
     url, opts = experts_url
     s3_requests.clear()
     spawn(4, _load_experts, url, opts)
     manifest = [r for r in s3_requests.requests() if r.path == f"/{url[5:]}/zarr.json"]
+    assert [(r.kind, r.range) for r in manifest] == [("GET", "bytes=0-")]
+
+
+def test_allow_modified_rereads_the_manifest_at_the_end(
+    experts_url: tuple[str, dict[str, Any]], s3_requests: RequestLog
+) -> None:
+    """Reading shards as they are now (no comparison with the commit record), the load checks at the
+    end that the manifest is still the one it began with: a second GET."""
+    url, opts = experts_url
+    target = {"model": {"experts": {"w1": torch.zeros(EXPERTS, ROWS, COLS)}}}
+    s3_requests.clear()
+    zarrckpt.load(target, url, storage_options=opts, allow_modified=True)
+    assert torch.equal(target["model"]["experts"]["w1"], _expert_block(0, EXPERTS))
+    manifest = [r for r in s3_requests.requests() if r.path == f"/{url[5:]}/zarr.json"]
     assert [(r.kind, r.range) for r in manifest] == [("GET", "bytes=0-"), ("GET", "bytes=0-")]
+
+
+def test_a_save_replacing_the_checkpoint_mid_load_is_refused(s3_server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the manifest is read and before any chunk is: the chunks read now are the new save's,
+    which fail the comparison with the commit record; the load says the checkpoint was replaced."""
+    url, opts = unique_url("s3"), s3_storage_options(s3_server)
+    zarrckpt.save({"model": {"experts": {"w1": _expert_block(0, EXPERTS)}}}, url, storage_options=opts)
+    plan_targets = zarrckpt.api._plan_targets
+
+    def replaced_first(*args: Any, **kwargs: Any) -> Any:
+        new = {"model": {"experts": {"w1": _expert_block(0, EXPERTS) + 1}}}
+        zarrckpt.save(new, url, storage_options=opts, overwrite=True)
+        return plan_targets(*args, **kwargs)
+
+    monkeypatch.setattr(zarrckpt.api, "_plan_targets", replaced_first)
+    target = {"model": {"experts": {"w1": torch.zeros(EXPERTS, ROWS, COLS)}}}
+    with pytest.raises(zarrckpt.IncompleteCheckpointError, match="overwritten or deleted while it was being read"):
+        zarrckpt.load(target, url, storage_options=opts)
 
 
 def _rows_target(lo: int, hi: int) -> dict[str, Any]:

@@ -175,6 +175,17 @@ def check_chunk(meta: ArrayMeta, index: Shape, k: int, stored: bytes | bytearray
         )
 
 
+def reads_are_checked(arrays: Sequence[ArrayMeta], any_layout: bool) -> bool:
+    """Whether every chunk a read of ``arrays`` uses is compared with the commit record.
+
+    Then a read that returns holds the committed values of the manifest it began with, even when
+    a save replaced the checkpoint meanwhile (a replaced chunk fails the comparison, unless its
+    bytes are the committed ones), so re-reading the manifest at the end adds nothing. Not so with
+    ``any_layout`` (``allow_modified``) or for a checkpoint committed without the record.
+    """
+    return not any_layout and all(m.constant is not None or m.committed_crc32c for m in arrays)
+
+
 def refuse_modified(modified: Mapping[str, str], keys: Sequence[str] | None, url: str) -> None:
     """Raise ModifiedCheckpointError for what changed since commit among ``keys`` (all when None);
     the key ``""`` (the attributes, values with them) always counts."""

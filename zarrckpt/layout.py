@@ -145,6 +145,9 @@ def shard_shape_for(shape: Shape, boxes: Sequence[Box]) -> Shape:
     return tuple(cell)
 
 
+STACKED_SLICE_BYTES = 64 * 1024  # a stacked (>= 3-d) array's slices this large are chunks of their own
+
+
 def inner_chunk_shape(shard: Shape, itemsize: int, target_bytes: int) -> Shape:
     """Split ``shard`` into inner chunks of about ``target_bytes``.
 
@@ -152,8 +155,14 @@ def inner_chunk_shape(shard: Shape, itemsize: int, target_bytes: int) -> Shape:
     chunk extent divides the shard extent, as Zarr's sharding codec requires. When a dimension
     has no divisor near the wanted extent (a large prime, say), it is kept whole and the next
     dimension is split instead; a 1-D shard of prime length stays one chunk.
+
+    A shard of 3 or more dimensions is a stack (experts, layers, heads): each slice along the
+    first dimension of at least STACKED_SLICE_BYTES is a chunk of its own (or several), so that
+    reading one expert reads whole chunks, each checked by its crc32c, in one request.
     """
     chunk = list(shard)
+    if len(chunk) >= 3 and math.prod(chunk[1:]) * itemsize >= STACKED_SLICE_BYTES:
+        chunk[0] = 1
     for d in range(len(chunk)):
         nbytes = math.prod(chunk) * itemsize
         if nbytes <= target_bytes:
