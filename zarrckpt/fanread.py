@@ -47,8 +47,11 @@ def read_shared(
             ``CorruptChunkError`` or ``StorageError``), or a transfer between ranks failed.
     """
 
-    def read(reqs: Sequence[Request]) -> int:
-        return group.run_together(lambda: read_regions(storage, reqs, any_layout=any_layout), "reading")
+    def read(reqs: Sequence[Request], read_through: bool = True) -> int:
+        def run() -> int:
+            return read_regions(storage, reqs, any_layout=any_layout, read_through=read_through)
+
+        return group.run_together(run, "reading")
 
     if not group.active:
         return read(requests)
@@ -73,7 +76,9 @@ def read_shared(
     try:
         for n, rnd in enumerate(plan.rounds):
             held: dict[int, np.ndarray] = {}  # item -> the array holding its region on this rank (once read)
-            reqs = [requests[i] for i in plan.solo[group.rank]] if n == 0 else []
+            if n == 0:
+                fetched += read([requests[i] for i in plan.solo[group.rank]])
+            reqs = []
             for i in plan.reads(group.rank, n):
                 item = rnd.items[i]
                 meta = manifest.arrays[keys[item.array]]
@@ -82,7 +87,9 @@ def read_shared(
                 else:
                     held[i] = np.empty(item.region.sizes, dtype=dtypes.storage_dtype(meta.dtype))
                 reqs.append(Request(meta, item.region, held[i]))
-            fetched += read(reqs)
+            # the planner chose what each rank reads: a gap between two of this rank's items may be
+            # another reader's, so it is not read through
+            fetched += read(reqs, read_through=False)
             for i in plan.reads(group.rank, n):  # another request of this rank with the same box
                 item = rnd.items[i]
                 for r, slot in item.targets:

@@ -16,6 +16,7 @@ fill value. With ``any_layout`` its shards are looked for too (a peer may have w
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from collections.abc import Sequence
 
 import crc32c
@@ -44,13 +45,20 @@ def allocate(meta: ArrayMeta) -> np.ndarray:
 
 
 def read_regions(
-    storage: Storage, requests: Sequence[Request], *, partial: bool = False, any_layout: bool = False
+    storage: Storage,
+    requests: Sequence[Request],
+    *,
+    partial: bool = False,
+    any_layout: bool = False,
+    read_through: bool = True,
 ) -> int:
     """Fill every request's ``dest``; returns the number of bytes fetched from storage.
 
     ``partial``: fetch only the needed byte ranges of inner chunks that are needed in small part,
     at the price of not checking those chunks' crc32c (see :mod:`zarrckpt.fetch`).
     ``any_layout``: read shards laid out by any Zarr writer (``allow_modified``), see :func:`_read_any`.
+    ``read_through=False``: never fetch the chunks between two needed ones (a fanned-out read: other
+    ranks read those).
     """
     if any_layout:  # constant arrays too: a peer may have written chunks into them since
         return _run_all(storage, plan_reads(requests))
@@ -58,7 +66,8 @@ def read_regions(
         if req.meta.constant is not None:  # no chunks by design: every element is the fill value
             req.dest[...] = _fill(req.meta)
     stored = [req for req in requests if req.meta.constant is None]
-    return _run_all(storage, plan_fetches(stored, storage.caps, partial=partial))
+    caps = storage.caps if read_through else replace(storage.caps, read_through_bytes=0)
+    return _run_all(storage, plan_fetches(stored, caps, partial=partial))
 
 
 def verify_array(storage: Storage, meta: ArrayMeta, *, any_layout: bool = False) -> int:
