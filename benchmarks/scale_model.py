@@ -402,6 +402,7 @@ class LoadCounts:
     missing_rng: int
     dcp_gets: list[int]  # per rank: DCP's read items for the same target (one ranged GET each)
     dcp_bytes: list[int]  # per rank: the bytes of the saved chunks those read whole
+    manifest_gets: int  # per job: rank 0's read, plus the end-of-load re-read where chunks are not all checked
 
 
 def plan_load(dims: Dims, layout: Layout, manifest_raw: bytes, reps: int, dcp: DcpLayout) -> LoadCounts:
@@ -444,6 +445,7 @@ def plan_load(dims: Dims, layout: Layout, manifest_raw: bytes, reps: int, dcp: D
         missing,
         dcp_gets,
         dcp_bytes,
+        1 + (not integrity.reads_are_checked(list(manifest.arrays.values()), any_layout=False)),
     )
 
 

@@ -4,8 +4,10 @@ save:   prepare (refuse, or un-commit and remove an old checkpoint; create the p
         create-only, so of two racing saves one goes on) -> every rank writes its shards and its
         share of zarr.json documents, create-only -> commit (the manifest, create-only, last, after
         checking that the pending marker is still this save's).
-load:   read the manifest (one GET) -> read data -> read the manifest again: a different save_id
-        means the checkpoint was overwritten meanwhile, and the load fails instead of mixing.
+load:   read the manifest (one GET) -> read data, every chunk compared with the commit record (a
+        chunk a later save replaced fails it) -> without that record (or with allow_modified),
+        read the manifest again: a different save_id means the checkpoint was overwritten
+        meanwhile, and the load fails instead of mixing.
 delete: write the deleting marker -> remove the manifest -> remove the rest -> remove the marker.
         A deletion that dies half-way leaves the marker, which says what the leftover is.
 

@@ -5,9 +5,12 @@ layout and the :class:`Fetch` es to run, in order (:mod:`zarrckpt.reader` runs t
 storage does well (:class:`~zarrckpt.storecaps.ReadCaps`) shapes the plan:
 
 - object stores pay per request: a shard is fetched whole in one GET when every stored chunk is
-  needed, or when it is small (the extra bytes cost less than a request), and it fits one request;
-- otherwise the index, then one ranged read per run of adjacent needed chunks (at most
-  MAX_REQUEST_BYTES each); on local files a run whose chunks each go whole into one destination
+  needed, or when it is small (the extra bytes cost less than a request), and it fits one request
+  (``ReadCaps.max_request_bytes``);
+- otherwise the index, then one ranged read per run of needed chunks (at most
+  ``max_request_bytes`` each): chunks stored back to back, and on object stores also chunks at
+  most ``ReadCaps.read_through_bytes`` apart (the gap is fetched and dropped: cheaper than a
+  request); on local files a run whose chunks each go whole into one destination
   is read straight into those destinations (one vectored read). On object stores, when the
   manifest has a commit record (every chunk's crc32c), the byte offsets follow from the manifest
   and the index GET is left out: each chunk is checked against its committed crc32c, and the
@@ -44,7 +47,7 @@ from .partial import Range, chunk_ranges, coalesce
 from .shard import ShardLayout, chunks_per_shard
 from .storecaps import ReadCaps
 
-MAX_REQUEST_BYTES = 8 * 1024 * 1024  # one read fetches at most this much (bounds read buffers)
+MAX_REQUEST_BYTES = 8 * 1024 * 1024  # partial and any-layout reads fetch at most this much (bounds read buffers)
 SMALL_OBJECT_BYTES = 1024 * 1024  # object stores: a shard this small is read whole, in one GET
 RANGE_MERGE_GAP = 256 * 1024  # partial reads: a gap this small is read through (about one request's cost)
 MAX_RANGES_PER_CHUNK = 64  # partial reads: more ranges than this in one chunk -> read the chunk whole
