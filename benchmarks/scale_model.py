@@ -30,7 +30,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -44,7 +44,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
-from zarrckpt import integrity
+from zarrckpt import fanout, integrity
 from zarrckpt.api import target_boxes
 from zarrckpt.dtypes import storage_dtype
 from zarrckpt.fetch import Request, plan_fetches
@@ -55,7 +55,7 @@ from zarrckpt.localstate import collect
 from zarrckpt.plan import DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_TENSOR_BYTES, ZarrSavePlan, build_save_plan
 from zarrckpt.rankdesc import RankDescription
 from zarrckpt.shard import ShardLayout, chunks_per_shard
-from zarrckpt.storecaps import OBJECT_STORE
+from zarrckpt.storecaps import OBJECT_STORE, ReadCaps
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scale_dcp import DcpLayout, DcpSave
@@ -388,10 +388,13 @@ def load_requests(state: dict[str, Any], manifest: Manifest) -> tuple[list[Reque
 
 @dataclass
 class LoadCounts:
+    """One load's reads, as ``zarrckpt.load`` makes them: fanned out (its default; the rows without a
+    prefix) and with ``fan_out=False`` (``plain_``)."""
+
     layout: Layout
     world: int
     requests: int  # read requests (target regions) over all ranks
-    shard_tasks: int
+    shard_tasks: int  # shard objects touched, summed over ranks (and over a rank's read calls)
     gets: int  # data GETs over all ranks (the manifest not included)
     bytes_needed: int
     bytes_read: int
@@ -403,49 +406,114 @@ class LoadCounts:
     dcp_gets: list[int]  # per rank: DCP's read items for the same target (one ranged GET each)
     dcp_bytes: list[int]  # per rank: the bytes of the saved chunks those read whole
     manifest_gets: int  # per job: rank 0's read, plus the end-of-load re-read where chunks are not all checked
+    fanout_plan: Timing  # fanout.plan over every rank's requests (each rank runs it)
+    received: list[int]  # per rank: bytes received from other ranks (fan-out)
+    rounds: int
+    plain_tasks: int
+    plain_gets: int
+    plain_bytes: int
+
+
+NO_READ_THROUGH = replace(OBJECT_STORE, read_through_bytes=0)  # fanned-out items (zarrckpt.fanread)
+
+
+def _fetches(reqs: Sequence[Request], caps: ReadCaps) -> tuple[int, int, int]:
+    """(shard objects touched, GETs, bytes) of one ``read_regions`` call on an object store."""
+    planned = plan_fetches([r for r in reqs if r.meta.constant is None], caps)
+    return len(planned), sum(len(p.fetches) for p in planned), sum(p.nbytes for p in planned)
+
+
+def _array_infos(manifest: Manifest) -> tuple[dict[str, int], list[fanout.ArrayInfo]]:
+    keys = sorted(manifest.arrays)
+    infos = []
+    for key in keys:  # as zarrckpt.fanread builds them
+        m = manifest.arrays[key]
+        infos.append(fanout.ArrayInfo(m.shape, m.shard_shape, m.chunk_shape, m.itemsize, m.constant is not None))
+    return {k: n for n, k in enumerate(keys)}, infos
+
+
+def _fanned_reads(
+    plan: fanout.FanOutPlan, rank: int, reqs: Sequence[Request], metas: Sequence[ArrayMeta]
+) -> list[tuple[list[Request], ReadCaps]]:
+    """The read calls ``zarrckpt.fanread.read_shared`` makes on ``rank``: (requests, caps) each."""
+    own = [reqs[i] for i in plan.solo[rank]]
+    if plan.solo_parts:
+        own += [Request(reqs[i].meta, box, _nowhere(reqs[i].meta, box)) for i, box in plan.solo_parts[rank]]
+    calls = [(own, OBJECT_STORE)]
+    for n, rnd in enumerate(plan.rounds):
+        items = [rnd.items[i] for i in plan.reads(rank, n)]
+        calls.append(
+            (
+                [Request(metas[it.array], it.region, _nowhere(metas[it.array], it.region)) for it in items],
+                NO_READ_THROUGH,
+            )
+        )
+    return calls
 
 
 def plan_load(dims: Dims, layout: Layout, manifest_raw: bytes, reps: int, dcp: DcpLayout) -> LoadCounts:
     manifest = Manifest.loads(manifest_raw, "scale model")
     world = layout.world
-    per_bytes, per_gets = [0] * world, [0] * world
+    number, infos = _array_infos(manifest)
+    metas = [manifest.arrays[k] for k in sorted(manifest.arrays)]
     dcp_gets, dcp_bytes = [0] * world, [0] * world
-    requests = tasks = needed = gathered = missing = 0
+    needed = gathered = missing = plain_tasks = plain_gets = plain_bytes = 0
     slowest = Timing(0.0, 0.0)
+    all_reqs: list[list[Request]] = []
     for rank in range(world):
         with fake_rank(rank, world):
             state = rank_state(dims, layout, rank)
         reqs, keys = load_requests(state, manifest)
+        all_reqs.append(reqs)
         missing += sum(1 for k in keys if k.startswith("rng.") and k not in manifest.arrays)
         if rank in (0, world // 2, world - 1):  # timed on a few ranks (every rank plans the same kind of work)
-            timing, planned = measure(lambda reqs=reqs: plan_fetches(reqs, OBJECT_STORE), reps)
+            timing, _ = measure(lambda reqs=reqs: plan_fetches(reqs, OBJECT_STORE), reps)
             slowest = max(slowest, timing, key=lambda t: t.cpu)
-        else:
-            planned = plan_fetches(reqs, OBJECT_STORE)
-        for read in planned:  # what zarrckpt.reader fetches from an object store: one GET per fetch
-            per_gets[rank] += len(read.fetches)
-            per_bytes[rank] += read.nbytes
+        tasks, gets, nbytes = _fetches(reqs, OBJECT_STORE)  # fan_out=False: each rank reads its own
+        plain_tasks, plain_gets, plain_bytes = plain_tasks + tasks, plain_gets + gets, plain_bytes + nbytes
         dcp_gets[rank], dcp_bytes[rank] = dcp.reads(reqs)
-        requests += len(reqs)
-        tasks += len(planned)
         needed += sum(r.box.volume * r.meta.itemsize for r in reqs)
         gathered += len(json.dumps({"keys": keys, "mismatches": []}, separators=(",", ":")))
+    wants = [[(number[r.meta.key], r.box) for r in reqs] for reqs in all_reqs]
+    fan_t, plan = measure(
+        lambda: fanout.plan(wants, infos, join_bytes=OBJECT_STORE.max_request_bytes), max(1, reps // 3)
+    )
+    per_bytes, per_gets, received = [0] * world, [0] * world, [0] * world
+    tasks_all = 0
+    for rank in range(world):
+        for reqs, caps in _fanned_reads(plan, rank, all_reqs[rank], metas):
+            tasks, gets, nbytes = _fetches(reqs, caps)
+            tasks_all, per_gets[rank], per_bytes[rank] = (
+                tasks_all + tasks,
+                per_gets[rank] + gets,
+                per_bytes[rank] + nbytes,
+            )
+    for rnd in plan.rounds:
+        for msg in rnd.messages:
+            for dst in msg.dsts:
+                received[dst] += msg.nbytes
     return LoadCounts(
-        layout,
-        world,
-        requests,
-        tasks,
-        sum(per_gets),
-        needed,
-        sum(per_bytes),
-        per_bytes,
-        per_gets,
-        gathered,
-        slowest,
-        missing,
-        dcp_gets,
-        dcp_bytes,
-        1 + (not integrity.reads_are_checked(list(manifest.arrays.values()), any_layout=False)),
+        layout=layout,
+        world=world,
+        requests=sum(len(r) for r in all_reqs),
+        shard_tasks=tasks_all,
+        gets=sum(per_gets),
+        bytes_needed=needed,
+        bytes_read=sum(per_bytes),
+        per_rank_bytes=per_bytes,
+        per_rank_gets=per_gets,
+        gather_bytes=gathered,
+        plan_reads=slowest,
+        missing_rng=missing,
+        dcp_gets=dcp_gets,
+        dcp_bytes=dcp_bytes,
+        manifest_gets=1 + (not integrity.reads_are_checked(list(manifest.arrays.values()), any_layout=False)),
+        fanout_plan=fan_t,
+        received=received,
+        rounds=len(plan.rounds),
+        plain_tasks=plain_tasks,
+        plain_gets=plain_gets,
+        plain_bytes=plain_bytes,
     )
 
 

@@ -38,6 +38,7 @@ class Assumptions:
     in_flight: int = 16  # requests in flight per rank (zarrckpt.storecaps.REMOTE_CONCURRENCY)
     put_rate: float = 3500.0  # PUT/s that one S3 prefix partition sustains
     get_rate: float = 5500.0  # GET/s that one S3 prefix partition sustains
+    exchange_bandwidth: float = 25 * GB  # bytes/s per node between ranks (a 200 Gb/s NIC; fan-out's transfers)
 
 
 @dataclass(frozen=True)
@@ -243,7 +244,10 @@ def render(r: Results) -> str:
         "",
         "## Loading into a different layout (resharding)",
         "",
-        "Each target rank builds its read requests from the manifest (as `zarrckpt.load` does) and plans them "
+        "Each target rank builds its read requests from the manifest (as `zarrckpt.load` does); the real "
+        "`zarrckpt.fanout.plan` runs on every rank's requests (the load's default, `fan_out=True`: a shard object "
+        "that several ranks need parts of in pieces is read once, by one of them, who sends each the rest), and "
+        "each rank plans its read calls (its own requests, then what it reads in each round) "
         "with the real `zarrckpt.fetch.plan_fetches` (object-store capabilities): one GET per planned fetch (the "
         f"whole object in one GET when it is <= {_mib(OBJECT_REQUEST_BYTES)} MiB and all of it is needed, or when "
         "it is <= 1 MiB; else its index plus one ranged GET per run of needed inner chunks, a gap of at most "
@@ -256,12 +260,28 @@ def render(r: Results) -> str:
             [
                 ["ranks", *(f"{x.world:,}" for x in r.loads.values())],
                 ["read requests (target regions)", *(f"{x.requests:,}" for x in r.loads.values())],
-                ["shards touched (tasks)", *(f"{x.shard_tasks:,}" for x in r.loads.values())],
+                ["shards touched (tasks, summed over ranks)", *(f"{x.shard_tasks:,}" for x in r.loads.values())],
                 ["data GET requests", *(f"{x.gets:,}" for x in r.loads.values())],
                 ["GETs by the busiest rank", *(f"{max(x.per_rank_gets):,}" for x in r.loads.values())],
                 ["bytes needed", *(_gib(x.bytes_needed) for x in r.loads.values())],
                 ["bytes read", *(_gib(x.bytes_read) for x in r.loads.values())],
                 ["bytes read / bytes needed", *(f"{x.bytes_read / x.bytes_needed:.4f}" for x in r.loads.values())],
+                [
+                    "fan-out: shard objects read once for several ranks (rounds), bytes received from other ranks",
+                    *(f"{x.rounds} rounds, {_gib(sum(x.received))}" for x in r.loads.values()),
+                ],
+                ["fan-out: bytes received by the busiest rank", *(_gib(max(x.received)) for x in r.loads.values())],
+                [
+                    "fan-out: `fanout.plan` of every rank's requests (every rank runs it)",
+                    *(str(x.fanout_plan) for x in r.loads.values()),
+                ],
+                [
+                    "with `fan_out=False`: shards touched, GETs, bytes read / needed",
+                    *(
+                        f"{x.plain_tasks:,}, {x.plain_gets:,}, {x.plain_bytes / x.bytes_needed:.4f}"
+                        for x in r.loads.values()
+                    ),
+                ],
                 [
                     "manifest GETs per job (rank 0 reads it and broadcasts it; every chunk is checked against "
                     "the commit record, so no end-of-load re-read)",
@@ -289,7 +309,10 @@ def render(r: Results) -> str:
         "(S3 partitions busy prefixes; every array is its own prefix). *One partition*: all requests go through "
         "one partition, as for a fresh bucket before S3 re-partitions it. Transfer time = max(the busiest node's "
         "bytes / node bandwidth, the busiest rank's requests x latency / in-flight), and with one partition at "
-        "least all requests / partition rate. Checksums, staging copies and the commit barrier are not modelled.",
+        "least all requests / partition rate. A load's fan-out transfers between ranks (one rank reads a shard "
+        f"object several ranks need for all of them) move at {a.exchange_bandwidth / GB:g} GB/s per node (the "
+        "busiest node's received bytes), added to the transfer time although they overlap the next round's "
+        "reads. Checksums, staging copies and the commit barrier are not modelled.",
         "",
         *_prediction_table(r),
         "",
@@ -440,6 +463,7 @@ def _prediction_table(r: Results) -> list[str]:
             f"{save.bandwidth:.1f} s",
             f"{save.latency:.1f} s",
             f"{save.one_partition:.1f} s",
+            "-",
             f"**{r.per_rank.wall + save.scaled:.1f} s**",
             f"**{r.per_rank.wall + save.worst:.1f} s**",
         ]
@@ -450,7 +474,9 @@ def _prediction_table(r: Results) -> list[str]:
         gets = [g + (m if rank == 0 else 0) for rank, g in enumerate(x.per_rank_gets)]
         nbytes = [b + (m * c.manifest_bytes if rank == 0 else 0) for rank, b in enumerate(x.per_rank_bytes)]
         load = transfer(nbytes, gets, a.get_rate, a)
-        plan = r.manifest_parse.wall + x.plan_reads.wall
+        plan = r.manifest_parse.wall + x.plan_reads.wall + x.fanout_plan.wall
+        nodes = range(0, x.world, a.ranks_per_node)
+        exchange = max(sum(x.received[n : n + a.ranks_per_node]) for n in nodes) / a.exchange_bandwidth
         rows.append(
             [
                 f"load: {name} ({x.world:,} ranks)",
@@ -458,8 +484,9 @@ def _prediction_table(r: Results) -> list[str]:
                 f"{load.bandwidth:.1f} s",
                 f"{load.latency:.1f} s",
                 f"{load.one_partition:.1f} s",
-                f"**{plan + load.scaled:.1f} s**",
-                f"**{plan + load.worst:.1f} s**",
+                f"{exchange:.1f} s",
+                f"**{plan + load.scaled + exchange:.1f} s**",
+                f"**{plan + load.worst + exchange:.1f} s**",
             ]
         )
     return _table(
@@ -469,6 +496,7 @@ def _prediction_table(r: Results) -> list[str]:
             "bandwidth",
             "latency",
             "request rate, one partition",
+            "exchange between ranks",
             "total, scaled",
             "total, one partition",
         ],

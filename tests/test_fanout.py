@@ -66,6 +66,10 @@ def _simulate(
         for slot in slots:
             array, box = wants[rank][slot]
             put(rank, slot, box, fetch(rank, 0, array, box))
+    for rank, parts in enumerate(plan.solo_parts):
+        for slot, region in parts:
+            array, _ = wants[rank][slot]
+            put(rank, slot, region, fetch(rank, 0, array, region))
     for n, rnd in enumerate(plan.rounds):
         held = {}
         for i, item in enumerate(rnd.items):
@@ -156,6 +160,69 @@ def test_every_plan_fills_every_request_exactly_once_and_fetches_no_more_chunks(
         a == b and x != y and x.intersect(y) for a, x in shared for b, y in shared
     ):
         assert not plan.rounds  # nothing shared: everybody reads its own, no exchange
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_problems(), st.sampled_from([8, 200, 10**9]), st.sampled_from([0, 40, 10**9]), st.sampled_from([8, 64, 10**9]))
+def test_joined_objects_fill_every_request_exactly_once_and_fetch_no_more_chunks(
+    problem: tuple[Wants, list[ArrayInfo]], budget: int, whole: int, join: int
+) -> None:
+    wants, arrays = problem
+    plan = fanout.plan(wants, arrays, round_bytes=budget, whole_bytes=whole, join_bytes=join)
+    fetched, _ = _simulate(wants, arrays, plan, whole)
+    assert fetched <= _naive_chunks(wants, arrays, whole)
+
+
+# an expert shard of 2 experts x 8 rows x 4 columns (8 bytes each), inner chunks of 2 rows: 8 chunks
+EXPERT = ArrayInfo((2, 8, 4), (2, 8, 4), (1, 2, 4), 8)
+
+
+def _rows_of_both_experts(rank: int, world: int) -> Box:
+    per = 8 // world
+    return Box((0, rank * per, 0), (2, per, 4))
+
+
+def test_an_object_two_ranks_need_in_pieces_is_read_once_by_one_of_them() -> None:
+    """Each of 2 ranks wants half the rows of both experts: chunks {0, 1, 4, 5} and {2, 3, 6, 7}, two
+    runs each. One of them reads the object for both and sends the other its half."""
+    wants: Wants = [[(0, _rows_of_both_experts(r, 2))] for r in range(2)]
+    plan = fanout.plan(wants, [EXPERT], join_bytes=EXPERT.shard_nbytes(0))
+    assert plan.solo == ((), ()) and plan.solo_parts == ((), ())
+    (rnd,) = plan.rounds
+    assert {i.reader for i in rnd.items} == {0} and sorted(i.region.offsets for i in rnd.items) == [
+        w[0][1].offsets for w in wants
+    ]
+    ((src, dsts, nbytes),) = [(m.src, m.dsts, m.nbytes) for m in rnd.messages]
+    assert (src, dsts, nbytes) == (0, (1,), 2 * 4 * 4 * 8)
+    fetched, _ = _simulate(wants, [EXPERT], plan)
+    assert fetched == 8  # every chunk once (each rank alone: 4 + 4 chunks, in 2 runs each)
+    for join in (0, EXPERT.shard_nbytes(0) - 1):  # off, or the object larger than one request
+        assert not fanout.plan(wants, [EXPERT], join_bytes=join).rounds
+
+
+def test_parts_in_one_run_are_not_joined() -> None:
+    """Rows split in blocks (FSDP's Shard(0) onto more ranks): each part is one run of the object."""
+    info = ArrayInfo((8, 4), (8, 4), (2, 4), 8)
+    wants: Wants = [[(0, Box((2 * r, 0), (2, 4)))] for r in range(4)]
+    assert not fanout.plan(wants, [info], join_bytes=10**9).rounds
+    # whole rows of one expert each (experts split over ranks): one run each too
+    wants = [[(0, Box((r, 0, 0), (1, 8, 4)))] for r in range(2)]
+    assert not fanout.plan(wants, [EXPERT], join_bytes=10**9).rounds
+
+
+def test_a_box_over_joined_and_other_objects_reads_the_other_parts_itself() -> None:
+    """Two expert shards along dimension 0 ([2, 8, 4] each): rank 0 wants rows 0:4 of all four experts,
+    rank 1 rows 4:8 of experts 0 and 1 only. Shard 0 is joined; rank 0 reads its part of shard 1 itself."""
+    info = ArrayInfo((4, 8, 4), (2, 8, 4), (1, 2, 4), 8)
+    wants: Wants = [[(0, Box((0, 0, 0), (4, 4, 4)))], [(0, Box((0, 4, 0), (2, 4, 4)))]]
+    plan = fanout.plan(wants, [info], join_bytes=10**9)
+    assert plan.solo == ((), ()) and plan.solo_parts == (((0, Box((2, 0, 0), (2, 4, 4))),), ())
+    assert sorted((i.region.offsets, i.region.sizes) for rnd in plan.rounds for i in rnd.items) == [
+        ((0, 0, 0), (2, 4, 4)),
+        ((0, 4, 0), (2, 4, 4)),
+    ]
+    fetched, _ = _simulate(wants, [info], plan)
+    assert fetched == 8 + 4
 
 
 @settings(max_examples=200, deadline=None)
@@ -548,3 +615,39 @@ def test_fan_out_fills_constant_arrays_locally_on_3_ranks(
     assert not [
         r for r in s3_requests.requests(url) if any(f"/{keys[a].replace('.', '/')}/c" in r.path for a in constant)
     ]
+
+
+# --- a shard object two ranks need in pieces, on gloo ranks against moto ---
+
+EXPERTS_SHAPE = (2, 1024, 256)  # 2 MiB of float32: one shard object of 8 inner chunks (256 rows each)
+
+
+def _experts() -> torch.Tensor:
+    return torch.arange(math.prod(EXPERTS_SHAPE), dtype=torch.float32).reshape(EXPERTS_SHAPE)
+
+
+def _load_row_halves(rank: int, world: int, url: str, opts: dict[str, Any], fan_out: bool, out: str) -> None:
+    rows = EXPERTS_SHAPE[1] // world
+    target = zarrckpt.LocalShard(torch.zeros(2, rows, 256), EXPERTS_SHAPE, (0, rank * rows, 0))
+    zarrckpt.load({"e": target}, url, storage_options=opts, fan_out=fan_out)
+    assert torch.equal(target.data, _experts()[:, rank * rows : (rank + 1) * rows])
+    Path(out, f"{rank}").write_text("ok")
+
+
+@pytest.mark.parametrize("fan_out", [True, False], ids=["fan_out", "off"])
+def test_an_object_two_ranks_need_in_pieces_is_fetched_once(
+    s3_url: tuple[str, dict[str, Any]], s3_requests: RequestLog, tmp_path: Path, fan_out: bool
+) -> None:
+    """2 ranks each load half the rows of both experts of one shard object (two runs of it each):
+    with fan-out one GET of the whole object, read by one rank, which sends the other its half;
+    without, each rank reads from its first run to its last, through the other's chunks between."""
+    url, opts = s3_url
+    zarrckpt.save({"e": _experts()}, url, storage_options=opts, chunk_bytes=256 * 1024)
+    meta = zarrckpt.open(url, storage_options=opts)["e"].meta
+    assert (meta.shard_shape, meta.chunk_shape) == (EXPERTS_SHAPE, (1, 256, 256))
+    s3_requests.clear()
+    spawn(2, _load_row_halves, url, opts, fan_out, str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "1"]
+    gets, nbytes = _shard_gets(s3_requests, url)
+    chunk, head = 256 * 256 * 4 + 4, 8 * 16 + 4
+    assert (gets, nbytes) == ((1, head + 8 * chunk) if fan_out else (2, 2 * 6 * chunk))

@@ -184,6 +184,8 @@ def test_resharding_load_plan_covers_every_target_region(plan: ZarrSavePlan, raw
     dcp = sm.DcpLayout(sm.decode(raws))
     counts = sm.plan_load(DIMS, LOAD, sm.manifest_of(plan), 1, dcp)
     assert counts.gets >= counts.shard_tasks and counts.bytes_read >= counts.bytes_needed > 0
+    # fanned out (the load's default) never reads more than each rank alone would
+    assert counts.plain_bytes >= counts.bytes_read and counts.plain_gets >= counts.gets
     assert counts.missing_rng == 0
     assert sum(counts.dcp_bytes) >= counts.bytes_needed and sum(counts.dcp_gets) >= counts.requests
     same = sm.plan_load(DIMS, SAVE, sm.manifest_of(plan), 1, dcp)  # the saved layout: DCP reads each chunk once

@@ -10,7 +10,10 @@ rank reading a whole group (one storage read call) fetches each saved chunk it t
 partial overlaps included. Where shards are small enough to be read whole, groups touching a
 common shard join when one of them is replicated, so that object is read once too. A constant
 array (``ArrayInfo.constant``: no shard objects, every element its fill value) is never
-exchanged: each rank fills its own requests of it locally, as in a plain load.
+exchanged: each rank fills its own requests of it locally, as in a plain load. With
+``join_bytes`` (object stores), a shard object that boxes of several ranks meet in, one of them
+in pieces, is read once for all (:mod:`zarrckpt.fanjoin`); the parts of those boxes in other
+objects their ranks read themselves (``FanOutPlan.solo_parts``).
 
 The exchange runs in rounds that bound, per rank, the bytes read for others plus the bytes
 received (``round_bytes``); items smaller than ``pack_bytes`` travel packed, one message per
@@ -24,7 +27,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from . import fanjoin
 from .fetch import SMALL_OBJECT_BYTES
+from .gcpause import gc_paused
 from .layout import Box, Shape, cells_in
 
 PIECE_BYTES = 16 * 1024 * 1024  # a replicated region larger than this is cut so that several ranks read it
@@ -93,10 +98,13 @@ class Round:
 
 @dataclass(frozen=True)
 class FanOutPlan:
-    """Per rank, the requests it reads itself as before (``solo``, with the first round), and the rounds."""
+    """Per rank, the requests it reads itself as before (``solo``, with the first round), the parts
+    of requests it reads itself (``solo_parts``: (request, region); the rest of those requests
+    arrives in the rounds), and the rounds."""
 
     solo: tuple[tuple[int, ...], ...]
     rounds: tuple[Round, ...]
+    solo_parts: tuple[tuple[tuple[int, Box], ...], ...] = ()
 
     def reads(self, rank: int, n: int) -> list[int]:
         """Indices of the items of round ``n`` that ``rank`` reads."""
@@ -114,6 +122,7 @@ class _Unit:
     ranks: list[int]
 
 
+@gc_paused()  # hundreds of thousands of boxes at 1,000 ranks, and no cycles
 def plan(
     wants: Sequence[Sequence[tuple[int, Box]]],
     arrays: Sequence[ArrayInfo],
@@ -122,6 +131,7 @@ def plan(
     round_bytes: int = ROUND_BYTES,
     pack_bytes: int = PACK_BYTES,
     whole_bytes: int = SMALL_OBJECT_BYTES,
+    join_bytes: int = 0,
 ) -> FanOutPlan:
     """Plan a fanned-out read.
 
@@ -136,16 +146,19 @@ def plan(
         round_bytes: the bytes a rank reads for others plus those it receives, per round (a
             larger single piece gets a round of its own).
         pack_bytes: items smaller than this travel packed together.
+        join_bytes: a shard object this small that several ranks' boxes meet in, one of them in
+            pieces, is read once for all (:mod:`zarrckpt.fanjoin`); 0: never.
 
     Returns:
-        The plan; without a region that two ranks need, it has no rounds and every request is solo.
-        Requests of constant arrays are always solo.
+        The plan; without a region that two ranks need (or a joined object), it has no rounds and
+        every request is solo. Requests of constant arrays are always solo.
 
     Raises:
         ValueError: a request names an array not in ``arrays`` or a box of the wrong rank.
     """
     by_array: dict[int, dict[Box, list[Slot]]] = {}
     solo: list[list[int]] = [[] for _ in wants]
+    solo_parts: list[list[tuple[int, Box]]] = [[] for _ in wants]
     for rank, reqs in enumerate(wants):
         for i, (array, box) in enumerate(reqs):
             if not 0 <= array < len(arrays) or len(box.offsets) != len(arrays[array].shape):
@@ -163,21 +176,33 @@ def plan(
         largest = math.prod(min(c, n) for c, n in zip(info.shard_shape, info.shape, strict=True)) * info.itemsize
         if info.shape and largest <= whole_bytes:  # every shard is read whole: share them
             groups = _sharing_shards(groups, boxes, [len(distinct[b]) for b in boxes], info.shard_shape)
+        alone: list[tuple[Slot, Box]] = []  # one box, one holder
         for group in groups:
+            if len(group) == 1 and len(distinct[boxes[group[0]]]) == 1:
+                alone.append((distinct[boxes[group[0]]][0], boxes[group[0]]))
+                continue
             holders = {b: [(s, b) for s in distinct[b]] for b in (boxes[j] for j in group)}
             ranks = sorted({s[0] for slots in holders.values() for s, _ in slots})
-            if sum(len(v) for v in holders.values()) == 1:  # one box, one holder
-                (((rank, i), box),) = next(iter(holders.values()))
-                solo[rank].append(i)
-                load[rank] += box.volume * info.itemsize
-            elif len(holders) == 1:
+            if len(holders) == 1:
                 box, slots = next(iter(holders.items()))
                 for piece in _pieces(box, info, piece_bytes, whole_bytes):
                     units.append(_Unit(array, {piece: slots}, piece.volume * info.itemsize, ranks))
             else:
                 units.append(_Unit(array, holders, sum(b.volume for b in holders) * info.itemsize, ranks))
+        joined, rest = fanjoin.join(info.shape, info.shard_shape, info.chunk_shape, info.itemsize, alone, join_bytes)
+        for (rank, i), box in alone:
+            parts = rest.get((rank, i), [box])
+            if (rank, i) in rest:
+                solo_parts[rank] += [(i, part) for part in parts]
+            else:
+                solo[rank].append(i)
+            load[rank] += sum(p.volume for p in parts) * info.itemsize
+        for j in joined:
+            holders = {part: [(slot, box)] for slot, box, part in j.parts}
+            ranks = sorted({slot[0] for slot, _, _ in j.parts})
+            units.append(_Unit(array, holders, sum(b.volume for b in holders) * info.itemsize, ranks))
     items_of: list[list[Item]] = []
-    for unit in sorted(units, key=lambda u: (-u.nbytes, u.array, sorted(u.boxes, key=_order)[0].offsets)):
+    for unit in sorted(units, key=lambda u: (-u.nbytes, u.array, min(b.offsets for b in u.boxes))):
         reader = min(unit.ranks, key=lambda r: (load[r], r))
         load[reader] += unit.nbytes
         items_of.append(_items(unit, reader, arrays[unit.array].itemsize))
@@ -185,6 +210,7 @@ def plan(
     return FanOutPlan(
         tuple(tuple(sorted(s)) for s in solo),
         tuple(Round(tuple(items), _messages(items, pack_bytes)) for items in rounds),
+        tuple(tuple(p) for p in solo_parts),
     )
 
 
@@ -197,7 +223,7 @@ def _items(unit: _Unit, reader: int, itemsize: int) -> list[Item]:
     out = []
     for region in sorted(unit.boxes, key=_order):
         slots = unit.boxes[region]
-        own = [i for (rank, i), box in slots if rank == reader and box.intersect(region) == region]
+        own = [i for (rank, i), box in slots if rank == reader and box.contains(region)]
         source = own[0] if own else -1
         targets = tuple(s for s, _ in slots if s != (reader, source))
         out.append(Item(unit.array, region, reader, source, targets, region.volume * itemsize))

@@ -65,8 +65,14 @@ def read_shared(
         constant = meta.constant is not None and not any_layout
         infos.append(fanout.ArrayInfo(meta.shape, meta.shard_shape, meta.chunk_shape, meta.itemsize, constant))
     wants = [[(a, Box(tuple(o), tuple(s))) for a, o, s in view] for view in views]
+    caps = storage.caps  # object stores: objects one request reads are read once for ranks needing parts in pieces
     plan = fanout.plan(
-        wants, infos, piece_bytes=fanout.PIECE_BYTES, round_bytes=fanout.ROUND_BYTES, pack_bytes=fanout.PACK_BYTES
+        wants,
+        infos,
+        piece_bytes=fanout.PIECE_BYTES,
+        round_bytes=fanout.ROUND_BYTES,
+        pack_bytes=fanout.PACK_BYTES,
+        join_bytes=caps.max_request_bytes if caps.per_request_cost and not any_layout else 0,
     )
     if not plan.rounds:
         return read(requests)
@@ -77,7 +83,10 @@ def read_shared(
         for n, rnd in enumerate(plan.rounds):
             held: dict[int, np.ndarray] = {}  # item -> the array holding its region on this rank (once read)
             if n == 0:
-                fetched += read([requests[i] for i in plan.solo[group.rank]])
+                own = [requests[i] for i in plan.solo[group.rank]]
+                if plan.solo_parts:
+                    own += [_part(requests[i], region) for i, region in plan.solo_parts[group.rank]]
+                fetched += read(own)
             reqs = []
             for i in plan.reads(group.rank, n):
                 item = rnd.items[i]
@@ -110,6 +119,11 @@ def read_shared(
 
 
 RECEIVING = "sending what was read to other ranks"
+
+
+def _part(req: Request, region: Box) -> Request:
+    """The read of ``region`` of ``req``'s array into its place in ``req``'s destination."""
+    return Request(req.meta, region, _view(req, region))
 
 
 def _view(req: Request, region: Box) -> np.ndarray:

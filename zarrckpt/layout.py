@@ -5,8 +5,10 @@ Nothing here does I/O or imports torch, zarr or fsspec.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,9 +25,9 @@ class Box:
     offsets: Shape
     sizes: Shape
 
-    @property
-    def ends(self) -> Shape:
-        return tuple(o + s for o, s in zip(self.offsets, self.sizes, strict=True))
+    @functools.cached_property
+    def ends(self) -> Shape:  # cached: planners compare many boxes many times
+        return tuple(map(operator.add, self.offsets, self.sizes))
 
     @property
     def volume(self) -> int:
@@ -33,11 +35,13 @@ class Box:
 
     def intersect(self, other: Box) -> Box | None:
         """The common part of two boxes, or None when they do not overlap (or one is empty)."""
-        lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets, strict=True))
-        hi = tuple(min(a, b) for a, b in zip(self.ends, other.ends, strict=True))
-        if any(h <= lo_ for lo_, h in zip(lo, hi, strict=True)):
+        if len(self.offsets) != len(other.offsets):
+            raise ValueError(f"boxes of {len(self.offsets)} and {len(other.offsets)} dimensions do not intersect")
+        lo = tuple(map(max, self.offsets, other.offsets))
+        sizes = tuple(map(operator.sub, map(min, self.ends, other.ends), lo))
+        if sizes and min(sizes) <= 0:
             return None
-        return Box(lo, tuple(h - lo_ for lo_, h in zip(lo, hi, strict=True)))
+        return Box(lo, sizes)
 
     def contains(self, other: Box) -> bool:
         """Whether all of ``other`` lies inside this box."""

@@ -16,8 +16,8 @@ fill value. With ``any_layout`` its shards are looked for too (a peer may have w
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from collections.abc import Sequence
+from dataclasses import replace
 
 import crc32c
 import numpy as np
