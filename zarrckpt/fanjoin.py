@@ -22,55 +22,63 @@ from dataclasses import dataclass
 
 from .layout import Box, Shape, cell_box, cells_in
 
-Slot = tuple[int, int]  # (rank, index of one of its requests)
-
 
 @dataclass(frozen=True)
 class Joined:
-    """One shard object read by one rank for all: per slot, its request box and the part of it inside."""
+    """One shard object read by one rank for all: the boxes meeting in it (indices into the boxes
+    given) and the part of each inside it."""
 
     cell: Shape
-    parts: tuple[tuple[Slot, Box, Box], ...]
+    parts: tuple[tuple[int, Box], ...]
+
+
+Joins = tuple[tuple[Joined, ...], dict[int, list[Box]]]  # what join() returns
 
 
 def join(
-    shape: Shape, shard: Shape, chunk: Shape, itemsize: int, solo: Sequence[tuple[Slot, Box]], max_bytes: int
-) -> tuple[list[Joined], dict[Slot, list[Box]]]:
-    """Which shard objects of an array to read once for the ``solo`` boxes (one holder each, no
-    overlaps) that meet in them.
+    shape: Shape,
+    shard: Shape,
+    chunk: Shape,
+    itemsize: int,
+    owners: Sequence[int],
+    boxes: Sequence[Box],
+    max_bytes: int,
+) -> Joins:
+    """Which shard objects of an array to read once for ``boxes`` (one holder each, the rank
+    ``owners[i]``; no two overlap) where they meet.
 
-    Returns the joined objects, and for each slot whose box touches one: the parts of its box in
-    the other shard objects, which its rank reads itself (possibly none).
+    Returns the joined objects, and for each box touching one: its parts in the other shard
+    objects, which its rank reads itself (possibly none).
     """
-    if max_bytes <= 0 or not shape or all(box.sizes[1:] == shape[1:] for _, box in solo):
-        return [], {}  # whole in every dimension after the first: each part is one run (rows of the object)
-    by_cell: dict[Shape, list[tuple[Slot, Box, Box]]] = {}
-    cells_of: dict[Slot, list[Shape]] = {}
+    if max_bytes <= 0 or not shape or all(box.sizes[1:] == shape[1:] for box in boxes):
+        return (), {}  # whole in every dimension after the first: each part is one run (rows of the object)
+    by_cell: dict[Shape, list[tuple[int, Box]]] = {}
+    cells_of: list[list[Shape]] = []
     objects: dict[Shape, Box] = {}
-    for slot, box in solo:
-        cells = cells_of[slot] = list(cells_in(box, shard))
+    for n, box in enumerate(boxes):
+        cells = list(cells_in(box, shard))
+        cells_of.append(cells)
         for cell in cells:
             obj = objects.get(cell) or objects.setdefault(cell, cell_box(cell, shard, shape))
             part = box if len(cells) == 1 else box.intersect(obj)
             if part is not None:
-                by_cell.setdefault(cell, []).append((slot, box, part))
-    joined: list[Joined] = []
+                by_cell.setdefault(cell, []).append((n, part))
+    joined = []
     for cell, parts in by_cell.items():
-        if len(parts) < 2 or len({slot[0] for slot, _, _ in parts}) < 2:
+        if len(parts) < 2 or len({owners[n] for n, _ in parts}) < 2:
             continue
         obj = objects[cell]
-        if obj.volume * itemsize <= max_bytes and any(not one_run(part, obj, chunk) for _, _, part in parts):
+        if obj.volume * itemsize <= max_bytes and any(not one_run(part, obj, chunk) for _, part in parts):
             joined.append(Joined(cell, tuple(parts)))
-    taken: dict[Slot, set[Shape]] = {}
+    taken: dict[int, set[Shape]] = {}
     for j in joined:
-        for slot, _, _ in j.parts:
-            taken.setdefault(slot, set()).add(j.cell)
-    rest: dict[Slot, list[Box]] = {}
-    for slot, box in solo:
-        if slot in taken:
-            inside = (box.intersect(objects[c]) for c in cells_of[slot] if c not in taken[slot])
-            rest[slot] = [p for p in inside if p is not None]
-    return joined, rest
+        for n, _ in j.parts:
+            taken.setdefault(n, set()).add(j.cell)
+    rest: dict[int, list[Box]] = {}
+    for n, cells_taken in taken.items():
+        inside = (boxes[n].intersect(objects[c]) for c in cells_of[n] if c not in cells_taken)
+        rest[n] = [p for p in inside if p is not None]
+    return tuple(joined), rest
 
 
 def one_run(part: Box, obj: Box, chunk: Shape) -> bool:

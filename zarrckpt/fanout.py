@@ -159,6 +159,8 @@ def plan(
     by_array: dict[int, dict[Box, list[Slot]]] = {}
     solo: list[list[int]] = [[] for _ in wants]
     solo_parts: list[list[tuple[int, Box]]] = [[] for _ in wants]
+    components: dict[tuple[Box, ...], list[list[int]]] = {}
+    joins: dict[tuple[ArrayInfo, tuple[int, ...], tuple[Box, ...]], fanjoin.Joins] = {}
     for rank, reqs in enumerate(wants):
         for i, (array, box) in enumerate(reqs):
             if not 0 <= array < len(arrays) or len(box.offsets) != len(arrays[array].shape):
@@ -171,8 +173,10 @@ def plan(
     units: list[_Unit] = []
     for array in sorted(by_array):
         info, distinct = arrays[array], by_array[array]
-        boxes = list(distinct)
-        groups = _components(boxes)
+        boxes = tuple(distinct)
+        if boxes not in components:  # the same boxes recur in arrays of one shape and sharding
+            components[boxes] = _components(boxes)
+        groups = components[boxes]
         largest = math.prod(min(c, n) for c, n in zip(info.shard_shape, info.shape, strict=True)) * info.itemsize
         if info.shape and largest <= whole_bytes:  # every shard is read whole: share them
             groups = _sharing_shards(groups, boxes, [len(distinct[b]) for b in boxes], info.shard_shape)
@@ -189,17 +193,23 @@ def plan(
                     units.append(_Unit(array, {piece: slots}, piece.volume * info.itemsize, ranks))
             else:
                 units.append(_Unit(array, holders, sum(b.volume for b in holders) * info.itemsize, ranks))
-        joined, rest = fanjoin.join(info.shape, info.shard_shape, info.chunk_shape, info.itemsize, alone, join_bytes)
-        for (rank, i), box in alone:
-            parts = rest.get((rank, i), [box])
-            if (rank, i) in rest:
+        owners, alone_boxes = tuple(slot[0] for slot, _ in alone), tuple(box for _, box in alone)
+        key = (info, owners, alone_boxes)  # arrays of one shape and sharding (layers, moments) repeat
+        if key not in joins:
+            joins[key] = fanjoin.join(
+                info.shape, info.shard_shape, info.chunk_shape, info.itemsize, owners, alone_boxes, join_bytes
+            )
+        joined, rest = joins[key]
+        for n, ((rank, i), box) in enumerate(alone):
+            parts = rest.get(n, [box])
+            if n in rest:
                 solo_parts[rank] += [(i, part) for part in parts]
             else:
                 solo[rank].append(i)
             load[rank] += sum(p.volume for p in parts) * info.itemsize
         for j in joined:
-            holders = {part: [(slot, box)] for slot, box, part in j.parts}
-            ranks = sorted({slot[0] for slot, _, _ in j.parts})
+            holders = {part: [alone[n]] for n, part in j.parts}
+            ranks = sorted({owners[n] for n, _ in j.parts})
             units.append(_Unit(array, holders, sum(b.volume for b in holders) * info.itemsize, ranks))
     items_of: list[list[Item]] = []
     for unit in sorted(units, key=lambda u: (-u.nbytes, u.array, min(b.offsets for b in u.boxes))):
