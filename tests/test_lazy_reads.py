@@ -260,3 +260,28 @@ def test_local_files_never_read_through_a_gap() -> None:
     head, chunk = 8 * 16 + 4, 640 * 1280 * 4 + 4
     plan = _load_plan(meta, Box((0, 0, 0), (2, 1280, 1280)), LOCAL_FILES)
     assert [(s, e) for s, e, _ in plan] == [(0, head), (head, head + 2 * chunk), (head + 4 * chunk, head + 6 * chunk)]
+
+
+def test_partly_needed_chunks_that_arrive_whole_are_checked(
+    s3_url: tuple[str, dict[str, Any]], s3_requests: RequestLog
+) -> None:
+    """Row 10 of each of 8 experts (``e[:, 10, :5]``, one 256 KiB inner chunk per expert): the
+    pieces lie less than RANGE_MERGE_GAP apart, so one GET from the index to expert 7's row;
+    experts 0-6 arrive whole in it and are checked by their crc32c, so a flipped byte in expert 3,
+    outside the rows read, is an error rather than unread."""
+    url, opts = s3_url
+    experts = torch.arange(8 * 64 * 1024, dtype=torch.float32).reshape(8, 64, 1024)
+    zarrckpt.save({"e": experts}, url, storage_options=opts)
+    view = zarrckpt.open(url, storage_options=opts)["e"]
+    assert view.meta.chunk_shape == (1, 64, 1024)
+    head, chunk = 8 * 16 + 4, 64 * ROW + 4
+    s3_requests.clear()
+    assert torch.equal(view[:, 10, :5], experts[:, 10, :5])
+    shard = [(r.kind, r.range) for r in s3_requests.requests(url) if r.path.endswith("/e/c/0/0/0")]
+    assert shard == [("GET", f"bytes=0-{head + 7 * chunk + 10 * ROW + 20 - 1}")]
+    fs, root = fsspec.core.url_to_fs(url, **opts)
+    raw = bytearray(fs.cat_file(f"{root}/e/c/0/0/0"))
+    raw[head + 3 * chunk + 20 * ROW] ^= 0xFF
+    fs.pipe_file(f"{root}/e/c/0/0/0", bytes(raw))
+    with pytest.raises(CorruptChunkError, match="crc32c"):
+        zarrckpt.open(url, storage_options=opts)["e"][:, 10, :5]

@@ -25,7 +25,9 @@ shard index (verified, every entry used checked against the layout; folded into 
 when it is that close), or, on object stores with the commit record, the chunk's own stored
 crc32c (its last 4 bytes) compared with the committed one — which also catches a rewrite that
 kept the layout. The second is planned only when it saves a request: when each such crc32c lies
-within RANGE_MERGE_GAP of the pieces, so no read of its own is needed.
+within RANGE_MERGE_GAP of the pieces, so no read of its own is needed. A partly needed chunk whose
+bytes all fall inside one read anyway (reads through the gaps between pieces) is read whole
+instead, and checked like any other.
 
 Every chunk read whole has its crc32c checked (and, with the commit record, compared with the
 committed one); every other plan starts with a fetch holding the shard index, which the reader
@@ -274,15 +276,22 @@ def _ranged(
     fetches = []
     for start, end, members in coalesce([w[:2] for w in wants], RANGE_MERGE_GAP, MAX_REQUEST_BYTES):
         got = [wants[i] for i in members]
-        pieces = tuple((k, lo - _offset(layout, k), hi - _offset(layout, k)) for lo, hi, w, k in got if w == _PIECE)
+        # a partly needed chunk whose bytes all arrive in this read anyway is read whole, and checked
+        inside = {k for _, _, w, k in got if w == _PIECE and _offset(layout, k) >= start}
+        inside = {k for k in inside if _offset(layout, k) + layout.chunk_nbytes <= end}
+        pieces = tuple(
+            (k, lo - _offset(layout, k), hi - _offset(layout, k))
+            for lo, hi, w, k in got
+            if w == _PIECE and k not in inside
+        )
         fetches.append(
             Fetch(
                 start,
                 end,
                 index=any(w == _INDEX for _, _, w, _ in got),
-                chunks=tuple(k for _, _, w, k in got if w == _WHOLE),
+                chunks=tuple(sorted({k for _, _, w, k in got if w == _WHOLE} | inside)),
                 pieces=pieces,
-                anchors=tuple(k for _, _, w, k in got if w == _ANCHOR),
+                anchors=tuple(k for _, _, w, k in got if w == _ANCHOR and k not in inside),
             )
         )
     return tuple(fetches)
