@@ -651,3 +651,44 @@ def test_an_object_two_ranks_need_in_pieces_is_fetched_once(
     gets, nbytes = _shard_gets(s3_requests, url)
     chunk, head = 256 * 256 * 4 + 4, 8 * 16 + 4
     assert (gets, nbytes) == ((1, head + 8 * chunk) if fan_out else (2, 2 * 6 * chunk))
+
+
+SPLIT_SHAPE = (4, 1024, 256)  # 4 MiB of float32, saved by 2 ranks: 2 shard objects of 2 experts each
+
+
+def _save_split(rank: int, world: int, url: str, opts: dict[str, Any]) -> None:
+    full = torch.arange(math.prod(SPLIT_SHAPE), dtype=torch.float32).reshape(SPLIT_SHAPE)
+    shard = zarrckpt.LocalShard(full[2 * rank : 2 * rank + 2].clone(), SPLIT_SHAPE, (2 * rank, 0, 0))
+    zarrckpt.save({"e": shard}, url, storage_options=opts, chunk_bytes=256 * 1024)
+
+
+def _load_split(rank: int, world: int, url: str, opts: dict[str, Any], out: str) -> None:
+    full = torch.arange(math.prod(SPLIT_SHAPE), dtype=torch.float32).reshape(SPLIT_SHAPE)
+    # rank 0: rows 0:512 of all 4 experts (both objects); rank 1: rows 512:1024 of experts 0 and 1
+    experts, rows = (slice(0, 4), slice(0, 512)) if rank == 0 else (slice(0, 2), slice(512, 1024))
+    want = full[experts, rows]
+    target = zarrckpt.LocalShard(torch.zeros_like(want), SPLIT_SHAPE, (0, rows.start, 0))
+    zarrckpt.load({"e": target}, url, storage_options=opts)
+    assert torch.equal(target.data, want)
+    Path(out, f"{rank}").write_text("ok")
+
+
+def test_a_box_split_between_a_joined_object_and_its_own(
+    s3_url: tuple[str, dict[str, Any]], s3_requests: RequestLog, tmp_path: Path
+) -> None:
+    """Object 0 (experts 0-1) is needed in pieces by both ranks: read once, whole. Object 1 (experts
+    2-3) only by rank 0, which reads its part itself (a solo part of its box): rows 0:512 of both
+    experts, one GET through the gap between them."""
+    url, opts = s3_url
+    spawn(2, _save_split, url, opts)
+    assert zarrckpt.open(url, storage_options=opts)["e"].meta.shard_shape == (2, 1024, 256)
+    s3_requests.clear()
+    spawn(2, _load_split, url, opts, str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "1"]
+    chunk, head = 256 * 256 * 4 + 4, 8 * 16 + 4
+    gets = sorted(
+        (r.path.rsplit("/", 3)[-3], r.bytes_sent)
+        for r in s3_requests.requests(url)
+        if r.method == "GET" and "/c/" in r.path
+    )
+    assert gets == [("0", head + 8 * chunk), ("1", 6 * chunk)]
