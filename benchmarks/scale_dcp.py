@@ -25,11 +25,11 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from zarrckpt.dtypes import storage_dtype, torch_dtype
-from zarrckpt.fetch import Request
-from zarrckpt.layout import Box, Shape, cells_in
-from zarrckpt.plan import build_save_plan
-from zarrckpt.rankdesc import RankDescription
+from zarrckpt.format.dtypes import storage_dtype, torch_dtype
+from zarrckpt.format.layout import Box, Shape, cells_in
+from zarrckpt.plan.fetch import Request
+from zarrckpt.plan.rankdesc import RankDescription
+from zarrckpt.plan.save import build_save_plan
 
 
 @dataclass

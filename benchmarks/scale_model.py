@@ -9,11 +9,11 @@ transformer (FP32 weights, Adam ``exp_avg`` / ``exp_avg_sq``, per-parameter ``st
 trainer values, per-rank RNG states) for each of 1,024 simulated ranks, as the real save path
 sees it: ``DTensor`` s on the ``meta`` device (no memory) under a fake process group
 (``torch.testing._internal.distributed.fake_pg``) that gives each simulated rank its real mesh
-coordinate, turned into descriptions by the real ``zarrckpt.localstate.collect(...).describe()``
-and JSON-encoded exactly as ``zarrckpt.dist.Group.all_gather_json`` does. It then times the real
-planning code (``zarrckpt.plan.build_save_plan``, ``ZarrSavePlan.shards_of`` / ``metadata_of``, the
+coordinate, turned into descriptions by the real ``zarrckpt.plan.localstate.collect(...).describe()``
+and JSON-encoded exactly as ``zarrckpt.engine.dist.Group.all_gather_json`` does. It then times the real
+planning code (``zarrckpt.plan.save.build_save_plan``, ``ZarrSavePlan.shards_of`` / ``metadata_of``, the
 ``Manifest``), counts objects, requests and bytes, and plans a resharding load into a different
-layout with the real load-side code (``Manifest.loads``, ``zarrckpt.fetch.plan_fetches``).
+layout with the real load-side code (``Manifest.loads``, ``zarrckpt.plan.fetch.plan_fetches``).
 Finally it predicts save and load times from stated bandwidth and request-rate assumptions.
 """
 
@@ -44,18 +44,20 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
-from zarrckpt import fanout, integrity
-from zarrckpt.api import target_boxes
-from zarrckpt.dtypes import storage_dtype
-from zarrckpt.fetch import Request, plan_fetches
-from zarrckpt.format import ArrayMeta, Manifest, group_paths
-from zarrckpt.keys import flat_key, iter_leaves
-from zarrckpt.layout import Box, Shape
-from zarrckpt.localstate import collect
-from zarrckpt.plan import DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_TENSOR_BYTES, ZarrSavePlan, build_save_plan
-from zarrckpt.rankdesc import RankDescription
-from zarrckpt.shard import ShardLayout, chunks_per_shard
-from zarrckpt.storecaps import OBJECT_STORE, ReadCaps
+from zarrckpt.format import integrity
+from zarrckpt.format.array import ArrayMeta
+from zarrckpt.format.dtypes import storage_dtype
+from zarrckpt.format.keys import flat_key, iter_leaves
+from zarrckpt.format.layout import Box, Shape
+from zarrckpt.format.manifest import Manifest, group_paths
+from zarrckpt.format.shard import ShardLayout, chunks_per_shard
+from zarrckpt.plan import fanout
+from zarrckpt.plan.fetch import Request, plan_fetches
+from zarrckpt.plan.localstate import collect
+from zarrckpt.plan.rankdesc import RankDescription
+from zarrckpt.plan.save import DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_TENSOR_BYTES, ZarrSavePlan, build_save_plan
+from zarrckpt.plan.targets import target_boxes
+from zarrckpt.storage.caps import OBJECT_STORE, ReadCaps
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scale_dcp import DcpLayout, DcpSave
@@ -414,7 +416,7 @@ class LoadCounts:
     plain_bytes: int
 
 
-NO_READ_THROUGH = replace(OBJECT_STORE, read_through_bytes=0)  # fanned-out items (zarrckpt.fanread)
+NO_READ_THROUGH = replace(OBJECT_STORE, read_through_bytes=0)  # fanned-out items (zarrckpt.engine.fanread)
 
 
 def _fetches(reqs: Sequence[Request], caps: ReadCaps) -> tuple[int, int, int]:
@@ -426,7 +428,7 @@ def _fetches(reqs: Sequence[Request], caps: ReadCaps) -> tuple[int, int, int]:
 def _array_infos(manifest: Manifest) -> tuple[dict[str, int], list[fanout.ArrayInfo]]:
     keys = sorted(manifest.arrays)
     infos = []
-    for key in keys:  # as zarrckpt.fanread builds them
+    for key in keys:  # as zarrckpt.engine.fanread builds them
         m = manifest.arrays[key]
         infos.append(fanout.ArrayInfo(m.shape, m.shard_shape, m.chunk_shape, m.itemsize, m.constant is not None))
     return {k: n for n, k in enumerate(keys)}, infos
@@ -435,7 +437,7 @@ def _array_infos(manifest: Manifest) -> tuple[dict[str, int], list[fanout.ArrayI
 def _fanned_reads(
     plan: fanout.FanOutPlan, rank: int, reqs: Sequence[Request], metas: Sequence[ArrayMeta]
 ) -> list[tuple[list[Request], ReadCaps]]:
-    """The read calls ``zarrckpt.fanread.read_shared`` makes on ``rank``: (requests, caps) each."""
+    """The read calls ``zarrckpt.engine.fanread.read_shared`` makes on ``rank``: (requests, caps) each."""
     own = [reqs[i] for i in plan.solo[rank]]
     if plan.solo_parts:
         own += [Request(reqs[i].meta, box, _nowhere(reqs[i].meta, box)) for i, box in plan.solo_parts[rank]]

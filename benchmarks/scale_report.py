@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from zarrckpt.plan import DEFAULT_SMALL_TENSOR_BYTES
-from zarrckpt.storecaps import OBJECT_REQUEST_BYTES, READ_THROUGH_BYTES
+from zarrckpt.plan.save import DEFAULT_SMALL_TENSOR_BYTES
+from zarrckpt.storage.caps import OBJECT_REQUEST_BYTES, READ_THROUGH_BYTES
 
 GB = 1e9
 GiB = 2**30
@@ -35,7 +35,7 @@ class Assumptions:
     ranks_per_node: int = 8
     node_bandwidth: float = 10 * GB  # bytes/s per node to (or from) the object store
     latency: float = 0.030  # seconds to first byte of one request
-    in_flight: int = 16  # requests in flight per rank (zarrckpt.storecaps.REMOTE_CONCURRENCY)
+    in_flight: int = 16  # requests in flight per rank (zarrckpt.storage.caps.REMOTE_CONCURRENCY)
     put_rate: float = 3500.0  # PUT/s that one S3 prefix partition sustains
     get_rate: float = 5500.0  # GET/s that one S3 prefix partition sustains
     exchange_bandwidth: float = 25 * GB  # bytes/s per node between ranks (a 200 Gb/s NIC; fan-out's transfers)
@@ -245,10 +245,10 @@ def render(r: Results) -> str:
         "## Loading into a different layout (resharding)",
         "",
         "Each target rank builds its read requests from the manifest (as `zarrckpt.load` does); the real "
-        "`zarrckpt.fanout.plan` runs on every rank's requests (the load's default, `fan_out=True`: a shard object "
+        "`zarrckpt.plan.fanout.plan` runs on every rank's requests (the load's default, `fan_out=True`: a shard object "
         "that several ranks need parts of in pieces is read once, by one of them, who sends each the rest), and "
         "each rank plans its read calls (its own requests, then what it reads in each round) "
-        "with the real `zarrckpt.fetch.plan_fetches` (object-store capabilities): one GET per planned fetch (the "
+        "with the real `zarrckpt.plan.fetch.plan_fetches` (object-store capabilities): one GET per planned fetch (the "
         f"whole object in one GET when it is <= {_mib(OBJECT_REQUEST_BYTES)} MiB and all of it is needed, or when "
         "it is <= 1 MiB; else its index plus one ranged GET per run of needed inner chunks, a gap of at most "
         f"{_mib(READ_THROUGH_BYTES)} MiB between two needed chunks read through, <= "

@@ -71,7 +71,7 @@ def worker(scenario: str, root: str, step: int, variant: int) -> None:
         manager.save(step, state(variant))
         manager.close()
     elif scenario == "gc":
-        from zarrckpt import cli
+        from zarrckpt.cli import commands as cli
 
         cli.main(["gc", root, "--grace", "0"])
     elif scenario == "race":
@@ -123,17 +123,17 @@ def _setup(scenario: str, root: Path, step: int) -> dict[str, set[int]]:
     if scenario == "overwrite":
         zarrckpt.save(state(step), str(root / name(step)), chunk_bytes=CHUNK_BYTES)
     if scenario == "gc":  # leftovers to collect: a save that died, and a deletion that died
-        from zarrckpt import commit
-        from zarrckpt.storage import Storage
+        from zarrckpt.engine import markers
+        from zarrckpt.storage.store import Storage
 
         for leftover, deleting in ((step, False), (step + 1, True)):
             s = Storage(str(root / name(leftover)))
             zarrckpt.save(state(leftover), s.url, chunk_bytes=CHUNK_BYTES)
             if deleting:
-                s.write(".zarrckpt-deleting.json", [json.dumps(commit.marker_doc("")).encode()])
+                s.write(".zarrckpt-deleting.json", [json.dumps(markers.marker_doc("")).encode()])
             else:
                 s.delete("zarr.json")
-                s.write(".zarrckpt-pending.json", [json.dumps(commit.marker_doc("died")).encode()])
+                s.write(".zarrckpt-pending.json", [json.dumps(markers.marker_doc("died")).encode()])
     allowed.setdefault(name(step), set()).update({step + 100} if scenario != "overwrite" else {step, step + 100})
     return allowed
 

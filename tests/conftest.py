@@ -7,15 +7,7 @@ import uuid
 import pytest
 
 from zarrckpt import testing
-from zarrckpt.testing import (
-    RequestLog,
-    S3Server,
-    gcs,  # sets GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false before gcsfs is imported
-    remove_tree,
-    rgw,
-    s3_storage_options,
-    unique_url,
-)
+from zarrckpt.testing import RequestLog, S3Server, gcs, remove_tree, rgw, s3_storage_options, unique_url
 
 
 @pytest.fixture(scope="session")

@@ -133,6 +133,7 @@ def test_check_staging_catches_a_step_before_wait_staged(
     with pytest.raises(zarrckpt.ZarrckptError, match="nothing was committed") as err:
         finish()
     assert "'model.w2' changed before it was staged" in str(err.value.__cause__)
+    assert "'model.w2' changed before it was staged" in str(err.value), "the save's own error says what was found"
     with pytest.raises(zarrckpt.IncompleteCheckpointError):
         zarrckpt.load(_state(0.0), tmp_path / "ck")
 

@@ -18,14 +18,19 @@ import pytest
 import torch
 
 import zarrckpt
-from zarrckpt import cli, clitensors, display, export
-from zarrckpt import commit as protocol
+from zarrckpt import display
+from zarrckpt.cli import commands as cli
+from zarrckpt.cli import tensors as clitensors
+from zarrckpt.convert import export
 from zarrckpt.display import human
-from zarrckpt.format import DELETING, HEAD_BYTES, MANIFEST, Manifest, ManifestHead
-from zarrckpt.jsondoc import Unsettled
-from zarrckpt.storage import Storage
+from zarrckpt.engine import commit as protocol
+from zarrckpt.engine import markers
+from zarrckpt.format.jsondoc import Unsettled
+from zarrckpt.format.manifest import DELETING, HEAD_BYTES, MANIFEST, Manifest, ManifestHead
+from zarrckpt.storage.store import Storage
 from zarrckpt.testing import RequestLog
 
+CHECKOUT = Path(zarrckpt.__file__).parents[1]  # the directory holding this checkout's zarrckpt package
 G = torch.Generator().manual_seed(11)
 EXPERTS = torch.randn(8, 6, 10, generator=G)
 BF = torch.randn(7, 5, generator=G).bfloat16()
@@ -240,7 +245,7 @@ def test_storage_option_parsing() -> None:
 
 @pytest.mark.slow
 def test_module_entry_point(url: str) -> None:
-    env = {**os.environ, "PYTHONPATH": str(Path(cli.__file__).parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(CHECKOUT)}
     proc = subprocess.run(
         [sys.executable, "-m", "zarrckpt.cli", "ls", url, "--json", "model.*"],
         capture_output=True,
@@ -254,7 +259,7 @@ def test_module_entry_point(url: str) -> None:
 
 def python(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """Run ``code`` in a fresh interpreter that imports this checkout's zarrckpt."""
-    env = {**os.environ, "PYTHONPATH": str(Path(cli.__file__).parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(CHECKOUT)}
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -316,8 +321,8 @@ print(arr.dtype, arr.shape)
 
 
 def test_cli_constants_match_the_library() -> None:
-    from zarrckpt.export import DEFAULT_MAX_SHARD_BYTES, parse_size
-    from zarrckpt.importer import SOURCE_KINDS
+    from zarrckpt.convert.export import DEFAULT_MAX_SHARD_BYTES, parse_size
+    from zarrckpt.convert.importer import SOURCE_KINDS
 
     assert cli.IMPORT_KINDS == SOURCE_KINDS
     assert parse_size(cli.DEFAULT_SHARD_SIZE) == DEFAULT_MAX_SHARD_BYTES
@@ -335,7 +340,7 @@ def test_ls_root_lists_checkpoints(tmp_path: Path, capsys: pytest.CaptureFixture
     died.write("model/bf/c/0/0", [b"partial"])
     deleting = Storage(str(root / "step_0000000005"))  # a deletion that died half-way
     zarrckpt.save(state(), deleting.url)
-    deleting.write(DELETING, [json.dumps(protocol.marker_doc("gone")).encode()])
+    deleting.write(DELETING, [json.dumps(markers.marker_doc("gone")).encode()])
     deleting.delete(MANIFEST)
     (root / "notes").mkdir()
     (root / "notes" / "readme.txt").write_text("not a checkpoint")
@@ -446,7 +451,7 @@ def test_manifest_head_parses_as_the_whole_manifest_does() -> None:
 
 
 def test_json_into_a_closed_pipe_exits_quietly(url: str, tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(Path(cli.__file__).parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(CHECKOUT)}
     read_end, write_end = os.pipe()
     os.close(read_end)  # nobody will read: every write fails with EPIPE
     try:
@@ -476,7 +481,7 @@ def test_json_into_a_closed_pipe_exits_quietly(url: str, tmp_path: Path) -> None
 
 
 def test_progress_only_on_a_terminal(url: str, tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(Path(cli.__file__).parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(CHECKOUT)}
     cmd = [sys.executable, "-m", "zarrckpt.cli"]
 
     def stderr_of(*argv: str) -> str:
@@ -573,7 +578,7 @@ def test_diff_tolerance(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_python_dash_m_zarrckpt(url: str) -> None:
-    env = {**os.environ, "PYTHONPATH": str(Path(cli.__file__).parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(CHECKOUT)}
 
     def run_m(*argv: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=60, env=env)
@@ -586,3 +591,19 @@ def test_python_dash_m_zarrckpt(url: str) -> None:
     assert helps[0].stdout.startswith("usage: zarrckpt ")
     proc = run_m("-m", "zarrckpt", "info", url + "-missing")
     assert proc.returncode == 3 and proc.stderr.startswith("error: no checkpoint at")
+
+
+def test_help_imports_neither_numpy_nor_fsspec() -> None:
+    """``zarrckpt --help`` starts in about 0.1 s of CPU: nothing heavy is imported for it."""
+    code = """
+import sys
+from zarrckpt.cli import commands
+try:
+    commands.main(["--help"])
+except SystemExit as e:
+    assert e.code == 0
+heavy = sorted(m for m in ("numpy", "fsspec", "torch", "zarr") if m in sys.modules)
+assert not heavy, f"imported: {heavy}"
+"""
+    proc = python(code)
+    assert proc.returncode == 0, proc.stderr

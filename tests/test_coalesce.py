@@ -13,13 +13,13 @@ import torch
 import zarr
 
 import zarrckpt
-from zarrckpt.coalesce import _assemble
-from zarrckpt.coarsen import Gather
+from zarrckpt.engine.exchange import _assemble
 from zarrckpt.errors import ZarrckptError
-from zarrckpt.layout import Box
-from zarrckpt.localstate import LocalState, LocalTensor
-from zarrckpt.plan import DEFAULT_SMALL_TENSOR_BYTES, build_save_plan
-from zarrckpt.rankdesc import RankDescription, TensorSpec
+from zarrckpt.format.layout import Box
+from zarrckpt.plan.coarsen import Gather
+from zarrckpt.plan.localstate import LocalState, LocalTensor
+from zarrckpt.plan.rankdesc import RankDescription, TensorSpec
+from zarrckpt.plan.save import DEFAULT_SMALL_TENSOR_BYTES, build_save_plan
 from zarrckpt.testing import RequestLog, spawn
 from zarrckpt.types import ArrayKind
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import zarrckpt
-from zarrckpt import fill
 from zarrckpt.errors import ModifiedCheckpointError
+from zarrckpt.format import fill
 from zarrckpt.testing import RequestLog, spawn
 
 zarr = pytest.importorskip("zarr")
@@ -149,7 +149,7 @@ def test_a_chunk_a_peer_adds_is_reported(tmp_path: Path, key: str) -> None:
     problems = zarrckpt.open(root).verify()["problems"]
     assert len(problems) == 1 and "constant array" in problems[0] and "another writer" in problems[0]
     with pytest.raises(ModifiedCheckpointError, match="written after commit"):
-        from zarrckpt.reader import verify_array
+        from zarrckpt.engine.verify import verify_array
 
         ckpt = zarrckpt.open(root)
         verify_array(ckpt.storage, ckpt.manifest.arrays[key])

@@ -3,7 +3,7 @@
 Each scenario saves the same state through both storages and loads it back the same way; the
 loaded states must be bit-identical (tensors: dtype, shape and bytes; values: type and value),
 or both runs must fail with the same exception type. The only difference allowed is the one
-documented in the README: an object of an arbitrary class is refused without ``allow_pickle``.
+documented in docs/usage.md: an object of an arbitrary class is refused without ``allow_pickle``.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 import zarrckpt
 import zarrckpt.dcp
+from zarrckpt.errors import causes
 from zarrckpt.testing import spawn
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -322,7 +323,7 @@ def _save_uneven_parts(rank: int, world: int, root: str) -> None:
 
 @pytest.mark.slow
 def test_storage_data_of_several_parts_per_rank(tmp_path: Path) -> None:
-    """Parts that no regular grid fits are stored on a finer one (README): the metadata lists its
+    """Parts that no regular grid fits are stored on a finer one (docs/usage.md): the metadata lists its
     shards as the chunks, storage_data names each shard object, and every load gives DCP's result."""
     spawn(2, _save_uneven_parts, str(tmp_path))
     want, md = FileSystemReader(tmp_path / "fs").read_metadata(), zarrckpt.ZarrReader(tmp_path / "zarr").read_metadata()
@@ -488,8 +489,13 @@ def test_writer_defaults_and_contracts(tmp_path: Path) -> None:
     assert not zarrckpt.ZarrReader.validate_checkpoint_id(str(tmp_path)), "no checkpoint there"
     for obj in (zarrckpt.ZarrWriter(url), zarrckpt.ZarrReader(url)):
         assert pickle.loads(pickle.dumps(obj)).storage.url == url
-    with pytest.raises(BaseException, match="already exists"):
+    dcp.save({"w": _x()}, storage_writer=FileSystemWriter(tmp_path / "fs"))  # the oracle: DCP's own wording
+    with pytest.raises(BaseException, match=r".*Checkpoint already exists.*") as oracle:
+        dcp.save({"w": _x()}, storage_writer=FileSystemWriter(tmp_path / "fs", overwrite=False))
+    with pytest.raises(BaseException, match=r".*Checkpoint already exists.*") as ours:
         dcp.save({"w": _x()}, storage_writer=zarrckpt.ZarrWriter(url, overwrite=False))
+    assert type(oracle.value) is type(ours.value)  # both wrapped in DCP's CheckpointException
+    assert any(isinstance(e, zarrckpt.CheckpointExistsError) for e in causes(ours.value)), "our type, inside"
 
 
 @pytest.mark.parametrize("mode", ["THREAD", "PROCESS"])

@@ -20,10 +20,10 @@ from safetensors.torch import load_file, save_file
 from states import SPECS, global_tensor, mixed_state
 
 import zarrckpt
-from zarrckpt import cli
-from zarrckpt.export import export_safetensors, parse_size
-from zarrckpt.importer import detect_kind, import_checkpoint
-from zarrckpt.keys import flat_key, iter_leaves
+from zarrckpt.cli import commands as cli
+from zarrckpt.convert.export import export_safetensors, parse_size
+from zarrckpt.convert.importer import detect_kind, import_checkpoint
+from zarrckpt.format.keys import flat_key, iter_leaves
 from zarrckpt.testing import spawn
 
 G = torch.Generator().manual_seed(5)

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import zarrckpt
-from zarrckpt import fanout
-from zarrckpt.fanout import ArrayInfo, FanOutPlan
-from zarrckpt.layout import Box, cell_box, cells_in
+from zarrckpt.format.layout import Box, cell_box, cells_in
+from zarrckpt.plan import fanout
+from zarrckpt.plan.fanout import ArrayInfo, FanOutPlan
 from zarrckpt.testing import RequestLog, spawn
 
 Wants = list[list[tuple[int, Box]]]
@@ -30,7 +30,7 @@ Wants = list[list[tuple[int, Box]]]
 
 def _chunks_read(info: ArrayInfo, region: Box, whole: int) -> set[tuple[int, ...]]:
     """The inner chunks a read of ``region`` fetches: those it touches, and all of each shard no
-    larger than ``whole`` bytes that it touches (read whole, as zarrckpt.fetch does)."""
+    larger than ``whole`` bytes that it touches (read whole, as zarrckpt.plan.fetch does)."""
     out = set(cells_in(region, info.chunk_shape))
     for shard in cells_in(region, info.shard_shape):
         cell = cell_box(shard, info.shard_shape, info.shape)

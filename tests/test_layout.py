@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from zarrckpt.errors import CorruptChunkError, InvalidKeyError
-from zarrckpt.keys import flat_key, infer_role, iter_leaves, key_to_path, validate_keys
-from zarrckpt.layout import (
+from zarrckpt.format.keys import flat_key, infer_role, iter_leaves, key_to_path, validate_keys
+from zarrckpt.format.layout import (
     Box,
     Claim,
     cell_box,
@@ -24,7 +24,7 @@ from zarrckpt.layout import (
     inner_chunk_shape,
     shard_shape_for,
 )
-from zarrckpt.shard import (
+from zarrckpt.format.shard import (
     EMPTY,
     chunk_indices,
     chunks_per_shard,

@@ -18,12 +18,12 @@ import pytest
 import torch
 
 import zarrckpt
-import zarrckpt.storage as storage_module
 from zarrckpt.errors import CorruptChunkError, ModifiedCheckpointError
-from zarrckpt.fetch import Request, plan_fetches
-from zarrckpt.format import ArrayMeta
-from zarrckpt.layout import Box
-from zarrckpt.storecaps import LOCAL_FILES, OBJECT_STORE
+from zarrckpt.format.array import ArrayMeta
+from zarrckpt.format.layout import Box
+from zarrckpt.plan.fetch import Request, plan_fetches
+from zarrckpt.storage.caps import LOCAL_FILES, OBJECT_STORE
+from zarrckpt.storage.remote import RemoteBackend
 from zarrckpt.testing import RequestLog
 
 ROWS, COLS = 512, 1024
@@ -70,16 +70,23 @@ def test_plan_reads_a_pieces_crc32c_instead_of_the_index_when_that_saves_a_reque
     assert _plan(meta, 100) == [(start, _chunk_start(2), False, (1,))]
 
 
-def test_plan_keeps_the_index_when_the_crc32c_is_far_or_unrecorded_or_local() -> None:
-    big = _meta(256, committed=True)  # 1 MiB chunks: row 300 lies 844 KiB before its chunk's crc32c
-    head = 16 * 2 + 4
-    piece = head + (256 * ROW + 4) + 44 * ROW
-    want = [(0, head, True, ()), (piece, piece + 20, False, ())]
-    assert _plan(big, 300) == want
-    assert _plan(_meta(CHUNK_ROWS, committed=False), 100)[0] == (0, HEAD, True, ())  # no commit record
-    assert _plan(_meta(CHUNK_ROWS, committed=True), 100, LOCAL_FILES)[0] == (0, HEAD, True, ())
-    # near the index: it is folded into the one read
-    assert _plan(_meta(CHUNK_ROWS, committed=True), 3) == [(0, HEAD + 3 * ROW + 20, True, ())]
+def test_plan_reads_through_to_a_far_crc32c_keeps_the_index_only_without_the_record() -> None:
+    """A partly read chunk always comes with a proof that it is the committed chunk: its stored crc32c
+    read through in the same GET, however far (the index cannot tell two shards of one layout apart);
+    read whole when the first needed byte lies in its first half; the index only without a record;
+    on local files, whole and verified."""
+    big = _meta(256, committed=True)  # 1 MiB chunks
+    head, chunk = 16 * 2 + 4, 256 * ROW + 4
+    assert _plan(big, 300) == [(head + chunk, head + 2 * chunk, False, ())]  # row 44 of chunk 1: read whole
+    far = head + chunk + 194 * ROW  # row 450, row 194 of chunk 1: 248 KiB before its crc32c
+    assert _plan(big, 450) == [(far, head + 2 * chunk, False, (1,))]
+    assert _plan(_meta(CHUNK_ROWS, committed=False), 100) == [  # no commit record: the index proves the layout
+        (0, HEAD, True, ()),
+        (_chunk_start(1) + 36 * ROW, _chunk_start(1) + 36 * ROW + 20, False, ()),
+    ]
+    local = _plan(_meta(CHUNK_ROWS, committed=True), 100, LOCAL_FILES)
+    assert local == [(0, HEAD, True, ()), (_chunk_start(1), _chunk_start(2), False, ())]  # chunk 1 whole
+    assert _plan(_meta(CHUNK_ROWS, committed=True), 3) == [(_chunk_start(0), _chunk_start(1), False, ())]
 
 
 # --- at the server ---
@@ -204,7 +211,7 @@ def test_a_load_gets_one_request_per_run_past_the_gap(
 ) -> None:
     """With gaps wider than READ_THROUGH_BYTES (made small here), each run is a ranged GET of its own:
     16 GETs, no index GET, exactly the needed chunks' bytes."""
-    monkeypatch.setattr(storage_module, "OBJECT_STORE", replace(OBJECT_STORE, read_through_bytes=64 * 1024))
+    monkeypatch.setattr(RemoteBackend, "caps", replace(OBJECT_STORE, read_through_bytes=64 * 1024))
     url, opts = s3_url
     rows, cols = 16, 65536
     full = _save_rows(url, opts, rows, cols)
@@ -265,10 +272,10 @@ def test_local_files_never_read_through_a_gap() -> None:
 def test_partly_needed_chunks_that_arrive_whole_are_checked(
     s3_url: tuple[str, dict[str, Any]], s3_requests: RequestLog
 ) -> None:
-    """Row 10 of each of 8 experts (``e[:, 10, :5]``, one 256 KiB inner chunk per expert): the
-    pieces lie less than RANGE_MERGE_GAP apart, so one GET from the index to expert 7's row;
-    experts 0-6 arrive whole in it and are checked by their crc32c, so a flipped byte in expert 3,
-    outside the rows read, is an error rather than unread."""
+    """Row 10 of each of 8 experts (``e[:, 10, :5]``, one 256 KiB inner chunk per expert): each
+    row lies in the first half of its chunk, so every chunk is read whole (here the whole shard
+    object, in one GET) and checked by its crc32c: a flipped byte in expert 3, outside the rows
+    read, is an error rather than unread."""
     url, opts = s3_url
     experts = torch.arange(8 * 64 * 1024, dtype=torch.float32).reshape(8, 64, 1024)
     zarrckpt.save({"e": experts}, url, storage_options=opts)
@@ -278,7 +285,7 @@ def test_partly_needed_chunks_that_arrive_whole_are_checked(
     s3_requests.clear()
     assert torch.equal(view[:, 10, :5], experts[:, 10, :5])
     shard = [(r.kind, r.range) for r in s3_requests.requests(url) if r.path.endswith("/e/c/0/0/0")]
-    assert shard == [("GET", f"bytes=0-{head + 7 * chunk + 10 * ROW + 20 - 1}")]
+    assert shard == [("GET", "bytes=0-")]
     fs, root = fsspec.core.url_to_fs(url, **opts)
     raw = bytearray(fs.cat_file(f"{root}/e/c/0/0/0"))
     raw[head + 3 * chunk + 20 * ROW] ^= 0xFF

@@ -19,10 +19,11 @@ import torch
 import torch.distributed as dist
 
 import zarrckpt
-from zarrckpt import cli
-from zarrckpt import commit as protocol
-from zarrckpt.format import DELETING, MANIFEST, PENDING, Manifest
-from zarrckpt.storage import Storage
+from zarrckpt.cli import commands as cli
+from zarrckpt.engine import commit as protocol
+from zarrckpt.engine import markers
+from zarrckpt.format.manifest import DELETING, MANIFEST, PENDING, Manifest
+from zarrckpt.storage.store import Storage
 from zarrckpt.testing import spawn
 
 RAMP = torch.arange(32 * 16, dtype=torch.float32).reshape(32, 16)  # so no tensor is a constant array (no shards)
@@ -178,6 +179,25 @@ def test_wait_and_close_raise_a_failed_async_save(tmp_path: Path) -> None:
     assert manager.steps() == [4]
 
 
+@pytest.mark.parametrize("use_async", [True, False])
+def test_a_save_that_failed_in_this_process_is_taken_over_at_once(tmp_path: Path, use_async: bool) -> None:
+    """Its heartbeat stopped with the failure; the next save here need not wait out the lease."""
+    from zarrckpt.lifecycle import await_dead_save
+
+    root = tmp_path / "run"
+    opts = _full_disk(root, 5)
+    manager = zarrckpt.CheckpointManager(
+        f"faulty://{root}", interval=1, keep_last=1, async_save=use_async, storage_options=opts
+    )
+    with pytest.raises(zarrckpt.CheckpointSaveError, match="step 5"):
+        manager.save(5, _state(5.0))
+        manager.wait()
+    assert zarrckpt.list_checkpoints(str(root)) == {"step_0000000005": "incomplete"}
+    why = await_dead_save(manager.url(5), storage_options=opts, timeout=0)
+    assert why == "it failed in this process, which abandoned it"
+    manager.close()
+
+
 def test_manager_never_overwrites(tmp_path: Path) -> None:
     manager = zarrckpt.CheckpointManager(str(tmp_path / "run"), interval=1, keep_last=3, async_save=False)
     manager.save(1, _state(1.0))
@@ -228,7 +248,7 @@ def test_markers_carry_time_and_writer(tmp_path: Path) -> None:
     save_id = protocol.prepare(s, overwrite=False)
     doc = json.loads((tmp_path / "ck" / PENDING).read_text())
     assert doc["save_id"] == save_id and doc["writer"]["pid"] == os.getpid() and doc["writer"]["host"]
-    assert 0 <= protocol.age_seconds(doc) < 60  # type: ignore[operator]
+    assert 0 <= markers.age_seconds(doc) < 60  # type: ignore[operator]
 
 
 def test_gc_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -330,7 +350,7 @@ def test_create_only_on_s3(s3_url: tuple[str, dict[str, Any]]) -> None:
 
 
 def test_gcs_emulator_ignores_create_only(gcs_url: tuple[str, dict[str, Any]]) -> None:
-    """A fact docs/FORMAT.md and the README state: real GCS honours ``ifGenerationMatch=0``; the emulator does
+    """A fact docs/FORMAT.md and docs/lifecycle.md state: real GCS honours ``ifGenerationMatch=0``; the emulator does
     not, so on it two racing commits can both succeed. If this starts failing, the emulator learnt it: update them."""
     url, opts = gcs_url
     fs, path = fsspec.core.url_to_fs(url, **opts)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from zarrckpt.plan import DEFAULT_CHUNK_BYTES
-from zarrckpt.storecaps import LOCAL_WRITE_CONCURRENCY
+from zarrckpt.plan.save import DEFAULT_CHUNK_BYTES
+from zarrckpt.storage.caps import LOCAL_WRITE_CONCURRENCY
 
 MiB = 1 << 20
 SLACK = 48 * MiB  # allocator and interpreter noise, measured well below this

@@ -15,8 +15,8 @@ import torch.distributed.checkpoint as dcp
 
 import zarrckpt
 from zarrckpt.errors import SaveLayoutError
-from zarrckpt.layout import Box
-from zarrckpt.rankdesc import RankDescription, TensorSpec
+from zarrckpt.format.layout import Box
+from zarrckpt.plan.rankdesc import RankDescription, TensorSpec
 from zarrckpt.testing import spawn
 from zarrckpt.types import ArrayKind
 

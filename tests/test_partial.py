@@ -12,14 +12,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from zarrckpt import fetch
+from zarrckpt.engine.reader import Request, read_regions
 from zarrckpt.errors import CorruptChunkError
-from zarrckpt.format import ArrayMeta
-from zarrckpt.layout import Box, cell_box, cells_in
-from zarrckpt.partial import chunk_ranges, coalesce
-from zarrckpt.reader import Request, read_regions
-from zarrckpt.shard import encode_shard
-from zarrckpt.storage import Storage
+from zarrckpt.format.array import ArrayMeta
+from zarrckpt.format.layout import Box, cell_box, cells_in
+from zarrckpt.format.shard import encode_shard
+from zarrckpt.plan import fetch
+from zarrckpt.plan.ranges import chunk_ranges, merge_ranges
+from zarrckpt.storage.store import Storage
 
 
 @st.composite
@@ -76,9 +76,9 @@ def test_chunk_ranges_examples() -> None:
     st.integers(1, 100),
 )
 @settings(max_examples=300, deadline=None)
-def test_coalesce(raw: list[tuple[int, int]], gap: int, max_bytes: int) -> None:
+def test_merge_ranges(raw: list[tuple[int, int]], gap: int, max_bytes: int) -> None:
     ranges = [(s, s + n) for s, n in raw]
-    spans = coalesce(ranges, gap, max_bytes)
+    spans = merge_ranges(ranges, gap, max_bytes)
     assert sorted(i for _, _, members in spans for i in members) == list(range(len(ranges)))
     for start, end, members in spans:
         assert start == min(ranges[i][0] for i in members) and end == max(ranges[i][1] for i in members)
@@ -92,9 +92,9 @@ def test_coalesce(raw: list[tuple[int, int]], gap: int, max_bytes: int) -> None:
         first = ranges[members[0]]
         assert nxt >= end  # disjoint and sorted
         assert nxt - end > gap or max(end, first[1]) - start > max_bytes  # split for the gap or for the size
-    assert coalesce([(0, 4), (6, 9), (40, 41)], 2, 100) == [(0, 9, [0, 1]), (40, 41, [2])]
-    assert coalesce([(0, 4), (6, 9)], 2, 8) == [(0, 4, [0]), (6, 9, [1])]
-    assert coalesce([(5, 9), (0, 20)], 0, 4) == [(0, 20, [1, 0])]
+    assert merge_ranges([(0, 4), (6, 9), (40, 41)], 2, 100) == [(0, 9, [0, 1]), (40, 41, [2])]
+    assert merge_ranges([(0, 4), (6, 9)], 2, 8) == [(0, 4, [0]), (6, 9, [1])]
+    assert merge_ranges([(5, 9), (0, 20)], 0, 4) == [(0, 20, [1, 0])]
 
 
 # -- the reader: any layout (edge shards, several chunks per shard), any box, partial vs whole -------
@@ -137,28 +137,33 @@ def test_partial_reads_match_numpy(monkeypatch: pytest.MonkeyPatch, case: Any, d
 
 
 def test_whole_chunks_stay_verified_partial_ones_cannot_be(tmp_path: Any) -> None:
-    """Rows 0:4 of 9, chunks of 3: chunk 0 is read whole (and verified), chunk 1 only for row 3."""
+    """Rows 0:4 of 9, chunks of 3, on an object store without a commit record: chunk 0 is read whole
+    (and verified), chunk 1 only for row 3, proven by the index alone. On local files a partly
+    needed chunk is read whole, so the same flip is caught there."""
     full = np.arange(9, dtype="float32")
-    storage = Storage(str(tmp_path / "ck"))
     meta = ArrayMeta("w", (9,), "float32", (9,), (3,))
-    storage.write(meta.shard_path((0,)), encode_shard(full, (9,), (3,)))
     head = 16 * 3 + 4
 
-    def read(partial: bool) -> tuple[int, np.ndarray]:
+    def read(storage: Storage, partial: bool) -> tuple[int, np.ndarray]:
         dest = np.empty(4, "float32")
         return read_regions(storage, [Request(meta, Box((0,), (4,)), dest)], partial=partial), dest
 
-    assert read(True)[0] == head + 16 + 4  # one read: the index, chunk 0 + its crc, row 3
-    assert read(False)[0] == head + 2 * 16
-    assert np.array_equal(read(True)[1], full[:4])
-    path = tmp_path / "ck" / "w" / "c" / "0"
-    raw = bytearray(path.read_bytes())
+    remote, local = Storage(f"memory://{uuid.uuid4().hex}"), Storage(str(tmp_path / "ck"))
+    raw = bytearray(b"".join(bytes(p) for p in encode_shard(full, (9,), (3,))))
+    for storage in (remote, local):
+        storage.write(meta.shard_path((0,)), [bytes(raw)])
+    assert read(remote, True)[0] == head + 16 + 4  # one read: the index, chunk 0 + its crc, row 3
+    assert read(remote, False)[0] == head + 3 * 16  # a small object: one GET of all of it
+    assert read(local, True)[0] == head + 2 * 16  # local files: chunk 1 whole too
+    assert np.array_equal(read(remote, True)[1], full[:4])
     raw[head + 16 + 8] ^= 0xFF  # row 5: in chunk 1, but not a byte the partial read fetches
-    path.write_bytes(bytes(raw))
-    assert np.array_equal(read(True)[1], full[:4])  # undetected: a partial read cannot check chunk 1's crc
-    with pytest.raises(CorruptChunkError, match=r"inner chunk \[1\].*crc32c"):
-        read(False)
+    for storage in (remote, local):
+        storage.write(meta.shard_path((0,)), [bytes(raw)])
+    assert np.array_equal(read(remote, True)[1], full[:4])  # undetected: a partial read cannot check chunk 1's crc
+    for storage, partial in ((remote, False), (local, True), (local, False)):
+        with pytest.raises(CorruptChunkError, match=r"inner chunk \[1\].*crc32c"):
+            read(storage, partial)
     raw[head + 4] ^= 0xFF  # row 1, in chunk 0: read whole, so verified even with partial reads
-    path.write_bytes(bytes(raw))
+    remote.write(meta.shard_path((0,)), [bytes(raw)])
     with pytest.raises(CorruptChunkError, match=r"inner chunk \[0\].*crc32c"):
-        read(True)
+        read(remote, True)

@@ -71,7 +71,7 @@ def test_an_empty_optimizer_target_is_an_error(tmp_path: Path, strict: bool) -> 
     model(torch.ones(1, 3)).sum().backward()
     optim.step()
     zarrckpt.save({"model": model.state_dict(), "optim": optim.state_dict()}, url)
-    fresh = torch.optim.AdamW(model.parameters())  # the README recipe's mistake: no moments yet
+    fresh = torch.optim.AdamW(model.parameters())  # the FSDP2 recipe's mistake (docs/usage.md): no moments yet
     target = {"model": model.state_dict(), "optim": fresh.state_dict()}
     with pytest.raises(zarrckpt.LayoutMismatchError) as err:
         zarrckpt.load(target, url, strict=strict)

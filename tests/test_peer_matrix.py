@@ -12,7 +12,7 @@ Readers: zarr-python (in this process, and in a fresh one that never imports zar
 ``open_group`` + ``tree()``, consolidated and not), TensorStore ``zarr3``, zarrs-python's codec
 pipeline with ``strict=True`` (no fallback to zarr-python's codecs), xarray ``open_zarr`` per group.
 Every array is compared bit for bit with the tensors the ranks saved; where a reader cannot read an
-array, the exact failure is asserted (``CANNOT``), so the README's table changes only with a test.
+array, the exact failure is asserted (``CANNOT``), so docs/other-readers.md's table changes only with a test.
 """
 
 from __future__ import annotations
@@ -258,7 +258,7 @@ def _check_all(name: str, got: dict[str, Any], flat: dict[str, torch.Tensor], re
             assert not isinstance(result, BaseException), f"{reader} {name} {key}: {result!r}"
             _assert_same_bits(result, want, f"{reader} {name} {key}")
         else:
-            assert isinstance(result, BaseException), f"{reader} {name} {key} now reads: update CANNOT and README"
+            assert isinstance(result, BaseException), f"{reader} {name} {key} now reads: update CANNOT and the docs"
             why(result)
 
 
@@ -401,7 +401,7 @@ def _zarrs_open_errors(root: Path) -> set[str]:
     names the fill value (0.0, or a constant array's value) as a float."""
     import ml_dtypes
 
-    from zarrckpt import fill
+    from zarrckpt.format import fill
 
     meta = json.loads((root / "zarr.json").read_text())["consolidated_metadata"]["metadata"]
     out = set()

@@ -18,14 +18,15 @@ import pytest
 import torch
 
 import zarrckpt  # registers bfloat16 / float8 with zarr-python
-from zarrckpt import commit as protocol
-from zarrckpt import fill
-from zarrckpt.format import Manifest
-from zarrckpt.keys import nest
-from zarrckpt.localstate import collect
-from zarrckpt.plan import build_save_plan
-from zarrckpt.storage import Storage
-from zarrckpt.writer import write_metadata, write_rank
+from zarrckpt.engine import commit as protocol
+from zarrckpt.engine import markers
+from zarrckpt.engine.writer import write_metadata, write_rank
+from zarrckpt.format import fill
+from zarrckpt.format.keys import nest
+from zarrckpt.format.manifest import Manifest
+from zarrckpt.plan.localstate import collect
+from zarrckpt.plan.save import build_save_plan
+from zarrckpt.storage.store import Storage
 
 zarr = pytest.importorskip("zarr")
 ts = pytest.importorskip("tensorstore")
@@ -270,7 +271,7 @@ def _save_as_ranks(states: list[dict[str, Any]], url: Path, chunk_bytes: int) ->
         write_rank(storage, plan, loc, rank)
     for rank in range(len(local)):
         write_metadata(storage, plan.metadata_of(rank))
-    protocol.commit(storage, Manifest(save_id, plan.arrays, plan.values, plan.world_size, protocol.now(), "test"))
+    protocol.commit(storage, Manifest(save_id, plan.arrays, plan.values, plan.world_size, markers.now(), "test"))
 
 
 def _split(n: int, parts: int) -> list[tuple[int, int]]:

@@ -1,10 +1,10 @@
 """Recipes that cannot silently lose state, with real FSDP2 (``fully_shard``) and TP
 (``parallelize_module``) models and AdamW, through ``get_state_dict`` / ``set_state_dict`` on gloo ranks:
 
-- the README's FSDP2 quick start, run as it is written there: saved on 2 ranks, resumed on 4 and on 1;
+- the FSDP2 recipe of docs/usage.md, run as it is written there: saved on 2 ranks, resumed on 4 and on 1;
 - FSDP2 and dp x tp models with tied embeddings and a complex64 ``freqs_cis`` buffer: saved on 2 and
   4 ranks, loaded on 1, 2 and 4, 2-D into 1-D and back;
-- the README's table of what ``strict`` means, row by row, against ``dcp.load``.
+- docs/usage.md's table of what ``strict`` means, row by row, against ``dcp.load``.
 
 Loaded states are compared bit for bit with full state dicts gathered when saving
 (``StateDictOptions(full_state_dict=True)``) and stored with ``torch.save``, so the reference does not
@@ -34,16 +34,16 @@ from zarrckpt.testing import spawn
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+USAGE = Path(__file__).resolve().parent.parent / "docs" / "usage.md"
 RECIPE = "# zarrckpt: fsdp2-recipe"
 FULL = StateDictOptions(full_state_dict=True)
 
 
-def readme_block(marker: str) -> str:
-    """The README's one ```python block whose first line is ``marker``."""
-    blocks = re.findall(r"^```python\n(.*?)^```$", README.read_text(), re.S | re.M)
+def doc_block(marker: str) -> str:
+    """docs/usage.md's one ```python block whose first line is ``marker``."""
+    blocks = re.findall(r"^```python\n(.*?)^```$", USAGE.read_text(), re.S | re.M)
     found = [b for b in blocks if b.startswith(marker + "\n")]
-    assert len(found) == 1, f"README.md has {len(found)} python blocks starting with {marker!r}"
+    assert len(found) == 1, f"docs/usage.md has {len(found)} python blocks starting with {marker!r}"
     return found[0]
 
 
@@ -95,12 +95,12 @@ def _check(rank: int, got: dict[str, Any], want: dict[str, Any], what: str) -> N
     assert moments == {"exp_avg", "exp_avg_sq", "step"}, moments
 
 
-# --------------------------------------------------------------------------- the README recipe
+# --------------------------------------------------------------------------- the docs' FSDP2 recipe
 
 
 def _recipe(code: str) -> dict[str, Any]:
-    namespace: dict[str, Any] = {"__name__": "readme_fsdp2_recipe"}
-    exec(compile(code, f"{README}:fsdp2-recipe", "exec"), namespace)
+    namespace: dict[str, Any] = {"__name__": "docs_fsdp2_recipe"}
+    exec(compile(code, f"{USAGE}:fsdp2-recipe", "exec"), namespace)
     return namespace
 
 
@@ -128,8 +128,8 @@ def _recipe_resume(rank: int, world: int, code: str, url: str, ref: str) -> None
 
 
 @pytest.mark.slow
-def test_readme_fsdp2_recipe_saves_on_2_and_resumes_on_4_and_1(tmp_path: Path) -> None:
-    code = readme_block(RECIPE)
+def test_fsdp2_recipe_saves_on_2_and_resumes_on_4_and_1(tmp_path: Path) -> None:
+    code = doc_block(RECIPE)
     assert "get_state_dict(model, optim)" in code and "set_state_dict(model, optim" in code
     url, ref = str(tmp_path / "step3"), str(tmp_path / "saved.pt")
     spawn(2, _recipe_train_and_save, code, url, ref)
@@ -299,7 +299,7 @@ def _optim() -> dict[str, Any]:
 
 
 LAYOUT = zarrckpt.LayoutMismatchError
-# Each row of the README's table: the target, then per loader what happens: a check of the loaded
+# Each row of docs/usage.md's table: the target, then per loader what happens: a check of the loaded
 # target, or (exception type, message pattern). ``dcp`` is dcp.load, ``strict`` and ``lenient``
 # zarrckpt.load with strict=True and strict=False; ``log`` is what zarrckpt logs when it loads.
 ROWS: dict[str, dict[str, Any]] = {
@@ -390,7 +390,7 @@ def test_strict_table_next_to_dcp(
     row: str, saved_both_ways: dict[str, dict[str, str]], caplog: pytest.LogCaptureFixture
 ) -> None:
     spec = ROWS[row]
-    assert f"\n| {row}" in README.read_text().replace("`", ""), f"the README's table has no row {row!r}"
+    assert f"\n| {row}" in USAGE.read_text().replace("`", ""), f"docs/usage.md's table has no row {row!r}"
     saved_weight = _trained()[0].weight.detach()
     at = saved_both_ways[spec.get("saved", "")]
     for loader in [k for k in LOADERS if k in spec]:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import zarrckpt
+from zarrckpt.plan import targets
 from zarrckpt.testing import RequestLog, S3Request, s3_storage_options, spawn, under, unique_url
 
 EXPERTS, ROWS, COLS = 64, 256, 256
@@ -86,15 +87,22 @@ def test_a_lazy_expert_is_one_get_of_its_own_chunk(
 def test_a_lazy_row_is_one_get_with_its_chunks_crc32c(
     experts_url: tuple[str, dict[str, Any]], s3_requests: RequestLog
 ) -> None:
-    """One 1 KiB row of expert 5: a piece of its chunk, which the chunk's crc32c cannot check; the
-    stored crc32c (238 KiB after the row, less than a request is worth) comes in the same GET and
-    is compared with the commit record, so no index GET."""
+    """One 1 KiB row of expert 5 near its chunk's start (row 17 of 256): reading from it through the
+    chunk's stored crc32c (to prove it is the committed chunk) would move more than half the chunk,
+    so the chunk is read whole and checked by its crc32c: one GET, no index GET. A row in the
+    second half is read from the row through the stored crc32c, compared with the commit record."""
     url, opts = experts_url
     view = zarrckpt.open(url, storage_options=opts)["model.experts.w1"]
     s3_requests.clear()
     assert torch.equal(view[5, 17], _expert_block(5, 6)[0, 17])
-    first = INDEX_BYTES + 5 * CHUNK_BYTES + 17 * COLS * 4
+    first = INDEX_BYTES + 5 * CHUNK_BYTES
     end = INDEX_BYTES + 6 * CHUNK_BYTES
+    assert [(r.kind, r.range, r.bytes_sent) for r in s3_requests.requests()] == [
+        ("GET", f"bytes={first}-{end - 1}", end - first)
+    ]
+    s3_requests.clear()
+    assert torch.equal(view[5, 200], _expert_block(5, 6)[0, 200])
+    first = INDEX_BYTES + 5 * CHUNK_BYTES + 200 * COLS * 4
     assert [(r.kind, r.range, r.bytes_sent) for r in s3_requests.requests()] == [
         ("GET", f"bytes={first}-{end - 1}", end - first)
     ]
@@ -115,8 +123,9 @@ def test_verified_reads_fetch_whole_chunks(experts_url: tuple[str, dict[str, Any
 
 
 def test_verify_reads_each_shard_once(experts_url: tuple[str, dict[str, Any]], s3_requests: RequestLog) -> None:
-    """verify(): one GET per shard object, all of it (no HEAD first), every chunk checked; and one
-    GET of the array's own zarr.json (compared with the manifest)."""
+    """verify(): one listing of the checkpoint (what is there, with sizes), then one GET per shard
+    object, all of it (no HEAD first), every chunk checked; and one GET of the array's own zarr.json
+    (compared with the manifest)."""
     url, opts = experts_url
     ckpt = zarrckpt.open(url, storage_options=opts)
     s3_requests.clear()
@@ -126,28 +135,30 @@ def test_verify_reads_each_shard_once(experts_url: tuple[str, dict[str, Any]], s
     docs = [r for r in requests if r.path.endswith("/zarr.json")]
     assert [(r.kind, r.path, r.range) for r in docs] == [("GET", f"/{url[5:]}/model/experts/w1/zarr.json", "bytes=0-")]
     assert summary["problems"] == [] and summary["bytes_read"] == WORLD * whole + docs[0].bytes_sent
-    got = sorted((r.kind, r.path.rsplit("/", 3)[-3], r.range, r.bytes_sent) for r in requests if r not in docs)
+    listings = [r for r in requests if r.kind == "LIST"]
+    assert len(listings) == 1 and listings[0].query["prefix"] == [url.split("/", 3)[-1] + "/"]
+    got = sorted(
+        (r.kind, r.path.rsplit("/", 3)[-3], r.range, r.bytes_sent) for r in requests if r not in docs + listings
+    )
     assert got == [("GET", str(rank), "bytes=0-", whole) for rank in range(WORLD)]
 
 
 def test_strided_views(experts_url: tuple[str, dict[str, Any]], s3_requests: RequestLog) -> None:
     """Rows 1 KiB long, 256 KiB apart (one per expert, each expert its own chunk): coalesced into one
-    range, with the index when it is close, else with the chunks' stored crc32c (checked against the
-    commit record) when they are close."""
+    range, each chunk's piece with its stored crc32c (checked against the commit record), or the
+    chunk whole when the piece lies in its first half; never the index."""
     url, opts = experts_url
     view = zarrckpt.open(url, storage_options=opts)["model.experts.w1"]
     row = COLS * 4
     s3_requests.clear()
     assert torch.equal(view[6:8, 17], _expert_block(6, 8)[:, 17])  # experts 6 and 7 of shard 0
-    # 238 KiB from each row to its chunk's crc32c: read through, no index GET
-    lo, hi = INDEX_BYTES + 6 * CHUNK_BYTES + 17 * row, INDEX_BYTES + PER_RANK * CHUNK_BYTES
-    assert [(r.range, r.bytes_sent) for r in s3_requests.requests()] == [
-        (f"bytes={lo}-{hi - 1}", hi - lo),  # 495 KiB for 2 KiB: fewer requests beat fewer bytes here
-    ]
+    # row 17 of 256: both chunks read whole (and verified), in one GET
+    lo, hi = INDEX_BYTES + 6 * CHUNK_BYTES, INDEX_BYTES + PER_RANK * CHUNK_BYTES
+    assert [(r.range, r.bytes_sent) for r in s3_requests.requests()] == [(f"bytes={lo}-{hi - 1}", hi - lo)]
     s3_requests.clear()
-    assert torch.equal(view[:2, 17], _expert_block(0, 2)[:, 17])  # experts 0 and 1: 255 KiB apart, one GET
-    end = INDEX_BYTES + CHUNK_BYTES + 18 * row  # the index 17 KiB before the first row: read with it
-    assert [(r.range, r.bytes_sent) for r in s3_requests.requests()] == [(f"bytes=0-{end - 1}", end)]
+    assert torch.equal(view[:2, 200], _expert_block(0, 2)[:, 200])  # experts 0 and 1, past their chunks' middle
+    lo, hi = INDEX_BYTES + 200 * row, INDEX_BYTES + 2 * CHUNK_BYTES  # from row 200 of chunk 0 through chunk 1's crc
+    assert [(r.range, r.bytes_sent) for r in s3_requests.requests()] == [(f"bytes={lo}-{hi - 1}", hi - lo)]
 
 
 def test_request_log_counts_requests_and_bytes(s3_url: tuple[str, dict[str, Any]], s3_requests: RequestLog) -> None:
@@ -222,14 +233,14 @@ def test_a_save_replacing_the_checkpoint_mid_load_is_refused(s3_server: str, mon
     which fail the comparison with the commit record; the load says the checkpoint was replaced."""
     url, opts = unique_url("s3"), s3_storage_options(s3_server)
     zarrckpt.save({"model": {"experts": {"w1": _expert_block(0, EXPERTS)}}}, url, storage_options=opts)
-    plan_targets = zarrckpt.api._plan_targets
+    plan_requests = targets.plan_requests
 
     def replaced_first(*args: Any, **kwargs: Any) -> Any:
         new = {"model": {"experts": {"w1": _expert_block(0, EXPERTS) + 1}}}
         zarrckpt.save(new, url, storage_options=opts, overwrite=True)
-        return plan_targets(*args, **kwargs)
+        return plan_requests(*args, **kwargs)
 
-    monkeypatch.setattr(zarrckpt.api, "_plan_targets", replaced_first)
+    monkeypatch.setattr(targets, "plan_requests", replaced_first)
     target = {"model": {"experts": {"w1": torch.zeros(EXPERTS, ROWS, COLS)}}}
     with pytest.raises(zarrckpt.IncompleteCheckpointError, match="overwritten or deleted while it was being read"):
         zarrckpt.load(target, url, storage_options=opts)
@@ -289,7 +300,7 @@ def test_is_empty_is_one_listing_however_many_objects(
 ) -> None:
     """Is anything stored under a prefix (a failed open tells "nothing there" from "never committed";
     verify checks a constant array has no chunks): one LIST, not a listing of every object."""
-    from zarrckpt.storage import Storage
+    from zarrckpt.storage.store import Storage
 
     monkeypatch.setenv("ZARRCKPT_S3_CLIENT", client)
     url, opts = s3_url

@@ -55,7 +55,7 @@ def test_gateway_counts_every_request_and_stops_cleanly():
 def test_s3fs_defaults_leave_the_callers_options_winning(s3_server, monkeypatch):
     """zarrckpt turns botocore's payload SHA-256 off for s3fs unless the caller's config_kwargs set it
     (obstore's side: tests/test_obstore.py::test_payload_signing_on_the_wire)."""
-    from zarrckpt.storage import Storage
+    from zarrckpt.storage.store import Storage
 
     monkeypatch.setenv("ZARRCKPT_S3_CLIENT", "s3fs")
     from zarrckpt.testing import s3_storage_options

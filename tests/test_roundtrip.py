@@ -183,9 +183,9 @@ def test_leftovers_of_a_failed_save(tmp_path: Any) -> None:
 
 
 def test_a_save_that_lost_its_location_does_not_commit(tmp_path: Any) -> None:
-    from zarrckpt import commit as protocol
-    from zarrckpt.format import Manifest
-    from zarrckpt.storage import Storage
+    from zarrckpt.engine import commit as protocol
+    from zarrckpt.format.manifest import Manifest
+    from zarrckpt.storage.store import Storage
 
     storage = Storage(str(tmp_path / "ck"))
     first = protocol.prepare(storage, overwrite=False)
@@ -229,10 +229,10 @@ def test_corrupt_manifest_and_unknown_version(tmp_path: Any) -> None:
 
 def test_partial_read_fetches_only_needed_chunks(tmp_path: Any) -> None:
     """A rank that needs one row block reads its chunks, not the whole shard."""
-    from zarrckpt.commit import read_manifest
-    from zarrckpt.layout import Box
-    from zarrckpt.reader import Request, read_regions
-    from zarrckpt.storage import Storage
+    from zarrckpt.engine.commit import read_manifest
+    from zarrckpt.engine.reader import Request, read_regions
+    from zarrckpt.format.layout import Box
+    from zarrckpt.storage.store import Storage
 
     url = str(tmp_path / "ck")
     full = torch.randn(256, 256)

@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 
 from zarrckpt.errors import SaveLayoutError
-from zarrckpt.fetch import plan_reads
-from zarrckpt.format import Manifest, group_paths
-from zarrckpt.layout import Box, cell_box
-from zarrckpt.plan import DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_TENSOR_BYTES, ZarrSavePlan, build_save_plan
-from zarrckpt.rankdesc import RankDescription
+from zarrckpt.format.layout import Box, cell_box
+from zarrckpt.format.manifest import Manifest, group_paths
+from zarrckpt.plan.fetch import plan_reads
+from zarrckpt.plan.rankdesc import RankDescription
+from zarrckpt.plan.save import DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_TENSOR_BYTES, ZarrSavePlan, build_save_plan
 
 
 def _load_scale_model() -> Any:

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import zarrckpt
-from zarrckpt import integrity
 from zarrckpt.errors import CorruptChunkError, ModifiedCheckpointError, ZarrckptError
+from zarrckpt.format import integrity
 
 zarr = pytest.importorskip("zarr")
 ts = pytest.importorskip("tensorstore")
@@ -221,7 +221,7 @@ def test_checkpoints_without_a_record_still_load(ckpt: Path) -> None:
 
 
 def test_a_shard_no_rank_wrote_is_not_committed() -> None:
-    from zarrckpt.format import ArrayMeta
+    from zarrckpt.format.array import ArrayMeta
 
     meta = ArrayMeta("w", (8,), "float32", (4,), (2,))
     one = integrity.to_json({"w": {0: b"\x01" * 8}})

@@ -17,9 +17,9 @@ import torch
 from states import check_loaded, mixed_state
 
 import zarrckpt
-from zarrckpt import retry
-from zarrckpt.retry import RetryPolicy, is_transient
-from zarrckpt.storage import Storage
+from zarrckpt.storage import retry
+from zarrckpt.storage.retry import RetryPolicy, is_transient
+from zarrckpt.storage.store import Storage
 from zarrckpt.testing import spawn
 
 RATE = 0.05
@@ -59,7 +59,7 @@ def _assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
 
 
 class _FakeClock:
-    """Stands in for ``time`` in zarrckpt.storage: the retry backoff's waits are recorded, not slept."""
+    """Stands in for ``time`` in zarrckpt.storage.store: the retry backoff's waits are recorded, not slept."""
 
     def __init__(self) -> None:
         self.waits: list[float] = []
@@ -73,7 +73,7 @@ class _FakeClock:
 
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> _FakeClock:
-    from zarrckpt import storage
+    from zarrckpt.storage import store as storage
 
     fake = _FakeClock()
     monkeypatch.setattr(storage, "time", fake)
@@ -142,7 +142,7 @@ def test_local_files_retry_transient_os_errors(
     """The local fast paths (temp file + link, pooled ``reading()``, vectored ``read_into()``) retry too."""
     import os
 
-    import zarrckpt.storage as storage_module
+    import zarrckpt.storage.local as local_backend  # the local fast paths call open() there
 
     injected: Counter[str] = Counter()
     errors = [OSError(errno.EIO, "I/O error"), OSError(errno.EAGAIN, "try again"), TimeoutError("slow disk")]
@@ -163,7 +163,7 @@ def test_local_files_retry_transient_os_errors(
 
         return call
 
-    monkeypatch.setattr(storage_module, "open", flaky("open", open), raising=False)
+    monkeypatch.setattr(local_backend, "open", flaky("open", open), raising=False)
     for name in ("open", "replace", "link", "preadv"):
         monkeypatch.setattr(os, name, flaky(f"os.{name}", getattr(os, name)))
     url = str(tmp_path / "ck")
@@ -285,11 +285,12 @@ def test_missing_shard_fails_fast_without_retries(tmp_path: Path, backend: str, 
     url, opts = (local, {}) if backend == "local" else (_url(tmp_path), _opts(tmp_path, rate=0.0))
     zarrckpt.save({"model": {"w": torch.randn(64, 64)}}, url, storage_options=opts, chunk_bytes=4096)
     (tmp_path / "ck/model/w/c/0/0").unlink()
+    before = faulty.calls_on("cat_file", "/ck/model/w/c/0/0")  # (the save read its objects back: unverified store)
     with faulty.retry_log() as log, pytest.raises(zarrckpt.CorruptChunkError, match="missing"):
         zarrckpt.load({"model": {"w": torch.zeros(64, 64)}}, url, storage_options=opts)
     assert log.retries == 0 and clock.waits == []
     if backend == "faulty":
-        assert faulty.calls_on("cat_file", "/ck/model/w/c/0/0") == 1
+        assert faulty.calls_on("cat_file", "/ck/model/w/c/0/0") - before == 1
     with pytest.raises(FileNotFoundError):
         Storage(url, opts).read("model/w/c/0/0")
 
@@ -394,3 +395,18 @@ def test_backoff_doubles_with_jitter_up_to_a_cap(monkeypatch: pytest.MonkeyPatch
         monkeypatch.delenv(name)
     with pytest.raises(zarrckpt.ZarrckptError):
         RetryPolicy(attempts=0)
+
+
+def test_causes_reach_into_dcp_checkpoint_exceptions() -> None:
+    """DCP wraps each rank's failure as (exception, traceback summary) in ``CheckpointException.failures``
+    (a BaseException): ``causes`` finds the exception inside, so the importer can re-raise a zarrckpt
+    error DCP wrapped, and nothing hides a zarrckpt error behind DCP's wrapper."""
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from zarrckpt.errors import causes
+
+    inner = zarrckpt.CorruptChunkError("chunk 0 of 'w' fails its checksum")
+    wrapped = CheckpointException("CheckpointException ranks:dict_keys([1])", {1: (inner, traceback.StackSummary())})
+    assert inner in list(causes(wrapped))

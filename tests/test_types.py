@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import zarrckpt
+from zarrckpt.convert.importer import SOURCE_KINDS
 from zarrckpt.example.config import ExpertDP, ModelConfig, Topology
-from zarrckpt.format import ARRAY_KINDS
-from zarrckpt.importer import SOURCE_KINDS
-from zarrckpt.keys import ROLES
+from zarrckpt.format.array import ARRAY_KINDS
+from zarrckpt.format.keys import ROLES
 from zarrckpt.types import ArrayKind, Role, SourceKind
 
 # the strings written to (and accepted from) every checkpoint so far, spelled out: never to change

@@ -200,8 +200,8 @@ def test_one_table_agrees_with_torch_numpy_zarr_and_safetensors(tmp_path: Path) 
     from safetensors.torch import save_file
     from zarr.dtype import data_type_registry, parse_data_type
 
-    from zarrckpt import dtypes
-    from zarrckpt.export import SAFETENSORS_DTYPES
+    from zarrckpt.convert.export import SAFETENSORS_DTYPES
+    from zarrckpt.format import dtypes
 
     assert tuple(d.name for d in zarrckpt_dtypes.TABLE) == dtypes.SUPPORTED
     assert len(set(dtypes.SUPPORTED)) == len(dtypes.SUPPORTED)

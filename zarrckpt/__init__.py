@@ -1,7 +1,14 @@
 """zarrckpt: topology-independent PyTorch checkpoints as Zarr v3 global tensors on any fsspec storage.
 
-The public names are imported on first use (PEP 562), so that ``import zarrckpt`` (and the
-``zarrckpt`` command) does not pay for torch, zarr and ml_dtypes until they are needed.
+This module is the public face: every name in ``__all__``, and nothing else, is the API (the
+documentation's reference lists them). The public names are imported on first use (PEP 562), so
+that ``import zarrckpt`` (and the ``zarrckpt`` command) does not pay for torch, zarr and
+ml_dtypes until they are needed.
+
+The package is layered, each layer importing only those below it (``make lint`` checks it):
+``cli`` / ``convert`` / ``transfer`` -> the face (``api``, ``asyncsave``, ``manager``, ``checkpoint``,
+``tensorview``, ``lifecycle``, ``display``) -> ``dcp`` -> ``engine`` -> ``plan`` -> ``format`` |
+``storage`` -> ``errors`` / ``types``.
 """
 
 from __future__ import annotations
@@ -9,16 +16,16 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from . import errors
-from ._version import __version__
-from ._zarr_hook import register_with_zarr
-from .errors import (
+from zarrckpt import errors
+from zarrckpt._version import __version__
+from zarrckpt.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     CheckpointSaveError,
     CorruptChunkError,
     IncompleteCheckpointError,
     InvalidCheckpointError,
+    InvalidKeyError,
     KeyNotFoundError,
     LayoutMismatchError,
     ModifiedCheckpointError,
@@ -27,39 +34,46 @@ from .errors import (
     UnsupportedValueError,
     ZarrckptError,
 )
+from zarrckpt.format.zarrhook import register_with_zarr
+from zarrckpt.types import URL, ArrayKind, Role, SourceKind
 
 if TYPE_CHECKING:
-    from .api import load, save
-    from .asyncsave import AsyncSave, StagingStats, async_save
-    from .checkpoint import Checkpoint, open
-    from .dcp import ZarrReader, ZarrWriter
-    from .export import export_safetensors
-    from .importer import import_checkpoint
-    from .lifecycle import collect_garbage, delete, list_checkpoints
-    from .localstate import LocalShard
-    from .manager import CheckpointManager
-    from .tensorview import TensorView
-    from .zarr_dtypes import register_zarr_dtypes as register_zarr_dtypes
+    from zarrckpt.api import load, save
+    from zarrckpt.asyncsave import AsyncSave, StagingStats, async_save, release_staging
+    from zarrckpt.checkpoint import Checkpoint, open
+    from zarrckpt.convert.export import export_safetensors
+    from zarrckpt.convert.importer import import_checkpoint
+    from zarrckpt.dcp import ZarrReader, ZarrWriter, dcp_to_torch_save
+    from zarrckpt.lifecycle import collect_garbage, delete, list_checkpoints
+    from zarrckpt.manager import CheckpointManager
+    from zarrckpt.plan.localstate import LocalShard
+    from zarrckpt.tensorview import TensorView
+    from zarrckpt.transfer import copy_checkpoint
+    from zarrckpt_dtypes.zarr_types import register_zarr_dtypes
 
+# public name -> the module defining it, imported on first use
 _LAZY = {
-    "load": "api",
-    "save": "api",
-    "async_save": "asyncsave",
-    "AsyncSave": "asyncsave",
-    "StagingStats": "asyncsave",
-    "Checkpoint": "checkpoint",
-    "TensorView": "tensorview",
-    "open": "checkpoint",
-    "ZarrReader": "dcp",
-    "ZarrWriter": "dcp",
-    "export_safetensors": "export",
-    "import_checkpoint": "importer",
-    "collect_garbage": "lifecycle",
-    "delete": "lifecycle",
-    "list_checkpoints": "lifecycle",
-    "LocalShard": "localstate",
-    "CheckpointManager": "manager",
-    "register_zarr_dtypes": "zarr_dtypes",
+    "load": "zarrckpt.api",
+    "save": "zarrckpt.api",
+    "async_save": "zarrckpt.asyncsave",
+    "AsyncSave": "zarrckpt.asyncsave",
+    "StagingStats": "zarrckpt.asyncsave",
+    "release_staging": "zarrckpt.asyncsave",
+    "Checkpoint": "zarrckpt.checkpoint",
+    "open": "zarrckpt.checkpoint",
+    "TensorView": "zarrckpt.tensorview",
+    "ZarrReader": "zarrckpt.dcp",
+    "ZarrWriter": "zarrckpt.dcp",
+    "dcp_to_torch_save": "zarrckpt.dcp",
+    "export_safetensors": "zarrckpt.convert.export",
+    "import_checkpoint": "zarrckpt.convert.importer",
+    "collect_garbage": "zarrckpt.lifecycle",
+    "delete": "zarrckpt.lifecycle",
+    "list_checkpoints": "zarrckpt.lifecycle",
+    "copy_checkpoint": "zarrckpt.transfer",
+    "LocalShard": "zarrckpt.plan.localstate",
+    "CheckpointManager": "zarrckpt.manager",
+    "register_zarr_dtypes": "zarrckpt_dtypes.zarr_types",
 }
 
 
@@ -67,7 +81,7 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'zarrckpt' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # later lookups are plain attribute reads
     return value
 
@@ -79,20 +93,25 @@ def __dir__() -> list[str]:
 register_with_zarr()  # zarr.open_array() skips the entry points (zarrckpt_dtypes.zarr_types): register on import
 
 __all__ = [
+    "URL",
+    "ArrayKind",
     "AsyncSave",
     "Checkpoint",
-    "CheckpointManager",
     "CheckpointExistsError",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "CheckpointSaveError",
     "CorruptChunkError",
     "IncompleteCheckpointError",
     "InvalidCheckpointError",
+    "InvalidKeyError",
     "KeyNotFoundError",
     "LayoutMismatchError",
-    "ModifiedCheckpointError",
     "LocalShard",
+    "ModifiedCheckpointError",
+    "Role",
     "SaveLayoutError",
+    "SourceKind",
     "StagingStats",
     "StorageError",
     "TensorView",
@@ -103,12 +122,16 @@ __all__ = [
     "__version__",
     "async_save",
     "collect_garbage",
+    "copy_checkpoint",
+    "dcp_to_torch_save",
     "delete",
-    "list_checkpoints",
     "errors",
     "export_safetensors",
     "import_checkpoint",
+    "list_checkpoints",
     "load",
     "open",
+    "register_zarr_dtypes",
+    "release_staging",
     "save",
 ]

@@ -20,47 +20,83 @@ they never interleave with the training loop's collectives.
 from __future__ import annotations
 
 import atexit
+import enum
 import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field
-from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
 import crc32c
 import torch
 
-from . import commit as protocol
-from . import dtypes, integrity, stateful
-from .dist import Group, side_group
-from .errors import ZarrckptError
-from .format import ArrayMeta
-from .layout import Shape
-from .localstate import LocalState, LocalTensor, collect
-from .plan import DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_TENSOR_BYTES, ZarrSavePlan
-from .storage import Storage
-from .types import URL
-from .writer import commit_save, plan_save, write_rank
+from zarrckpt.engine import commit as protocol
+from zarrckpt.engine import markers
+from zarrckpt.engine.dist import Group, side_group
+from zarrckpt.engine.writer import commit_save, plan_save, write_rank
+from zarrckpt.errors import ZarrckptError
+from zarrckpt.format import dtypes, integrity
+from zarrckpt.format.array import ArrayMeta
+from zarrckpt.format.layout import Shape
+from zarrckpt.plan import stateful
+from zarrckpt.plan.localstate import LocalState, LocalTensor, collect
+from zarrckpt.plan.names import check_names
+from zarrckpt.plan.save import DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_TENSOR_BYTES, ZarrSavePlan
+from zarrckpt.storage.store import Storage
+from zarrckpt.types import URL
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 log = logging.getLogger("zarrckpt")
-_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zarrckpt-async")
-_stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zarrckpt-stage")  # staging="background"
-_last: AsyncSave | None = None
-_lock = threading.Lock()
-# Host staging buffers, kept for the next async_save (no fresh allocation and page faults each
-# time); holds at most what one save had staged at once. release_staging() frees them.
-_pool: dict[tuple[Any, ...], list[torch.Tensor]] = {}
-_pool_lock = threading.Lock()
-atexit.register(_executor.shutdown, wait=True)  # a save in flight finishes before the process exits
-atexit.register(_stager.shutdown, wait=True)
 Staging = Literal["caller", "background"]
+
+
+class _Background:
+    """The threads async saves run on, and the save in flight: one writer (a save at a time) and one
+    stager (``staging="background"``); a save still running when the process exits finishes first."""
+
+    def __init__(self) -> None:
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zarrckpt-async")
+        self.stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zarrckpt-stage")
+        self.last: AsyncSave | None = None
+        self.lock = threading.Lock()  # one async_save call at a time
+        atexit.register(self.writer.shutdown, wait=True)
+        atexit.register(self.stager.shutdown, wait=True)
+
+
+class _HostPool:
+    """Host staging buffers kept for the next async_save (no fresh allocation and page faults each time),
+    by (shape, dtype, pinned); holds at most what one save had staged at once."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return sum(map(len, self._free.values()))
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor | None:
+        with self._lock:
+            free = self._free.get((shape, dtype, pinned))
+            return free.pop() if free else None
+
+    def give(self, t: torch.Tensor) -> None:
+        with self._lock:
+            self._free.setdefault((tuple(t.shape), t.dtype, t.is_pinned()), []).append(t)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+
+_background = _Background()
+_pool = _HostPool()
 
 
 @dataclass(frozen=True)
@@ -123,6 +159,7 @@ def async_save(
     check_replicas: bool = True,
     allow_pickle: bool = False,
     staging: Staging = "caller",
+    verify_after_save: bool | None = None,
 ) -> AsyncSave:
     """Start saving ``state_dict`` to ``url``; every rank calls it.
 
@@ -136,9 +173,13 @@ def async_save(
             would be saved half old, half new. ``ZARRCKPT_CHECK_STAGING=1`` checks that (costs
             a crc32c of the whole state on the caller's thread).
         staging_budget_bytes: bound on the host memory holding staged copies (default: none).
-        overwrite, chunk_bytes, small_tensor_bytes, check_replicas, allow_pickle: as for
-            :func:`zarrckpt.save` (the parts of small tensors are sent to their writers before
-            the call returns, whatever ``staging``).
+        overwrite: as for :func:`zarrckpt.save`.
+        chunk_bytes: as for :func:`zarrckpt.save`.
+        small_tensor_bytes: as for :func:`zarrckpt.save` (the parts of small tensors are sent to
+            their writers before the call returns, whatever ``staging``).
+        check_replicas: as for :func:`zarrckpt.save`.
+        allow_pickle: as for :func:`zarrckpt.save`.
+        verify_after_save: as for :func:`zarrckpt.save`.
 
     Returns:
         An :class:`AsyncSave`: a future that completes when the checkpoint is committed (or
@@ -150,120 +191,169 @@ def async_save(
     """
     if staging not in ("caller", "background"):
         raise ZarrckptError(f"async_save: staging must be 'caller' or 'background', not {staging!r}")
-    global _last
-    with _lock:
-        if _last is not None:
-            wait_for([_last])
+    with _background.lock:
+        if _background.last is not None:
+            wait_for([_background.last])
         group = Group(process_group)
         resolved, _ = stateful.resolve(state_dict)
         local = group.run_together(lambda: collect(resolved, allow_pickle), "collecting the state dict")
         plan = plan_save(group, local, chunk_bytes, check_replicas, small_tensor_bytes)
+        storage = Storage(url, storage_options, verify_writes=verify_after_save)
+        check_names(list(plan.arrays.values()), storage.name_limits, storage.url)  # raises here, at the call
         background = side_group(process_group) if group.active else group
-        job = _Job(Storage(url, storage_options), plan, background, overwrite, staging_budget_bytes)
+        handoff = _Handoff(staging_budget_bytes)
+        expected = None
         if os.environ.get("ZARRCKPT_CHECK_STAGING", "") not in ("", "0"):
-            job.expected = {id(t): _digest(t.data) for t in local.parts()}
+            expected = {id(t): _digest(t.data) for t in local.parts()}
+        job = _Job(storage, plan, background, overwrite, handoff)
         future = AsyncSave()
-        _executor.submit(future._run, job.run)
-        _last = future
+        _background.writer.submit(future._run, job.run)
+        _background.last = future
         if staging == "caller":
-            _stage_into(future.staged, job, local)
+            _stage(future.staged, handoff, local, expected)
             future.staged.result()  # the copy's error raises here, on the caller's thread
         else:
-            _stager.submit(_stage_into, future.staged, job, local)
+            _background.stager.submit(_stage, future.staged, handoff, local, expected)
         return future
-
-
-def _stage_into(staged: Future[StagingStats], job: _Job, local: LocalState) -> None:
-    try:
-        staged.set_result(job.stage(local))
-    except BaseException as e:
-        staged.set_exception(e)
 
 
 def _digest(t: torch.Tensor) -> int:
     return crc32c.crc32c(dtypes.as_numpy(t.detach().cpu().contiguous()).reshape(-1).view("u1").data)
 
 
-@dataclass
-class _Job:
-    storage: Storage
-    plan: ZarrSavePlan
-    group: Group
-    overwrite: bool
-    budget: int | None
-    staged: list[LocalTensor | None] = field(default_factory=list)  # None marks the end
-    in_flight: int = 0  # staged bytes not yet written
-    peak: int = 0
-    failed: bool = False
-    stage_failed: bool = False
-    cond: threading.Condition = field(default_factory=threading.Condition)
-    written: integrity.Written = field(default_factory=dict)  # chunk checksums, for the manifest
-    expected: dict[int, int] | None = None  # ZARRCKPT_CHECK_STAGING: id(part) -> crc32c at the call
-    stage_error: BaseException | None = None
+class HandoffState(enum.Enum):
+    """Where the handoff of staged tensors from the stager to the writer stands."""
 
-    def stage(self, local: LocalState) -> StagingStats:
-        """Caller's thread: copy each local tensor to host memory, within the budget.
+    STAGING = "staging"  # the stager is copying tensors and putting them in
+    STAGED = "staged"  # every tensor was put in; the writer drains the rest
+    STAGE_FAILED = "stage failed"  # a copy failed: the writer abandons the save, uncommitted
+    ABANDONED = "abandoned"  # the writer failed: the stager stops copying
 
-        If staging fails, the background save is told so and abandons the checkpoint uncommitted.
+
+class _Handoff:
+    """Staged tensors passed from the stager to the writer, in order, within a byte budget.
+
+    States (:class:`HandoffState`) only move forward: ``STAGING`` -> ``STAGED`` or ``STAGE_FAILED``,
+    and from any of them to ``ABANDONED`` when the writer fails. Staged-but-unwritten bytes never
+    exceed ``budget`` (a tensor larger than it goes alone).
+    """
+
+    def __init__(self, budget: int | None) -> None:
+        self.budget = budget
+        self.state = HandoffState.STAGING
+        self.error: BaseException | None = None  # what stopped staging (STAGE_FAILED)
+        self.in_flight = 0  # staged bytes not yet written
+        self.peak = 0
+        self._queue: deque[LocalTensor] = deque()
+        self._cond = threading.Condition()
+
+    def room_for(self, nbytes: int) -> bool:
+        """Stager: block until ``nbytes`` more fit in the budget; False when the writer gave up."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.state is HandoffState.ABANDONED or self._fits(nbytes))
+            return self.state is not HandoffState.ABANDONED
+
+    def _fits(self, nbytes: int) -> bool:
+        return self.budget is None or self.in_flight == 0 or self.in_flight + nbytes <= self.budget
+
+    def put(self, tensor: LocalTensor) -> None:
+        """Stager: hand one staged tensor to the writer."""
+        with self._cond:
+            self.in_flight += tensor.data.nbytes
+            self.peak = max(self.peak, self.in_flight)
+            self._queue.append(tensor)
+            self._cond.notify_all()
+
+    def finish(self, error: BaseException | None = None) -> None:
+        """Stager: every tensor is in (``STAGED``), or ``error`` stopped the copy (``STAGE_FAILED``)."""
+        with self._cond:
+            if self.state is HandoffState.STAGING:
+                self.state = HandoffState.STAGED if error is None else HandoffState.STAGE_FAILED
+                self.error = error
+            self._cond.notify_all()
+
+    def abandon(self) -> None:
+        """Writer: the save failed; the stager stops at its next tensor."""
+        with self._cond:
+            self.state = HandoffState.ABANDONED
+            self._cond.notify_all()
+
+    def wait_staged(self) -> None:
+        """Writer: block until staging is over (either way)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.state is not HandoffState.STAGING)
+
+    def take(self) -> LocalTensor | None:
+        """Writer: the next staged tensor; None once all were taken.
+
+        Raises:
+            ZarrckptError: staging failed on this rank (naming what stopped it); nothing may be committed.
         """
-        try:
-            return self._stage(local)
-        except BaseException as e:
-            with self.cond:
-                self.stage_failed, self.stage_error = True, e
-                self.staged.append(None)
-                self.cond.notify_all()
-            raise
+        with self._cond:
+            self._cond.wait_for(lambda: bool(self._queue) or self.state is not HandoffState.STAGING)
+            if self.state is HandoffState.STAGE_FAILED:
+                raise ZarrckptError(
+                    f"async_save: staging the state in host memory failed on this rank ({self.error}); "
+                    "nothing was committed"
+                ) from self.error
+            return self._queue.popleft() if self._queue else None
 
-    def _stage(self, local: LocalState) -> StagingStats:
-        start = time.perf_counter()
-        copied = 0
+    def written(self, tensor: LocalTensor) -> None:
+        """Writer: ``tensor`` is written; its bytes leave the budget."""
+        with self._cond:
+            self.in_flight -= tensor.data.nbytes
+            self._cond.notify_all()
+
+
+def _stage(staged: Future[StagingStats], handoff: _Handoff, local: LocalState, expected: dict[int, int] | None) -> None:
+    """Copy each local tensor to host memory within the budget (on the caller's or the staging
+    thread); ``staged`` gets the statistics or the error, and so does the writer."""
+    start = time.perf_counter()
+    copied = 0
+    try:
         for tensor in local.parts():
-            nbytes = tensor.data.nbytes
-            with self.cond:
-                self.cond.wait_for(partial(self._ready_for, nbytes))
-                if self.failed:
-                    return StagingStats(copied, time.perf_counter() - start, self.peak)
+            if not handoff.room_for(tensor.data.nbytes):
+                break  # the writer failed: its error is the save's
             host = _to_host(tensor.data)
-            if self.expected is not None and _digest(host) != self.expected[id(tensor)]:
+            if expected is not None and _digest(host) != expected[id(tensor)]:
                 _recycle(host)
                 raise ZarrckptError(
                     f"async_save: {tensor.key!r} changed before it was staged (ZARRCKPT_CHECK_STAGING): the state "
                     "was modified (optimizer.step()?) before wait_staged() returned; nothing was committed"
                 )
-            with self.cond:
-                self.in_flight += nbytes
-                self.peak = max(self.peak, self.in_flight)
-                self.staged.append(LocalTensor(**{**tensor.__dict__, "data": host}))
-                self.cond.notify_all()
+            handoff.put(LocalTensor(**{**tensor.__dict__, "data": host}))
             copied += 1
-        with self.cond:
-            self.staged.append(None)
-            self.cond.notify_all()
-        stats = StagingStats(copied, time.perf_counter() - start, self.peak)
-        log.info(
-            "async save staged %d tensors in %.3fs, peak %d bytes staged",
-            stats.tensors,
-            stats.seconds,
-            stats.peak_bytes,
-        )
-        return stats
+    except BaseException as e:
+        handoff.finish(e)
+        staged.set_exception(e)
+        return
+    handoff.finish()
+    stats = StagingStats(copied, time.perf_counter() - start, handoff.peak)
+    log.info("async save staged %d tensors in %.3fs, peak %d bytes staged", copied, stats.seconds, stats.peak_bytes)
+    staged.set_result(stats)
 
-    def _ready_for(self, nbytes: int) -> bool:
-        """True once ``nbytes`` more fit in the budget (a tensor larger than it goes alone), or on failure."""
-        fits = self.budget is None or self.in_flight == 0 or self.in_flight + nbytes <= self.budget
-        return self.failed or fits
+
+@dataclass
+class _Job:
+    """The writer thread's part of one async save: prepare, write tensors as they are staged, commit."""
+
+    storage: Storage
+    plan: ZarrSavePlan
+    group: Group
+    overwrite: bool
+    handoff: _Handoff
+    written: integrity.Written = field(default_factory=dict)  # chunk checksums, for the manifest
 
     def run(self) -> None:
-        """Background thread: prepare, write tensors as they are staged, commit."""
+        save_id = ""
         try:
             save_id = self.group.run_together(self._prepare, "preparing")
             self.group.run_together(self._write_all, "writing shards")
             commit_save(self.storage, self.group, self.plan, save_id, self.written)
         except BaseException:
-            with self.cond:
-                self.failed = True
-                self.cond.notify_all()
+            self.handoff.abandon()
+            if save_id:  # rank 0: the heartbeat stops, and the next save may take the leftovers over
+                markers.abandon(self.storage, save_id)
             raise
 
     def _prepare(self) -> str:
@@ -274,46 +364,27 @@ class _Job:
         mine: dict[str, list[tuple[ArrayMeta, Shape]]] = {}
         for meta, idx in self.plan.shards_of(rank):
             mine.setdefault(meta.key, []).append((meta, idx))
-        if self.budget is None:  # no bound: let the copy the caller waits on finish before writes compete with it
-            with self.cond:
-                self.cond.wait_for(lambda: bool(self.staged) and self.staged[-1] is None)
-        while True:
-            with self.cond:
-                self.cond.wait_for(lambda: bool(self.staged))
-                tensor = self.staged.pop(0)
-            if tensor is None:
-                if self.stage_failed:
-                    raise ZarrckptError(
-                        "copying the state to host memory failed on this rank; nothing was committed"
-                    ) from self.stage_error
-                break
+        if self.handoff.budget is None:  # no bound: let the copy the caller waits on finish before writes compete
+            self.handoff.wait_staged()
+        while (tensor := self.handoff.take()) is not None:
             one = LocalState({tensor.key: [tensor]}, {})
             write_rank(
                 self.storage, self.plan, one, rank, self.written, shards=mine.get(tensor.key, []), held_only=True
             )
             _recycle(tensor.data)
-            with self.cond:
-                self.in_flight -= tensor.data.nbytes
-                self.cond.notify_all()
+            self.handoff.written(tensor)
 
 
 def release_staging() -> None:
     """Free the host staging buffers async_save keeps between saves."""
-    with _pool_lock:
-        _pool.clear()
-
-
-def _pool_key(t: torch.Tensor) -> tuple[Any, ...]:
-    return (tuple(t.shape), t.dtype, t.is_pinned())
+    _pool.clear()
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
     """A host copy the training loop can no longer change (pinned for GPU tensors)."""
     t = t.detach()
     gpu = t.device.type != "cpu"
-    with _pool_lock:
-        free = _pool.get((tuple(t.shape), t.dtype, gpu))
-        host = free.pop() if free else None
+    host = _pool.take(tuple(t.shape), t.dtype, gpu)
     if host is None:
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=gpu)
     host.copy_(t, non_blocking=gpu)
@@ -323,5 +394,4 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 
 
 def _recycle(t: torch.Tensor) -> None:
-    with _pool_lock:
-        _pool.setdefault(_pool_key(t), []).append(t)
+    _pool.give(t)

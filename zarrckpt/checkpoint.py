@@ -13,21 +13,19 @@ import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from . import commit as protocol
-from . import integrity, values
-from .display import Progress, VerifySummary, checkpoint_html
-from .errors import InvalidCheckpointError, KeyNotFoundError, ModifiedCheckpointError, ZarrckptError
-from .format import ArrayMeta, Manifest
-from .keys import nest
-from .reader import verify_array
-from .storage import Storage
-from .tensorview import TensorView
-from .types import URL
-
-if TYPE_CHECKING:
-    pass
+from zarrckpt.display import Progress, VerifySummary, checkpoint_html
+from zarrckpt.engine import commit as protocol
+from zarrckpt.engine.verify import verify_array
+from zarrckpt.errors import InvalidCheckpointError, KeyNotFoundError, ModifiedCheckpointError, ZarrckptError
+from zarrckpt.format import integrity, values
+from zarrckpt.format.array import ArrayMeta
+from zarrckpt.format.keys import nest
+from zarrckpt.format.manifest import Manifest
+from zarrckpt.storage.store import Storage
+from zarrckpt.tensorview import TensorView
+from zarrckpt.types import URL
 
 
 def open(
@@ -174,6 +172,16 @@ class Checkpoint:
             for m in sorted(self.manifest.arrays.values(), key=lambda m: m.key)
         ]
 
+    def stats(self) -> dict[str, int]:
+        """What this checkpoint has cost its store so far (opening it included: the manifest's GET).
+
+        Returns:
+            ``{"requests", "retries", "bytes_read", "bytes_written"}``: every attempt of a request
+            counts (a retried one twice, and once in ``retries``), a listing once however many pages
+            it took; bytes are those of object bodies.
+        """
+        return self.storage.traffic.snapshot()
+
     def verify(self, *, progress: bool = False) -> VerifySummary:
         """Check completeness and every checksum of every tensor (reads the whole checkpoint).
 
@@ -199,12 +207,19 @@ class Checkpoint:
         fetched = done = 0
         arrays = sorted(self.manifest.arrays.values(), key=lambda m: m.key)
         bar = Progress("verify", len(arrays), sum(m.nbytes for m in arrays)) if progress else None
+        try:  # what is stored, with sizes: one listing bounds the work by the objects that exist
+            listing: dict[str, int] | None = self.storage.sizes()
+        except ZarrckptError as e:
+            problems.append(f"listing the checkpoint failed ({e}); each tensor's objects are listed on their own")
+            listing = None
         for i, meta in enumerate(arrays, 1):
             try:
                 fetched += self._verify_array_doc(meta)
-                fetched += verify_array(self.storage, meta, any_layout=self.allow_modified)
+                fetched += verify_array(self.storage, meta, any_layout=self.allow_modified, listing=listing)
             except ZarrckptError as e:
                 problems.append(str(e))
+            except MemoryError:  # a crafted size no check above caught: a problem to report, never a crash
+                problems.append(f"{meta.key!r}: checking it needs more memory than this process can have")
             done += meta.nbytes
             if bar is not None:
                 bar.update(i, done, fetched)
@@ -245,7 +260,7 @@ class Checkpoint:
         return len(raw)
 
     def _repr_html_(self) -> str:
-        return checkpoint_html(self)
+        return checkpoint_html(self.storage.url, self.manifest, self.metadata)
 
     def __repr__(self) -> str:
         total = sum(m.nbytes for m in self.manifest.arrays.values())

@@ -9,16 +9,14 @@ from __future__ import annotations
 import json
 import math
 import sys
+import threading
 import time
 from html import escape
 from typing import IO, TYPE_CHECKING, Any
 
-from .layout import grid_shape
-from .shard import chunks_per_shard
-
-if TYPE_CHECKING:
-    from .checkpoint import Checkpoint
-    from .tensorview import TensorView
+if TYPE_CHECKING:  # (the command line imports this module: numpy only when a table is drawn)
+    from zarrckpt.format.array import ArrayMeta
+    from zarrckpt.format.manifest import Manifest
 
 MAX_ROWS = 50  # tensors listed in a checkpoint's HTML table
 MAX_METADATA_CHARS = 4000
@@ -82,15 +80,15 @@ def headline(values: dict[str, Any]) -> str:
     return ", ".join(keys[:5]) + (f", … ({len(keys)} values)" if len(keys) > 5 else "") if keys else "none"
 
 
-def checkpoint_html(ckpt: Checkpoint) -> str:
-    m = ckpt.manifest
+def checkpoint_html(url: str, m: Manifest, metadata: dict[str, Any]) -> str:
+    """A checkpoint as notebooks show it: summary, tensor table, metadata (``metadata``: the nested values)."""
     arrays = sorted(m.arrays.values(), key=lambda a: a.key)
     total = sum(a.nbytes for a in arrays)
     by_role: dict[str, int] = {}
     for a in arrays:
         by_role[a.role] = by_role.get(a.role, 0) + a.nbytes
     summary = [
-        ["url", f"<code>{escape(ckpt.storage.url)}</code>"],
+        ["url", f"<code>{escape(url)}</code>"],
         ["step / metadata", escape(headline(m.values))],
         ["world size at save", str(m.world_size)],
         ["created", escape(m.created or "unknown")],
@@ -117,7 +115,7 @@ def checkpoint_html(ckpt: Checkpoint) -> str:
         if len(arrays) > MAX_ROWS
         else ""
     )
-    meta = json.dumps(ckpt.metadata, indent=1, default=str)
+    meta = json.dumps(metadata, indent=1, default=str)
     if len(meta) > MAX_METADATA_CHARS:
         meta = meta[:MAX_METADATA_CHARS] + f"\n… ({len(meta):,} characters in all)"
     return _box(
@@ -131,8 +129,11 @@ def checkpoint_html(ckpt: Checkpoint) -> str:
     )
 
 
-def tensor_html(view: TensorView) -> str:
-    a = view.meta
+def tensor_html(a: ArrayMeta, location: str) -> str:
+    """One stored tensor as notebooks show it; ``location``: where its array is (a URL)."""
+    from zarrckpt.format.layout import grid_shape
+    from zarrckpt.format.shard import chunks_per_shard
+
     shards = math.prod(grid_shape(a.shape, a.shard_shape))
     per_shard = math.prod(chunks_per_shard(a.shard_shape, a.chunk_shape))
     topo = a.topology
@@ -149,7 +150,7 @@ def tensor_html(view: TensorView) -> str:
             f"{per_shard:,} per shard, {_shape(a.chunk_shape)}",
         ],
         ["saved by", escape(saved)],
-        ["location", f"<code>{escape(view.path)}</code>"],
+        ["location", f"<code>{escape(location)}</code>"],
     ]
     return _box("zarrckpt tensor", _table(rows))
 
@@ -192,7 +193,8 @@ def _is_live(stream: IO[str]) -> bool:
 
 
 class Progress:
-    """A progress line on ``stream`` (stderr by default): ``label 3/10 tensors [###---] 30% 1.2 GiB, 410 MiB/s``.
+    """A progress line on ``stream`` (stderr by default):
+    ``label 3/10 tensors [###---] 30% 1.2 GiB, 410 MiB/s, ETA 7s``.
 
     On a terminal or in a notebook it is redrawn in place (``\\r``) at most 10 times a second; on
     anything else (a pipe, a log file) it is a plain line at most every 30 s, and the last one.
@@ -200,8 +202,11 @@ class Progress:
 
     WIDTH = 30
 
-    def __init__(self, label: str, total_items: int, total_bytes: int, stream: IO[str] | None = None) -> None:
-        self.label, self.total_items, self.total_bytes = label, total_items, max(total_bytes, 1)
+    def __init__(
+        self, label: str, total_items: int, total_bytes: int, stream: IO[str] | None = None, unit: str = "tensors"
+    ) -> None:
+        self.label, self.total_items, self.total_bytes, self.unit = label, total_items, max(total_bytes, 1), unit
+        self.lock = threading.Lock()  # advance() from a pool's threads
         self.stream = stream if stream is not None else sys.stderr
         self.live = _is_live(self.stream)
         self.interval = 0.1 if self.live else 30.0
@@ -219,17 +224,19 @@ class Progress:
             self._draw(now - self.start)
 
     def advance(self, items: int = 0, nbytes: int = 0) -> None:
-        """``items`` more items and ``nbytes`` more bytes are done."""
-        self.update(self.items + items, self.done_bytes + nbytes, self.moved_bytes + nbytes)
+        """``items`` more items and ``nbytes`` more bytes are done (safe from several threads)."""
+        with self.lock:
+            self.update(self.items + items, self.done_bytes + nbytes, self.moved_bytes + nbytes)
 
     def _draw(self, elapsed: float) -> None:
         frac = min(1.0, self.done_bytes / self.total_bytes) if self.total_items else 1.0
         filled = round(frac * self.WIDTH)
         bar = "#" * filled + "-" * (self.WIDTH - filled)
         rate = f", {human(self.moved_bytes / elapsed)}/s" if elapsed > 0 else ""
-        line = (
-            f"{self.label} {self.items}/{self.total_items} tensors [{bar}] {frac:4.0%} {human(self.moved_bytes)}{rate}"
-        )
+        if 0 < frac < 1 and elapsed > 0:  # the rest at the rate so far
+            rate += f", ETA {_duration(elapsed * (1 - frac) / frac)}"
+        line = f"{self.label} {self.items}/{self.total_items} {self.unit} [{bar}] {frac:4.0%} {human(self.moved_bytes)}"
+        line += rate
         if self.live:
             self.stream.write("\r" + line.ljust(self.width))  # pad: a shorter line must cover the last one
             self.width = len(line)
@@ -245,3 +252,13 @@ class Progress:
         if self.live:
             self.stream.write("\n")
             self.stream.flush()
+
+
+def _duration(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``2h07m``."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"

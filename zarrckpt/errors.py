@@ -15,10 +15,12 @@ __all__ = [
     "InvalidKeyError",
     "KeyNotFoundError",
     "LayoutMismatchError",
+    "ModifiedCheckpointError",
     "SaveLayoutError",
     "StorageError",
     "UnsupportedValueError",
     "ZarrckptError",
+    "causes",
 ]
 
 
@@ -103,9 +105,12 @@ def causes(error: BaseException, limit: int = 20) -> Iterator[BaseException]:
             continue
         seen.add(id(e))
         yield e
-        failures = getattr(e, "failures", None)  # CheckpointException: {rank: exception}
+        failures = getattr(e, "failures", None)  # CheckpointException: {rank: (exception, traceback summary)}
         if isinstance(failures, dict):
-            queue.extend(f for f in failures.values() if isinstance(f, BaseException))
+            for f in failures.values():
+                inner = f[0] if isinstance(f, tuple) and f else f
+                if isinstance(inner, BaseException):
+                    queue.append(inner)
         inner = e.__cause__ or e.__context__
         if inner is not None:
             queue.append(inner)

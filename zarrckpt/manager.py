@@ -17,12 +17,12 @@ from concurrent.futures import wait as wait_for
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from .api import load, save
-from .asyncsave import AsyncSave, Staging, async_save
-from .dist import Group
-from .errors import CheckpointSaveError, ZarrckptError
-from .lifecycle import DEFAULT_GRACE_SECONDS, delete, is_leftover, list_checkpoints, scan
-from .types import URL
+from zarrckpt.api import load, save
+from zarrckpt.asyncsave import AsyncSave, Staging, async_save
+from zarrckpt.engine.dist import Group
+from zarrckpt.errors import CheckpointSaveError, ZarrckptError
+from zarrckpt.lifecycle import DEFAULT_GRACE_SECONDS, await_dead_save, delete, is_leftover, list_checkpoints, scan
+from zarrckpt.types import URL
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -49,7 +49,8 @@ class CheckpointManager:
         keep_last: how many of the most recent committed checkpoints retention keeps.
         keep_every: also keep every step that is a multiple of this (None: none).
         async_save: save with :func:`zarrckpt.async_save` (default) or synchronously.
-        storage_options, process_group: as for :func:`zarrckpt.save`.
+        storage_options: as for :func:`zarrckpt.save`.
+        process_group: as for :func:`zarrckpt.save`.
         delete_workers: threads deleting old checkpoints (rank 0).
         grace_seconds: see above.
         staging: ``"caller"`` or ``"background"``, as for :func:`zarrckpt.async_save`.
@@ -85,6 +86,7 @@ class CheckpointManager:
         self._saving: tuple[int, Future[None]] | None = None  # the last save started, until its outcome is seen
         self._deleter = ThreadPoolExecutor(max_workers=delete_workers, thread_name_prefix="zarrckpt-delete")
         self._deleting: list[Future[None]] = []  # background retention work (guarded by _lock)
+        self._doomed: set[int] = set()  # steps queued for deletion or being deleted (guarded by _lock)
         self._lock = threading.Lock()
 
     def url(self, step: int) -> str:
@@ -104,6 +106,8 @@ class CheckpointManager:
             return None
         url = self.url(step)
         opts, group = self.storage_options, self.process_group
+        if self.rank == 0:  # a restarted job: its predecessor may have died saving this very step
+            await_dead_save(url, storage_options=opts)  # (its save is then taken over; a live one never)
         future: Future[None]
         if self.use_async:
             future = async_save(state_dict, url, storage_options=opts, process_group=group, staging=self.staging)
@@ -230,8 +234,19 @@ class CheckpointManager:
 
     def _delete(self, steps: list[int]) -> None:
         for step in steps:
+            with self._lock:  # (retention after the next save may find it still listed: delete it once)
+                if step in self._doomed:
+                    continue
+                self._doomed.add(step)
             log.info("deleting checkpoint %s", self.url(step))
-            self._background(partial(delete, self.url(step), storage_options=self.storage_options))
+            self._background(partial(self._delete_one, step))
+
+    def _delete_one(self, step: int) -> None:
+        try:
+            delete(self.url(step), storage_options=self.storage_options, force=True)  # cleanup() chose it
+        finally:
+            with self._lock:
+                self._doomed.discard(step)
 
     def wait(self) -> None:
         """Wait for the save in flight and for deletions.

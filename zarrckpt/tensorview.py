@@ -5,23 +5,36 @@ torch is imported only to hand tensors out."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from . import commit as protocol
-from . import dtypes, integrity
-from .display import tensor_html
-from .errors import ZarrckptError
-from .format import ArrayMeta
-from .layout import Box
-from .reader import Request, read_regions
-from .types import Role
+from zarrckpt.display import tensor_html
+from zarrckpt.engine import commit as protocol
+from zarrckpt.engine.reader import Request, read_regions
+from zarrckpt.errors import ZarrckptError
+from zarrckpt.format import dtypes, integrity
+from zarrckpt.format.array import ArrayMeta
+from zarrckpt.format.layout import Box
+from zarrckpt.format.manifest import Manifest
+from zarrckpt.storage.store import Storage
+from zarrckpt.types import Role
 
 if TYPE_CHECKING:
     import torch
 
-    from .checkpoint import Checkpoint
+
+class Source(Protocol):
+    """What a view reads through: the :class:`~zarrckpt.Checkpoint` it came from."""
+
+    @property
+    def storage(self) -> Storage: ...
+    @property
+    def manifest(self) -> Manifest: ...
+    @property
+    def partial_reads(self) -> bool: ...
+    @property
+    def allow_modified(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -32,11 +45,11 @@ class TensorView:
     :meth:`read` and :meth:`numpy` read data; everything else comes from the manifest.
 
     Attributes:
-        checkpoint: the checkpoint it is in.
+        checkpoint: the checkpoint it is in (a :class:`~zarrckpt.Checkpoint`).
         meta: the array's stored metadata (shape, dtype, shard and chunk shapes, role, kind).
     """
 
-    checkpoint: Checkpoint
+    checkpoint: Source
     meta: ArrayMeta
 
     @property
@@ -73,7 +86,7 @@ class TensorView:
         return f"<TensorView {self.key!r} {list(self.shape)} {self.meta.dtype} role={self.role}>"
 
     def _repr_html_(self) -> str:
-        return tensor_html(self)
+        return tensor_html(self.meta, self.path)
 
     def __getitem__(self, index: Any) -> torch.Tensor:
         """Read the indexed part, fetching only the inner chunks it touches.
@@ -121,8 +134,8 @@ class TensorView:
             A new C-contiguous array; bfloat16 / float8 as ``ml_dtypes`` types, bit-exact.
 
         Raises:
-            ZarrckptError, CorruptChunkError, ModifiedCheckpointError, IncompleteCheckpointError,
-                StorageError: as for indexing.
+            ZarrckptError: as for indexing (``CorruptChunkError``, ``ModifiedCheckpointError``,
+                ``IncompleteCheckpointError`` and ``StorageError`` are ``ZarrckptError`` s too).
         """
 
         raw = self._raw(index)
@@ -131,7 +144,15 @@ class TensorView:
 
     def _raw(self, index: Any) -> np.ndarray:
         box, local = _plan_index(index, self.shape)
-        buf = np.empty(box.sizes, dtype=dtypes.storage_dtype(self.meta.dtype))
+        dtype = dtypes.storage_dtype(self.meta.dtype)
+        try:
+            buf = np.empty(box.sizes, dtype=dtype)
+        except (MemoryError, ValueError):
+            nbytes = box.volume * dtype.itemsize
+            raise ZarrckptError(
+                f"reading {self.key!r}[{index!r}] needs {nbytes} bytes of memory, more than this process can have: "
+                "index a smaller part"
+            ) from None
         if box.volume:
             ckpt = self.checkpoint
             integrity.refuse_modified(ckpt.manifest.modified, [self.key], ckpt.storage.url)

@@ -9,6 +9,6 @@ data manifest) in every checkpoint.
 
 - ``python -m zarrckpt.example.train`` — the training job (single process or under torchrun).
 - ``zarrckpt.example.scenario`` — run A vs run B resumed under other topologies.
-- ``python -m zarrckpt.example.demo`` (or ``python -m zarrckpt.demo``) — the scenario on an embedded S3 server.
+- ``python -m zarrckpt.demo`` (:mod:`zarrckpt.demo`, above the example) — the scenario on an embedded S3 server.
 - ``zarrckpt.example.launch`` — a process group of one, or N local gloo processes (not the test harness).
 """

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .config import ModelConfig, TrainConfig
+from zarrckpt.example.config import ModelConfig, TrainConfig
 
 MAX_CROP = 4
 """Each step starts its sequences at a random offset in [0, MAX_CROP] (python ``random``)."""

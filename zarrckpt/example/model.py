@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .config import ModelConfig, Topology
+from zarrckpt.example.config import ModelConfig, Topology
 
 Shape = tuple[int, ...]
 

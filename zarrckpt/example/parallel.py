@@ -18,8 +18,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from .config import ExpertDP, Topology
-from .model import ExpertComm
+from zarrckpt.example.config import ExpertDP, Topology
+from zarrckpt.example.model import ExpertComm
 
 # DTensor warns on every gather of a [Shard(0), Shard(0)] weight that it takes two all_gathers
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)

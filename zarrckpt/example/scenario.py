@@ -22,10 +22,9 @@ import torch
 import torch.distributed as dist
 
 import zarrckpt
-
-from .config import ExpertDP, ModelConfig, Topology, TrainConfig
-from .launch import spawn
-from .trainer import Trainer
+from zarrckpt.example.config import ExpertDP, ModelConfig, Topology, TrainConfig
+from zarrckpt.example.launch import spawn
+from zarrckpt.example.trainer import Trainer
 
 LOSS_TOLERANCE = 1e-5
 """Max |loss - run A's loss| after a resume under another topology.

@@ -25,10 +25,9 @@ import torch
 import torch.distributed as dist
 
 import zarrckpt
-
-from .config import ExpertDP, ModelConfig, Topology, TrainConfig
-from .launch import init_alone
-from .trainer import Trainer
+from zarrckpt.example.config import ExpertDP, ModelConfig, Topology, TrainConfig
+from zarrckpt.example.launch import init_alone
+from zarrckpt.example.trainer import Trainer
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -18,10 +18,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import zarrckpt
-
-from . import data, model
-from .config import ModelConfig, Topology, TrainConfig
-from .parallel import EPComm, Groups, compute_weight, make_groups, reduce_gradient, shard_of
+from zarrckpt.example import data, model
+from zarrckpt.example.config import ModelConfig, Topology, TrainConfig
+from zarrckpt.example.parallel import EPComm, Groups, compute_weight, make_groups, reduce_gradient, shard_of
 
 
 class Trainer:

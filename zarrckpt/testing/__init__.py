@@ -16,8 +16,18 @@ moto, the GCS emulator and Ceph are only needed by the helpers that start them
 
 from __future__ import annotations
 
-from .procs import free_port, spawn
-from .s3 import BUCKET, RequestLog, S3Request, S3Server, remove_tree, s3_server, s3_storage_options, under, unique_url
+from zarrckpt.testing.procs import free_port, spawn
+from zarrckpt.testing.s3 import (
+    BUCKET,
+    RequestLog,
+    S3Request,
+    S3Server,
+    remove_tree,
+    s3_server,
+    s3_storage_options,
+    under,
+    unique_url,
+)
 
 __all__ = [
     "BUCKET",

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from .s3 import BUCKET, HOST
+from zarrckpt.testing.s3 import BUCKET, HOST
 
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
 
@@ -151,3 +151,26 @@ def gcs_server(bucket: str | None = BUCKET) -> Iterator[str]:
     finally:
         server.stop()  # shutdown() + server_close(); the thread then exits
         threading.Thread.join(server._api, timeout=5)  # APIThread.join is overridden
+
+
+def main() -> None:
+    """``python -m zarrckpt.testing.gcs``: run the emulator in the foreground (Ctrl-C stops it) and
+    print how to point zarrckpt (and the demo) at it."""
+    import time
+
+    with gcs_server() as endpoint:
+        print(f"GCS emulator at {endpoint}, bucket {BUCKET!r}, in memory; Ctrl-C stops it", flush=True)
+        print(
+            f"  python -m zarrckpt.demo --url gs://{BUCKET}/demo --storage-option endpoint_url={endpoint} "
+            "--storage-option token=anon --storage-option project=test",
+            flush=True,
+        )
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+
+
+if __name__ == "__main__":
+    main()

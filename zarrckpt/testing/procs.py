@@ -13,7 +13,7 @@ from typing import Any
 
 from torch.multiprocessing.spawn import spawn as mp_spawn
 
-from ..example.launch import run_rank
+from zarrckpt.example.launch import run_rank
 
 
 def free_port() -> int:

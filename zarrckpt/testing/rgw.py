@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from .procs import free_port
-from .s3 import BUCKET, HOST, RequestLog, S3Request
+from zarrckpt.testing.procs import free_port
+from zarrckpt.testing.s3 import BUCKET, HOST, RequestLog, S3Request
 
 # zarrckpt/testing/rgw.py -> the checkout
 RGW_TOOL = Path(os.environ.get("ZARRCKPT_RGW_TOOL") or Path(__file__).resolve().parents[2] / "benchmarks" / "rgw")

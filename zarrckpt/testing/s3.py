@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, quote, urlencode
 
-from ..errors import ZarrckptError
+from zarrckpt.errors import ZarrckptError
 
 BUCKET = "zarrckpt-test"
 HOST = "127.0.0.1"

@@ -1,0 +1,155 @@
+"""Kill and restart: the example training job under torchrun, saving every step, is killed with
+kill -9 (torchrun and every rank at once) at a random moment and started again, many times; then
+it runs to the end. Every restart must resume from a committed step and carry on saving, and the
+last run must finish with every save committed, with no manual step in between.
+
+    python benchmarks/restart_trials.py [--trials 30] [--backend local|rgw|both] [--out FILE]
+
+Writes a Markdown report (default ``benchmarks/results/restarts.md``); exits non-zero when a
+trial broke the rule. ``tests/test_restart_trials.py`` runs a few trials in ``make test``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import zarrckpt
+
+STEPS = 400  # more than any run reaches before its kill
+WORLD = 2
+
+
+def _job(root: str, options: dict[str, Any] | None, steps: int, port: int) -> subprocess.Popen[str]:
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--master-port", str(port)]
+    args += ["-m", "zarrckpt.example.train", "--ckpt", root, "--steps", str(steps), "--save-every", "1"]
+    args += ["--keep-last", "2", "--log-every", "1"]
+    if options:
+        args += ["--storage-options", json.dumps(options)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
+
+
+def _free_port() -> int:
+    from zarrckpt.testing import free_port
+
+    return free_port()
+
+
+def one_trial(root: str, options: dict[str, Any] | None, rng: random.Random) -> dict[str, Any]:
+    """Start the job, kill -9 it (torchrun and its ranks) after a random time, and read what it said."""
+    proc = _job(root, options, STEPS, _free_port())
+    kill_at = time.monotonic() + rng.uniform(4.0, 9.0)  # torch's import takes ~3 s: then it trains, saving each step
+    lines: list[str] = []
+    assert proc.stdout is not None
+    os.set_blocking(proc.stdout.fileno(), False)
+    while time.monotonic() < kill_at and proc.poll() is None:
+        chunk = proc.stdout.read()
+        if chunk:
+            lines += chunk.splitlines()
+        time.sleep(0.05)
+    exited = proc.poll()
+    if exited is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    rest = proc.stdout.read() or ""
+    lines += rest.splitlines()
+    resumed = next((int(m[1]) for ln in lines if (m := re.match(r"resumed from step (\d+)", ln))), None)
+    steps = [int(m[1]) for ln in lines if (m := re.match(r"step (\d+) loss", ln))]
+    return {"exited": exited, "resumed": resumed, "last_step": max(steps, default=None), "tail": lines[-5:]}
+
+
+def run(root: str, options: dict[str, Any] | None, trials: int, seed: int = 0) -> dict[str, Any]:
+    rng = random.Random(seed)
+    outcomes: Counter[str] = Counter()
+    problems: list[str] = []
+    committed_before = None
+    for n in range(trials):
+        trial = one_trial(root, options, rng)
+        if trial["exited"] is not None:  # it stopped by itself before the kill: a failure (saves raise)
+            problems.append(f"trial {n}: the job exited with {trial['exited']} before the kill: {trial['tail']}")
+            continue
+        if trial["resumed"] != committed_before:  # everything stopped at the kill: the latest is what it resumes
+            problems.append(f"trial {n}: resumed from {trial['resumed']}, the latest committed: {committed_before}")
+        states = zarrckpt.list_checkpoints(root, storage_options=options)
+        outcomes.update(s for s in states.values())
+        committed = [int(k.split("_")[1]) for k, s in states.items() if s == "committed"]
+        committed_before = max(committed, default=None)
+        outcomes["trials"] += 1
+    # the last run: to the end, without a kill
+    final_steps = (committed_before or 0) + 5
+    proc = _job(root, options, final_steps, _free_port())
+    out, _ = proc.communicate(timeout=600)
+    if proc.returncode != 0 or f"done: step {final_steps}" not in out:
+        problems.append(f"the final run did not finish: exit {proc.returncode}: {out.splitlines()[-5:]}")
+    manager = zarrckpt.CheckpointManager(root, interval=1, keep_last=2, storage_options=options)
+    if manager.latest() != final_steps:
+        problems.append(f"after the final run the latest step is {manager.latest()}, not {final_steps}")
+    leftovers = {k: s for k, s in zarrckpt.list_checkpoints(root, storage_options=options).items() if s != "committed"}
+    return {"trials": trials, "outcomes": dict(outcomes), "problems": problems, "leftovers": leftovers}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trials", type=int, default=30)
+    parser.add_argument("--backend", choices=["local", "rgw", "both"], default="both")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "restarts.md")
+    args = parser.parse_args(argv)
+    reports = {}
+    with ExitStack() as stack:
+        for backend in ("local", "rgw") if args.backend == "both" else (args.backend,):
+            started = time.perf_counter()
+            if backend == "local":
+                root, options = tempfile.mkdtemp(prefix="zarrckpt-restarts-") + "/run", None
+            else:
+                from zarrckpt.testing import unique_url
+                from zarrckpt.testing.rgw import rgw_available, rgw_server, rgw_storage_options
+
+                if why := rgw_available():
+                    print(f"RGW skipped: {why}")
+                    continue
+                endpoint = stack.enter_context(rgw_server())
+                root, options = unique_url("s3"), rgw_storage_options(endpoint)
+            report = run(root, options, args.trials)
+            report["seconds"] = time.perf_counter() - started
+            reports[backend] = report
+            print(backend, json.dumps(report, indent=1), flush=True)
+    lines = ["# Kill -9 and restart trials (`benchmarks/restart_trials.py`)", ""]
+    lines += [
+        f"The example job (`zarrckpt.example.train`, {WORLD} ranks under torchrun, a save every step, async with "
+        "background staging) is killed with kill -9 (torchrun and its ranks) after 4-9 s, then started again, "
+        "with no step in between; then it runs to the end.",
+        "",
+        "| backend | restarts | problems | prefixes seen after the kills (committed / incomplete / deleting) "
+        "| leftovers at the end | seconds |",
+        "|---|---:|---:|---|---|---:|",
+    ]
+    for backend, r in reports.items():
+        o = r["outcomes"]
+        seen = f"{o.get('committed', 0)} / {o.get('incomplete', 0)} / {o.get('deleting', 0)}"
+        lines.append(
+            f"| {backend} | {o.get('trials', 0)} | {len(r['problems'])} | {seen} | {r['leftovers'] or 'none'} "
+            f"| {r['seconds']:.0f} |"
+        )
+    problems = [f"- {b}: {p}" for b, r in reports.items() for p in r["problems"]]
+    lines += ["", *(problems or ["Every restart resumed from the latest committed step, and the final run finished."])]
+    args.out.write_text("\n".join(lines) + "\n")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

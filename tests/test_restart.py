@@ -1,0 +1,150 @@
+"""A job killed during a save and restarted carries on by itself: the next save to that location
+takes over a save that died (its writer gone from this host, or its pending marker without a
+heartbeat for the lease), and never a save that is still running."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import zarrckpt
+from zarrckpt.engine import markers
+from zarrckpt.format.manifest import PENDING
+from zarrckpt.storage.store import Storage
+
+RAMP = torch.arange(32 * 16, dtype=torch.float32).reshape(32, 16)
+
+
+def _state(value: float) -> dict[str, Any]:
+    return {"model": {"w": RAMP + value}, "step": int(value)}
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _died_saving(url: Path, *, host: str, pid: int, age: float = 0.0, heartbeat: bool = True) -> None:
+    """What a save killed half-way leaves: its pending marker and some of its shards."""
+    storage = Storage(url)
+    doc = markers.marker_doc("died")
+    doc["writer"] = {"host": host, "pid": pid}
+    if not heartbeat:
+        del doc["heartbeat"]
+    storage.write(PENDING, [json.dumps(doc).encode()])
+    storage.write("model/w/c/0/0", [b"half of a shard"])
+    if age:
+        then = time.time() - age
+        for path in (url / PENDING, url / "model/w/c/0/0"):
+            os.utime(path, (then, then))
+
+
+def _loads(url: Path, value: float) -> bool:
+    got = _state(-1.0)
+    zarrckpt.load(got, url)
+    return torch.equal(got["model"]["w"], RAMP + value) and got["step"] == int(value)
+
+
+def test_a_save_whose_writer_on_this_host_is_gone_is_taken_over(tmp_path: Path) -> None:
+    url = tmp_path / "ck"
+    _died_saving(url, host=socket.gethostname(), pid=_dead_pid())
+    zarrckpt.save(_state(2.0), url)
+    assert _loads(url, 2.0)
+
+
+def test_a_save_without_a_heartbeat_for_the_lease_is_taken_over(tmp_path: Path) -> None:
+    url = tmp_path / "ck"
+    _died_saving(url, host="another-host", pid=1, age=markers.lease_seconds() + 1)
+    zarrckpt.save(_state(2.0), url)
+    assert _loads(url, 2.0)
+
+
+def test_a_save_with_a_fresh_heartbeat_is_never_touched(tmp_path: Path) -> None:
+    url = tmp_path / "ck"
+    _died_saving(url, host="another-host", pid=1)
+    with pytest.raises(zarrckpt.IncompleteCheckpointError, match="in progress"):
+        zarrckpt.save(_state(2.0), url)
+    assert (url / "model/w/c/0/0").read_bytes() == b"half of a shard", "nothing of it was touched"
+
+
+def test_a_marker_of_a_zarrckpt_without_heartbeats_keeps_the_grace_period(tmp_path: Path) -> None:
+    url = tmp_path / "run" / "step_0000000002"
+    _died_saving(url, host="another-host", pid=1, age=markers.lease_seconds() + 1, heartbeat=False)
+    with pytest.raises(zarrckpt.IncompleteCheckpointError, match="in progress"):
+        zarrckpt.save(_state(2.0), url)
+    assert zarrckpt.collect_garbage(tmp_path / "run") == []  # younger than the grace period (1 h)
+
+
+def test_no_wait_for_a_marker_without_heartbeats(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its lease never runs out, so waiting for it would only stall the next save (by the lease, 40 s)."""
+    from zarrckpt import lifecycle
+
+    url = tmp_path / "step_0000000002"
+    _died_saving(url, host="another-host", pid=1, heartbeat=False)
+
+    def no_sleep(seconds: float) -> None:
+        raise AssertionError(f"waited {seconds} s for a marker that cannot die by its lease")
+
+    monkeypatch.setattr(lifecycle.time, "sleep", no_sleep)
+    assert lifecycle.await_dead_save(str(url)) is None
+
+
+def test_gc_collects_a_dead_save_at_once_and_a_live_one_never(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    _died_saving(root / "step_0000000001", host="another-host", pid=1, age=markers.lease_seconds() + 1)
+    _died_saving(root / "step_0000000002", host="another-host", pid=1)
+    removed = zarrckpt.collect_garbage(root)  # the default grace period: an hour
+    assert [(e.name, e.died is not None) for e in removed] == [("step_0000000001", True)]
+    assert zarrckpt.list_checkpoints(root) == {"step_0000000002": "incomplete"}
+
+
+def test_the_manager_waits_for_a_dead_save_to_lose_its_lease_then_takes_it_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restart on another host: the killed save's marker is fresh, so the manager's save of that step
+    waits until the marker has gone the lease without a heartbeat (here 2 s), then takes it over."""
+    monkeypatch.setenv("ZARRCKPT_LEASE_SECONDS", "2")
+    root = tmp_path / "run"
+    manager = zarrckpt.CheckpointManager(root, interval=1, keep_last=3, async_save=False)
+    manager.save(1, _state(1.0))
+    _died_saving(Path(manager.url(2)), host="another-host", pid=1)
+    began = time.monotonic()
+    manager.save(2, _state(2.0))
+    assert time.monotonic() - began >= 1.5, "it waited for the lease"
+    manager.close()
+    assert manager.steps() == [1, 2] and _loads(Path(manager.url(2)), 2.0)
+
+
+def test_a_running_save_keeps_its_marker_fresh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a heartbeat every 0.2 s and a lease of 1 s, a save that spends 3 s writing is not taken over
+    by a second save to the same location, which is refused; the first one commits."""
+    monkeypatch.setattr(markers, "HEARTBEAT_SECONDS", 0.2)
+    monkeypatch.setenv("ZARRCKPT_LEASE_SECONDS", "1")
+    url = tmp_path / "ck"
+    real = Storage.write
+    slowed = []
+
+    def slow(self: Storage, path: str, parts: Any, **kwargs: Any) -> None:
+        if "/c/" in path and not slowed:
+            slowed.append(path)
+            time.sleep(3)
+        real(self, path, parts, **kwargs)
+
+    monkeypatch.setattr(Storage, "write", slow)
+    first = zarrckpt.async_save(_state(1.0), url)
+    time.sleep(2)  # past the lease: only the heartbeat keeps the marker fresh
+    monkeypatch.setattr(Storage, "write", real)
+    with pytest.raises(zarrckpt.IncompleteCheckpointError, match="in progress"):
+        zarrckpt.save(_state(2.0), url)
+    first.result(timeout=60)
+    assert slowed and _loads(url, 1.0)

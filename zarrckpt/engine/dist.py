@@ -1,0 +1,240 @@
+"""The only module that makes process-group calls. Without torch.distributed it is a 1-rank no-op.
+
+Everything exchanged is JSON encoded into uint8 tensors, so no pickle crosses ranks either.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as torch_dist
+
+from zarrckpt import errors
+from zarrckpt.errors import ZarrckptError
+from zarrckpt.plan.gcpause import gc_paused
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+T = TypeVar("T")
+_side_groups: dict[int, ProcessGroup] = {}
+
+
+class Group:
+    """The ranks taking part in one save or load."""
+
+    def __init__(self, process_group: ProcessGroup | None = None) -> None:
+        self.pg = process_group
+        self.active = torch_dist.is_available() and torch_dist.is_initialized()
+        self.rank = torch_dist.get_rank(process_group) if self.active else 0
+        self.size = torch_dist.get_world_size(process_group) if self.active else 1
+        if self.size == 1:
+            self.active = False
+        backend = torch_dist.get_backend(process_group) if self.active else "gloo"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+    def all_gather_json(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (JSON-serialisable), in rank order."""
+        raw = _encode(obj)
+        if not self.active:
+            return [json.loads(raw)]
+        length = torch.tensor([len(raw)], dtype=torch.int64, device=self.device)
+        sizes = [torch.zeros_like(length) for _ in range(self.size)]
+        torch_dist.all_gather(sizes, length, group=self.pg)
+        lengths = [int(n.item()) for n in sizes]
+        buf = self._padded(raw, max(lengths))
+        bufs = [torch.empty_like(buf) for _ in range(self.size)]
+        torch_dist.all_gather(bufs, buf, group=self.pg)
+        return _decode(bufs, lengths)
+
+    def gather_json(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (JSON-serialisable) in rank order on rank 0; ``[]`` on the others."""
+        if not self.active:
+            return self.all_gather_json(obj)
+        raw = _encode(obj)
+        lengths = [int(n) for n in self.all_gather_json(len(raw))]
+        buf = self._padded(raw, max(lengths))
+        bufs = [torch.empty_like(buf) for _ in range(self.size)] if self.rank == 0 else None
+        torch_dist.gather(buf, bufs, group=self.pg, group_dst=0)
+        return [] if bufs is None else _decode(bufs, lengths)
+
+    def _padded(self, raw: bytes, size: int) -> torch.Tensor:
+        """``raw`` in a uint8 tensor of ``size`` bytes on this group's device (zero-padded)."""
+        buf = torch.zeros(size, dtype=torch.uint8, device=self.device)
+        if raw:
+            buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        return buf
+
+    def broadcast_bytes(self, data: bytes) -> bytes:
+        """Rank 0's ``data`` on every rank (what the others pass is ignored)."""
+        if not self.active:
+            return data
+        root = torch_dist.get_global_rank(self.pg, 0) if self.pg is not None else 0
+        length = torch.tensor([len(data) if self.rank == 0 else 0], dtype=torch.int64, device=self.device)
+        torch_dist.broadcast(length, root, group=self.pg)
+        buf = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
+        if self.rank == 0 and data:
+            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        torch_dist.broadcast(buf, root, group=self.pg)
+        return bytes(buf.cpu().numpy())
+
+    def start_exchange(
+        self, sends: Sequence[tuple[int, np.ndarray]], recvs: Sequence[tuple[int, np.ndarray]]
+    ) -> Transfers:
+        """Post point-to-point transfers, all at once; :meth:`Transfers.wait` completes them.
+
+        Args:
+            sends: ``(group rank, buffer)``: the buffer goes to that rank.
+            recvs: ``(group rank, buffer)``: the buffer is filled from that rank.
+                Buffers are C-contiguous uint8 host arrays, left alone until the wait. Between two
+                ranks, the n-th send from one fills the n-th receive of the other, so both must
+                list them in the same order (and sizes). On a GPU backend (NCCL) the bytes go
+                through device buffers.
+
+        Returns:
+            The transfers in flight.
+
+        Raises:
+            ZarrckptError: a transfer could not be posted.
+        """
+        if not self.active or not (sends or recvs):
+            return Transfers(self.rank, [], [])
+        ops: list[torch_dist.P2POp] = []
+        landing: list[tuple[torch.Tensor, np.ndarray]] = []
+        counts: dict[tuple[str, int], int] = {}
+
+        def tag(way: str, peer: int) -> int:  # the n-th transfer between this pair: matched on both sides
+            n = counts[way, peer] = counts.get((way, peer), -1) + 1
+            return n
+
+        try:
+            for peer, buf in sends:
+                t = torch.from_numpy(buf).to(self.device)
+                ops.append(torch_dist.P2POp(torch_dist.isend, t, group=self.pg, tag=tag("send", peer), group_peer=peer))
+            for peer, buf in recvs:
+                t = (
+                    torch.from_numpy(buf)
+                    if self.device.type == "cpu"
+                    else torch.empty(len(buf), dtype=torch.uint8, device=self.device)
+                )
+                landing.append((t, buf))
+                ops.append(torch_dist.P2POp(torch_dist.irecv, t, group=self.pg, tag=tag("recv", peer), group_peer=peer))
+            return Transfers(self.rank, torch_dist.batch_isend_irecv(ops), landing)
+        except RuntimeError as e:
+            raise ZarrckptError(f"rank {self.rank}: sending or receiving data between ranks failed: {e}") from e
+
+    def on_rank0(self, fn: Callable[[], bytes], what: str) -> bytes:
+        """Run ``fn`` on rank 0 only and hand its result to every rank; if it fails, every rank
+        raises an error of the same zarrckpt type (the others with the message of rank 0's)."""
+        if not self.active:
+            return fn()
+        result, error = b"", None
+        if self.rank == 0:
+            try:
+                result = fn()
+            except Exception as e:
+                error = e
+        status = json.loads(self.broadcast_bytes(json.dumps(_describe(error)).encode()))
+        if error is not None:
+            raise error
+        if status is not None:
+            kind = getattr(errors, status[0], None)
+            if isinstance(kind, type) and issubclass(kind, ZarrckptError):
+                raise kind(status[1])
+            raise ZarrckptError(f"{what} failed on rank 0: {status[0]}: {status[1]}")
+        return self.broadcast_bytes(result)
+
+    def exchange_bytes(self, outgoing: list[bytes]) -> list[bytes]:
+        """All-to-all: send ``outgoing[r]`` to rank r; return what each rank sent this one, in rank
+        order (one exchange of sizes, one of data)."""
+        if not self.active:
+            return list(outgoing)
+        sent = torch.tensor([len(b) for b in outgoing], dtype=torch.int64, device=self.device)
+        sizes = torch.empty_like(sent)
+        torch_dist.all_to_all_single(sizes, sent, group=self.pg)
+        lengths = [int(n) for n in sizes.tolist()]
+        data = self._padded(b"".join(outgoing), int(sent.sum()))
+        out = torch.empty(sum(lengths), dtype=torch.uint8, device=self.device)
+        torch_dist.all_to_all_single(out, data, lengths, [len(b) for b in outgoing], group=self.pg)
+        raw = bytes(out.cpu().numpy())
+        ends = [sum(lengths[: r + 1]) for r in range(self.size)]
+        return [raw[end - n : end] for end, n in zip(ends, lengths, strict=True)]
+
+    def barrier(self) -> None:
+        if self.active:
+            torch_dist.barrier(group=self.pg)
+
+    def run_together(self, fn: Callable[[], T], what: str) -> T:
+        """Run ``fn`` on this rank; if it fails on any rank, raise on every rank.
+
+        The failing rank re-raises its own exception; the others raise a ZarrckptError naming it.
+        """
+        result: T | None = None
+        error: BaseException | None = None
+        try:
+            result = fn()
+        except Exception as e:
+            error = e
+        status = self.all_gather_json(None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        failed = [(r, msg) for r, msg in enumerate(status) if msg is not None]
+        if failed:
+            rank, msg = failed[0]
+            raise ZarrckptError(f"{what} failed on rank {rank}: {msg}")
+        return result  # type: ignore[return-value]
+
+
+class Transfers:
+    """Point-to-point transfers in flight (:meth:`Group.start_exchange`)."""
+
+    def __init__(self, rank: int, works: list[torch_dist.Work], landing: list[tuple[torch.Tensor, np.ndarray]]) -> None:
+        self.rank, self.works, self.landing = rank, works, landing
+
+    def wait(self) -> None:
+        """Complete the transfers (once; later calls return at once): the receive buffers are filled.
+
+        Raises:
+            ZarrckptError: a transfer failed (a peer gone, a size mismatch).
+        """
+        works, self.works = self.works, []
+        try:
+            for work in works:
+                work.wait()
+        except RuntimeError as e:
+            raise ZarrckptError(f"rank {self.rank}: sending or receiving data between ranks failed: {e}") from e
+        landing, self.landing = self.landing, []
+        for t, buf in landing:
+            if t.device.type != "cpu":
+                buf[:] = t.cpu().numpy()
+
+
+def _encode(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _decode(bufs: list[torch.Tensor], lengths: list[int]) -> list[Any]:
+    with gc_paused():
+        return [json.loads(bytes(b[:n].cpu().numpy())) for b, n in zip(bufs, lengths, strict=True)]
+
+
+def _describe(error: BaseException | None) -> list[str] | None:
+    return None if error is None else [type(error).__name__, str(error)]
+
+
+def side_group(process_group: ProcessGroup | None = None) -> Group:
+    """A :class:`Group` over the same ranks as ``process_group`` on a gloo group of its own (made once per
+    group, collectively on first use), so collectives of a background thread never interleave with the
+    caller's. Inactive (1 rank) when ``process_group`` is."""
+    group = Group(process_group)
+    if not group.active:
+        return group
+    key = id(process_group)
+    if key not in _side_groups:
+        ranks = torch_dist.get_process_group_ranks(process_group) if process_group is not None else None
+        _side_groups[key] = torch_dist.new_group(ranks=ranks, backend="gloo")
+    return Group(_side_groups[key])

@@ -1,0 +1,77 @@
+"""A load's I/O: the manifest read once per job, the reads (fanned out or not), the end-of-load check.
+
+The keys, targets and requests are planned by :mod:`zarrckpt.plan.targets`; ``zarrckpt.load``
+runs the two in turn, as ``zarrckpt.save`` runs :mod:`zarrckpt.plan.save` and :mod:`zarrckpt.engine.writer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from zarrckpt.engine import commit as protocol
+from zarrckpt.engine.dist import Group
+from zarrckpt.engine.fanread import read_shared
+from zarrckpt.engine.reader import read_regions
+from zarrckpt.errors import ZarrckptError
+from zarrckpt.format import integrity
+from zarrckpt.format.manifest import MANIFEST, Manifest
+from zarrckpt.plan.fetch import Request
+from zarrckpt.storage.store import Storage
+
+
+def open_manifest(group: Group, storage: Storage, *, allow_modified: bool) -> Manifest:
+    """The checkpoint's manifest on every rank: rank 0 reads it (one GET per job, whatever the world
+    size), every rank parses the same bytes. ``allow_modified``: without its commit record.
+
+    Raises:
+        CheckpointNotFoundError, IncompleteCheckpointError, InvalidCheckpointError, StorageError: on
+            every rank, as rank 0 met it.
+    """
+    raw = group.on_rank0(lambda: protocol.read_manifest_bytes(storage), "opening the checkpoint")
+    manifest = group.run_together(lambda: Manifest.loads(raw, storage.where(MANIFEST)), "opening the checkpoint")
+    return manifest.as_is() if allow_modified else manifest
+
+
+def read(
+    group: Group,
+    storage: Storage,
+    manifest: Manifest,
+    requests: Sequence[Request],
+    *,
+    fan_out: bool,
+    allow_modified: bool,
+) -> int:
+    """Fill every request (every rank calls it); returns the bytes this rank fetched.
+
+    ``fan_out``: regions several ranks need are read once and sent over the process group
+    (:mod:`zarrckpt.engine.fanread`). A load that returns holds the committed data of ``manifest``:
+    every chunk used is compared with the commit record, or, where that cannot tell (``allow_modified``,
+    no record), rank 0 checks at the end that the manifest is still this save's.
+
+    Raises:
+        IncompleteCheckpointError: the checkpoint was overwritten or deleted meanwhile (what a read
+            failure is then put down to).
+        CorruptChunkError, ModifiedCheckpointError, StorageError, ZarrckptError: a read failed (on
+            another rank: named in the message).
+    """
+    try:
+        if fan_out:
+            nbytes = read_shared(group, storage, manifest, requests, any_layout=allow_modified)
+        else:
+            nbytes = group.run_together(lambda: read_regions(storage, requests, any_layout=allow_modified), "reading")
+    except ZarrckptError:
+        _check_unchanged(group, storage, manifest.save_id)  # an overwrite explains it better
+        raise
+    if not integrity.reads_are_checked(list(manifest.arrays.values()), allow_modified):
+        _check_unchanged(group, storage, manifest.save_id)  # else every chunk used was the committed one
+    return nbytes
+
+
+def _check_unchanged(group: Group, storage: Storage, save_id: str) -> None:
+    """The end-of-load check (the manifest is still this save's), by rank 0 for every rank."""
+
+    def check() -> bytes:
+        protocol.check_unchanged(storage, save_id)
+        return b""
+
+    group.on_rank0(check, "checking that the checkpoint is unchanged")

@@ -1,0 +1,330 @@
+"""Run read plans (:mod:`zarrckpt.plan.fetch`): fetch byte ranges of shard objects, verify, copy into place.
+
+When a plan fetches the shard index (always first), its crc32c and every entry the plan uses
+are checked against zarrckpt's layout before any chunk is used. Every chunk read whole has its
+crc32c checked, and, when the manifest has a commit record, compared with the committed one
+(:mod:`zarrckpt.format.integrity`); a chunk read without the index that fails is explained by fetching
+the index then. Pieces of partly read chunks (lazy views) cannot be checked.
+
+``any_layout`` (``allow_modified``) reads shards another Zarr writer laid out: the index first,
+then the chunks where it says (:func:`_read_any`), so that read cannot be planned ahead.
+
+A constant array (no shard objects by design) is read without a request: every element is its
+fill value. With ``any_layout`` its shards are looked for too (a peer may have written some).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
+
+import crc32c
+import numpy as np
+
+from zarrckpt.errors import CorruptChunkError, ModifiedCheckpointError, StorageError, causes
+from zarrckpt.format import dtypes, integrity
+from zarrckpt.format.array import ArrayMeta
+from zarrckpt.format.shard import EMPTY, ShardLayout, chunks_per_shard, decode_chunk, decode_index, index_nbytes
+from zarrckpt.plan.fetch import (
+    MAX_REQUEST_BYTES,
+    Fetch,
+    Request,
+    ShardRead,
+    ShardTask,
+    plan_reads,
+    plan_shard,
+)
+from zarrckpt.plan.ranges import Range, merge_ranges
+from zarrckpt.storage.store import Storage
+
+__all__ = ["Request", "read_regions", "read_shard"]
+
+
+def read_regions(
+    storage: Storage,
+    requests: Sequence[Request],
+    *,
+    partial: bool = False,
+    any_layout: bool = False,
+    read_through: bool = True,
+) -> int:
+    """Fill every request's ``dest``; returns the number of bytes fetched from storage.
+
+    ``partial``: fetch only the needed byte ranges of inner chunks that are needed in small part,
+    at the price of not checking those chunks' crc32c (see :mod:`zarrckpt.plan.fetch`).
+    ``any_layout``: read shards laid out by any Zarr writer (``allow_modified``), see :func:`_read_any`.
+    ``read_through=False``: never fetch the chunks between two needed ones (a fanned-out read: other
+    ranks read those).
+    """
+    if any_layout:  # constant arrays too: a peer may have written chunks into them since
+        return _run_all(storage, plan_reads(requests))
+    for req in requests:
+        if req.meta.constant is not None:  # no chunks by design: every element is the fill value
+            req.dest[...] = _fill(req.meta)
+    stored = [req for req in requests if req.meta.constant is None]
+    caps = storage.caps if read_through else replace(storage.caps, read_through_bytes=0)
+    # planned shard by shard as the reads go: a read that fails stops the planning too
+    return _run_all(storage, (plan_shard(task, caps, partial) for task in plan_reads(stored)))
+
+
+def _run_all(storage: Storage, work: Iterable[ShardRead | ShardTask]) -> int:
+    """Run shard reads concurrently: planned ones, or tasks for :func:`_read_any`; the bytes fetched."""
+
+    def one(item: ShardRead | ShardTask) -> int:
+        return read_shard(storage, item.task, item) if isinstance(item, ShardRead) else read_shard(storage, item, None)
+
+    return sum(storage.run_all(one, work))
+
+
+def read_shard(storage: Storage, task: ShardTask, read: ShardRead | None) -> int:
+    """Run one shard's planned ``read``, or (None) read it whatever its layout (:func:`_read_any`);
+    returns the bytes fetched.
+
+    Raises:
+        CorruptChunkError: the object is missing or truncated, or an index entry or chunk fails its check.
+    """
+    try:
+        return _read_any(storage, task) if read is None else run(storage, read)
+    except FileNotFoundError:
+        if task.meta.constant is not None:  # a constant array's shard no one wrote (allow_modified)
+            _fill_task(task)
+            return 0
+        where, key = storage.where(task.path), task.meta.key
+        raise CorruptChunkError(f"shard object {where} of {key!r} is missing", key=key, chunk=task.path) from None
+
+
+def run(storage: Storage, read: ShardRead) -> int:
+    """Run one shard's fetches in order; returns the bytes fetched."""
+    task, layout = read.task, read.layout
+    path = task.path
+    # per partly read chunk: the bytes from its first to its last piece (gaps left unfilled)
+    spans: dict[int, tuple[int, int]] = {}
+    for fetch in read.fetches:
+        for k, lo, hi in fetch.pieces:
+            first, last = spans.get(k, (lo, hi))
+            spans[k] = (min(first, lo), max(last, hi))
+    scratch = {k: (lo, np.empty(hi - lo, dtype=np.uint8)) for k, (lo, hi) in spans.items()}
+    fetched = 0
+    for fetch in read.fetches:
+        if fetch.direct:
+            fetched += _read_direct(storage, task, fetch)
+            continue
+        try:
+            with storage.reading(path, fetch.start, fetch.end) as blob:
+                fetched += len(blob)
+                if fetch.end is not None and len(blob) < fetch.end - fetch.start:
+                    if not read.reads_index:
+                        _explain(storage, read, [*fetch.chunks, *fetch.anchors, *(k for k, _, _ in fetch.pieces)])
+                    raise _truncated(storage, task, layout, fetch.start, fetch.end, fetch.start + len(blob))
+                if fetch.index:
+                    index = decode_index(
+                        bytes(blob[: layout.index_nbytes]), layout.n_chunks, storage.where(path), task.meta.key
+                    )
+                    for k in task.needs:
+                        _check_entry(index[k], layout, task.meta, path, k)
+                for k in fetch.chunks:
+                    at = _offset(layout, k) - fetch.start
+                    try:
+                        _copy_chunk(task, k, blob[at : at + layout.chunk_nbytes], path)
+                    except CorruptChunkError:
+                        if not read.reads_index:
+                            _explain(storage, read, [k])
+                        raise
+                for k in fetch.anchors:  # a partly read chunk, without the index: is it the one committed?
+                    at = _offset(layout, k) + layout.chunk_nbytes - 4 - fetch.start
+                    try:
+                        integrity.check_chunk(task.meta, task.index, k, blob[at : at + 4], _where(task, k, path))
+                    except ModifiedCheckpointError:
+                        _explain(storage, read, [k])
+                        raise
+                for k, lo, hi in fetch.pieces:
+                    first, buf = scratch[k]
+                    at = _offset(layout, k) + lo - fetch.start
+                    buf[lo - first : hi - first] = np.frombuffer(blob[at : at + hi - lo], dtype=np.uint8)
+        except StorageError as e:  # a range the object does not reach: S3's 416 InvalidRange
+            if not _past_end(e):
+                raise
+            raise _truncated(storage, task, layout, fetch.start, fetch.end) from None
+    _scatter_pieces(task, scratch)
+    return fetched
+
+
+def _past_end(error: BaseException) -> bool:
+    """Whether a storage error says the range read lies past the object's end (HTTP 416)."""
+    said = " ".join(str(e) for e in causes(error)).lower()
+    return "416" in said or "invalidrange" in said or "range is not satisfiable" in said
+
+
+def _truncated(
+    storage: Storage, task: ShardTask, layout: ShardLayout, start: int, end: int | None, size: int | None = None
+) -> CorruptChunkError:
+    """A shard object shorter than its layout: its real length, and how many inner chunks it lacks."""
+    path = task.path
+    if size is None:
+        try:
+            size = storage.size(path)
+        except (StorageError, FileNotFoundError):
+            size = None
+    lacking = (
+        "" if size is None else f": {size} bytes of {layout.nbytes}, {layout.n_stored - layout.chunks_from(size)} "
+    )
+    lacking += "" if size is None else f"of its {layout.n_stored} inner chunks past its end"
+    return CorruptChunkError(
+        f"shard object {storage.where(path)} of {task.meta.key!r} is truncated{lacking} (a read of bytes "
+        f"{start}..{'' if end is None else end} reaches past it); `zarrckpt verify` lists every chunk lost",
+        key=task.meta.key,
+        chunk=path,
+    )
+
+
+def _explain(storage: Storage, read: ShardRead, chunks: Sequence[int]) -> None:
+    """A read without its shard's index failed (a chunk's checksum, or the object is too short):
+    raise ModifiedCheckpointError if the index (now fetched) shows another writer's layout for
+    one of ``chunks``; else return, and the read's own error stands."""
+    task, layout = read.task, read.layout
+    with storage.reading(task.path, 0, layout.index_nbytes) as raw:
+        index = decode_index(bytes(raw), layout.n_chunks, storage.where(task.path), task.meta.key)
+    for k in sorted(set(chunks)):
+        _check_entry(index[k], layout, task.meta, task.path, k)
+
+
+def _offset(layout: ShardLayout, k: int) -> int:
+    offset = layout.offset(k)
+    assert offset is not None  # plans only hold stored chunks
+    return offset
+
+
+def _scatter_pieces(task: ShardTask, scratch: dict[int, tuple[int, np.ndarray]]) -> None:
+    """Copy the parts of partly read chunks into place, as strided views of the fetched bytes."""
+    meta = task.meta
+    dtype = dtypes.storage_dtype(meta.dtype)
+    strides = tuple(math.prod(meta.chunk_shape[d + 1 :]) * dtype.itemsize for d in range(len(meta.chunk_shape)))
+    for k, (first, buf) in scratch.items():
+        _, origin = task.chunk_origin(k)
+        for part, req in task.needs[k]:
+            rel = part.relative_to(origin)
+            offset = sum(o * st for o, st in zip(rel.offsets, strides, strict=True)) - first
+            # numpy checks that the view lies inside the fetched bytes
+            src = np.ndarray(rel.sizes, dtype=dtype, buffer=buf, offset=offset, strides=strides)
+            req.dest[part.relative_to(req.box.offsets).slices()] = src
+
+
+def _read_any(storage: Storage, task: ShardTask) -> int:
+    """Read one shard whatever its layout: chunks in any order, gaps between them, EMPTY entries
+    (read as the fill value). Still checked: the index crc32c, each chunk's size (uncompressed),
+    that it lies after the index and inside the object, and its crc32c."""
+    meta = task.meta
+    path = meta.shard_path(task.index)
+    n_chunks = math.prod(chunks_per_shard(meta.shard_shape, meta.chunk_shape))
+    head = index_nbytes(n_chunks)
+    size = meta.chunk_nbytes + 4
+    with storage.reading(path, 0, head) as raw_index:
+        index = decode_index(bytes(raw_index), n_chunks, storage.where(path), meta.key)
+    ranges: list[Range] = []
+    chunks: list[int] = []
+    for k in sorted(task.needs):
+        offset, nbytes = int(index[k][0]), int(index[k][1])
+        if offset == EMPTY and nbytes == EMPTY:  # never written: the fill value
+            for part, req in task.needs[k]:  # (no chunk-sized buffer: its size is the metadata's word)
+                req.dest[part.relative_to(req.box.offsets).slices()] = _fill(meta)
+        elif nbytes != size or offset < head:
+            raise CorruptChunkError(
+                f"inner chunk {k} of {meta.key!r} in shard {path} has index entry ({offset}, {nbytes}); "
+                f"zarrckpt reads uncompressed chunks of {size} bytes stored after the {head}-byte index",
+                key=meta.key,
+                chunk=f"{path}#{k}",
+            )
+        else:
+            ranges.append((offset, offset + size))
+            chunks.append(k)
+    fetched = head
+    for start, end, members in merge_ranges(ranges, 0, MAX_REQUEST_BYTES):
+        with storage.reading(path, start, end) as blob:
+            fetched += len(blob)
+            if len(blob) < end - start:
+                raise CorruptChunkError(
+                    f"shard object {storage.where(path)} of {meta.key!r} is shorter than its index says: bytes "
+                    f"{start}..{end} hold {len(blob)} of {end - start} bytes (truncated)",
+                    key=meta.key,
+                    chunk=path,
+                )
+            for i in members:
+                lo, hi = ranges[i]
+                _copy_chunk(task, chunks[i], blob[lo - start : hi - start], path)
+    return fetched
+
+
+def _read_direct(storage: Storage, task: ShardTask, fetch: Fetch) -> int:
+    """Read a run of whole chunks straight into their destinations (one vectored read), then verify."""
+    path = task.path
+    views = [task.direct_view(k) for k in fetch.chunks]
+    crcs = [bytearray(4) for _ in fetch.chunks]
+    buffers = [b for view, crc in zip(views, crcs, strict=True) for b in (view, memoryview(crc))]
+    got = storage.read_into(path, fetch.start, buffers)  # type: ignore[arg-type]
+    for k, view, crc in zip(fetch.chunks, views, crcs, strict=True):
+        assert view is not None
+        where = f"{path} (inner chunk {k})"
+        if got < len(view) + 4:
+            raise CorruptChunkError(f"chunk {where} of {task.meta.key!r} is truncated", key=task.meta.key, chunk=where)
+        got -= len(view) + 4
+        if crc32c.crc32c(view) != int.from_bytes(crc, "little"):
+            raise CorruptChunkError(
+                f"chunk {where} of {task.meta.key!r} fails its crc32c checksum: the stored bytes are corrupted",
+                key=task.meta.key,
+                chunk=where,
+            )
+        integrity.check_chunk(task.meta, task.index, k, crc, where)
+    return sum(len(v) + 4 for v in views if v is not None)
+
+
+def _copy_chunk(task: ShardTask, k: int, raw: memoryview, path: str) -> None:
+    """Verify inner chunk ``k`` and copy the parts the requests need into their destinations."""
+    meta = task.meta
+    where = _where(task, k, path)
+    data = decode_chunk(raw, meta.chunk_nbytes, meta.key, where)
+    integrity.check_chunk(meta, task.index, k, raw[-4:], where)
+    _scatter(task, k, np.frombuffer(data, dtype=dtypes.storage_dtype(meta.dtype)).reshape(meta.chunk_shape))
+
+
+def _fill(meta: ArrayMeta) -> np.ndarray:
+    """One element of ``meta``'s fill value (0-d, the stored dtype): its constant, else zero bits."""
+    dtype = dtypes.storage_dtype(meta.dtype)
+    bits = bytes(dtype.itemsize) if meta.constant is None else meta.constant
+    return np.frombuffer(bits, dtype=dtype).reshape(())
+
+
+def _fill_task(task: ShardTask) -> None:
+    for parts in task.needs.values():
+        for part, req in parts:
+            req.dest[part.relative_to(req.box.offsets).slices()] = _fill(task.meta)
+
+
+def _where(task: ShardTask, k: int, path: str) -> str:
+    cidx, _ = task.chunk_origin(k)
+    return f"{path} (inner chunk {list(cidx)})"
+
+
+def _scatter(task: ShardTask, k: int, chunk: np.ndarray) -> None:
+    """Copy the parts of inner chunk ``k`` (its elements, ``chunk``) that requests need into place."""
+    _, origin = task.chunk_origin(k)
+    for part, req in task.needs[k]:
+        req.dest[part.relative_to(req.box.offsets).slices()] = chunk[part.relative_to(origin).slices()]
+
+
+def _check_entry(entry: np.ndarray, layout: ShardLayout, meta: ArrayMeta, path: str, k: int) -> None:
+    """Check the index entry of inner chunk ``k`` against zarrckpt's shard layout."""
+    offset, nbytes = int(entry[0]), int(entry[1])
+    if offset == EMPTY or nbytes != layout.chunk_nbytes:
+        state = "is missing from" if offset == EMPTY else f"has a wrong size ({nbytes} bytes) in"
+    elif offset != layout.offset(k):
+        state = f"is stored at offset {offset}, not {layout.offset(k)}, in"
+    else:
+        return
+    # the index passed its crc32c: someone wrote this layout on purpose
+    raise ModifiedCheckpointError(
+        f"inner chunk {k} of {meta.key!r} {state} shard {path}: the shard is not laid out as zarrckpt wrote it, "
+        f"so it was modified after commit by another writer; {integrity.ALLOW_HINT}",
+        key=meta.key,
+        chunk=f"{path}#{k}",
+    )

@@ -1,0 +1,144 @@
+"""Write this rank's shards (and the array metadata it is responsible for) for a save plan."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from zarrckpt.engine import commit as protocol
+from zarrckpt.engine import markers, replicas
+from zarrckpt.engine.dist import Group
+from zarrckpt.engine.exchange import gather_small
+from zarrckpt.errors import CheckpointExistsError, ZarrckptError
+from zarrckpt.format import dtypes, integrity
+from zarrckpt.format.array import ArrayMeta
+from zarrckpt.format.layout import Shape, cell_box
+from zarrckpt.format.manifest import Manifest, library_name
+from zarrckpt.format.shard import chunk_crcs, chunks_per_shard, encode_shard
+from zarrckpt.plan.localstate import LocalState
+from zarrckpt.plan.rankdesc import RankDescription
+from zarrckpt.plan.save import ZarrSavePlan, build_save_plan
+from zarrckpt.storage.store import Storage
+
+log = logging.getLogger("zarrckpt")
+
+
+def plan_save(
+    group: Group, local: LocalState, chunk_bytes: int, check_replicas: bool, small_tensor_bytes: int
+) -> ZarrSavePlan:
+    """Every rank: gather all ranks' descriptions (one collective), build the same plan, check
+    that replicated blocks hold the same bytes (one more, only when some are replicated), and
+    hand each small tensor's writer the parts it lacks (one exchange, only when there are such)."""
+    views = group.all_gather_json(local.describe().to_json())
+    plan = build_save_plan([RankDescription.from_json(v) for v in views], chunk_bytes, small_tensor_bytes)
+    if check_replicas:
+        replicas.check(group, plan, local)
+    gather_small(group, plan, local)
+    return plan
+
+
+def write_rank(
+    storage: Storage,
+    plan: ZarrSavePlan,
+    local: LocalState,
+    rank: int,
+    written: integrity.Written | None = None,
+    *,
+    shards: Sequence[tuple[ArrayMeta, Shape]] | None = None,
+    held_only: bool = False,
+) -> int:
+    """Write the shards ``rank`` owns (``shards``: only these of them); returns the bytes written.
+
+    Each shard is cut from the part of ``local`` that holds it; a shard no part holds is an error,
+    unless ``held_only`` (``local`` holds some of the rank's parts: write just their shards).
+    Objects are written concurrently, create-only; ``written`` receives every written shard's
+    chunk checksums (for the manifest's record). The ``zarr.json`` documents come later
+    (:func:`write_metadata`), once every rank's shards exist.
+    """
+    record: integrity.Written = {} if written is None else written  # filled from the writing threads
+    start = time.perf_counter()
+    host: dict[int, Any] = {}  # id(part) -> numpy view of it, on the host
+    jobs = []
+    for meta, idx in plan.shards_of(rank) if shards is None else shards:
+        cell = cell_box(idx, meta.shard_shape, meta.shape)
+        part = local.part_holding(meta.key, cell)
+        if part is None:
+            if held_only:
+                continue
+            raise ZarrckptError(
+                f"{meta.key}: this rank (rank {rank}) was to write shard {cell} but holds no part with it"
+            )
+        if id(part) not in host:  # stage on the host first (GPU -> CPU copies stay on this thread)
+            host[id(part)] = dtypes.as_numpy(part.data.detach().cpu())
+        jobs.append((meta, idx, host[id(part)][cell.relative_to(part.box.offsets).slices()]))
+
+    def write_shard(job: tuple[ArrayMeta, Shape, Any]) -> int:
+        meta, idx, data = job
+        parts = encode_shard(data, meta.shard_shape, meta.chunk_shape)
+        crcs = chunk_crcs(parts, math.prod(chunks_per_shard(meta.shard_shape, meta.chunk_shape)))
+        nbytes = _put(storage, meta.shard_path(idx), parts)
+        record.setdefault(meta.key, {})[integrity.shard_number(meta, idx)] = crcs  # one key per shard: thread-safe
+        return nbytes
+
+    nbytes = sum(storage.run_all(write_shard, jobs, writing=True))
+    log.info("rank %d wrote %d shards, %.1f MB in %.2fs", rank, len(jobs), nbytes / 1e6, time.perf_counter() - start)
+    return nbytes
+
+
+def write_metadata(storage: Storage, docs: list[tuple[str, bytes]]) -> int:
+    """Write group and array ``zarr.json`` documents (``plan.metadata_docs``): after every rank's
+    shards, so a generic Zarr reader never finds an array whose chunks are still missing."""
+    return sum(storage.run_all(lambda doc: _put(storage, doc[0], [doc[1]]), docs, writing=True))
+
+
+def commit_save(storage: Storage, group: Group, plan: ZarrSavePlan, save_id: str, written: integrity.Written) -> None:
+    """After every rank wrote its shards: the ``zarr.json`` documents, then rank 0 commits the
+    manifest with the record of every chunk written (gathered from all ranks, one collective)."""
+    views = group.gather_json(integrity.to_json(written))
+    group.run_together(lambda: write_metadata(storage, plan.metadata_of(group.rank)), "writing metadata")
+
+    def commit() -> None:
+        if group.rank == 0:
+            protocol.commit(storage, committed_manifest(save_id, plan.arrays, plan.values, plan.world_size, views))
+
+    group.run_together(commit, "committing")
+
+
+def committed_manifest(
+    save_id: str,
+    arrays: Mapping[str, ArrayMeta],
+    values: Mapping[str, Any],
+    world_size: int,
+    written: Sequence[Mapping[str, Mapping[str, str]]],
+    *,
+    library: str | None = None,
+    dcp: dict[str, Any] | None = None,
+) -> Manifest:
+    """The manifest a commit writes (every save path builds it here): arrays and values in key
+    order, the commit time, the writing library, and the record of every chunk ``written`` (each
+    writer's :func:`zarrckpt.format.integrity.to_json`); raises when some shard was written by no one."""
+    return Manifest(
+        save_id,
+        dict(sorted(arrays.items())),
+        dict(sorted(values.items())),
+        world_size,
+        markers.now(),
+        library or library_name(),
+        dcp or {},
+        integrity.records(arrays, written),
+    )
+
+
+def _put(storage: Storage, path: str, parts: list[bytes] | list[Any]) -> int:
+    """Create one object; another writer's object already there means this save lost a race."""
+    try:
+        storage.write(path, parts, create_only=storage.atomic_create)
+    except FileExistsError:
+        raise CheckpointExistsError(
+            f"another save is writing to {storage.url!r}: {path} was created by another writer; "
+            "this save is abandoned uncommitted"
+        ) from None
+    return sum(len(p) for p in parts)

@@ -1,0 +1,233 @@
+"""One stored global tensor: its ``zarr.json`` document (:class:`ArrayMeta`), built and parsed.
+
+No I/O; parsing treats every document as untrusted input (docs/FORMAT.md §3).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from zarrckpt.errors import InvalidCheckpointError, InvalidKeyError
+from zarrckpt.format import dtypes, fill
+from zarrckpt.format.jsondoc import Bad, check_extensions, get_field, meaning, shape_field, short
+from zarrckpt.format.keys import ROLES, key_to_path, validate_keys
+from zarrckpt.format.layout import Shape
+from zarrckpt.types import ArrayKind, Role
+
+FORMAT_VERSION = 2  # the newest this zarrckpt reads; it writes the oldest that describes a checkpoint
+CONSTANT_VERSION = 2  # constant arrays (no shard objects) first appeared in format version 2
+ARRAY_KINDS: tuple[str, ...] = tuple(kind.value for kind in ArrayKind)  # an array's stored "kind"s
+BYTES_TYPE_NAMES = ("bytes", "bytearray", "BytesIO")
+MAX_ELEMENTS = 2**62
+# Ceilings on what one array's metadata may claim, so that no reader loops over (or sizes a buffer
+# from) counts a crafted manifest makes up: every loop or buffer is bounded by these, or by the bytes
+# of real objects. zarrckpt's own saves stay far below them (docs/FORMAT.md §3).
+MAX_CHUNKS_PER_SHARD = 2**20  # a shard index of 16 MiB
+MAX_SLOTS = 2**24  # shards x inner chunks per shard, per array (a commit record of 64 MiB)
+# the same for an array the manifest has no commit record of: nothing real backs what it claims, so
+# the claim stays small enough to plan in a fraction of a second (zarrckpt has written the record
+# since format version 1's second release; an older checkpoint with more: re-save it)
+MAX_UNRECORDED_SLOTS = 2**12
+
+
+@dataclass(frozen=True)
+class ArrayMeta:
+    """One stored global tensor: its identity, layout and how its shards are cut."""
+
+    key: str
+    shape: Shape
+    dtype: str
+    shard_shape: Shape
+    chunk_shape: Shape
+    role: Role = Role.OTHER
+    kind: ArrayKind = ArrayKind.TENSOR
+    topology: dict[str, Any] = field(default_factory=dict, compare=False)
+    python_type: str = ""  # kind "bytes": the saved value's type when not bytes ("bytearray" or "BytesIO")
+    constant: bytes | None = None  # a constant array: every element's bytes (little-endian); no shard objects
+    committed_crc32c: bytes = field(default=b"", compare=False, repr=False)  # integrity.py: the commit's record
+
+    @property
+    def path(self) -> str:
+        return key_to_path(self.key)
+
+    @property
+    def itemsize(self) -> int:
+        return dtypes.storage_dtype(self.dtype).itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    @property
+    def chunk_nbytes(self) -> int:
+        return math.prod(self.chunk_shape) * self.itemsize
+
+    def shard_path(self, index: Shape) -> str:
+        return "/".join([self.path, "c", *map(str, index)])
+
+    def to_json(self) -> dict[str, Any]:
+        codec = {"endian": "little"}
+        inner = [{"name": "bytes", "configuration": codec}, {"name": "crc32c"}]
+        return {
+            "zarr_format": 3,
+            "node_type": "array",
+            "shape": list(self.shape),
+            "data_type": self.dtype,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(self.shard_shape)}},
+            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+            "fill_value": dtypes.fill_value(self.dtype) if self.constant is None else self.fill_json(),
+            "dimension_names": dimension_names(self.path, len(self.shape)),
+            "codecs": [
+                {
+                    "name": "sharding_indexed",
+                    "configuration": {
+                        "chunk_shape": list(self.chunk_shape),
+                        "codecs": inner,
+                        "index_codecs": inner,
+                        "index_location": "start",
+                    },
+                }
+            ],
+            "attributes": {
+                "zarrckpt": {
+                    "format_version": 1 if self.constant is None else CONSTANT_VERSION,
+                    "key": self.key,
+                    "role": self.role,
+                    "kind": self.kind,
+                    "order": "C",
+                    "topology": self.topology,
+                    **({"python_type": self.python_type} if self.python_type else {}),
+                    **({"constant": True} if self.constant is not None else {}),
+                }
+            },
+        }
+
+    def fill_json(self) -> Any:
+        """A constant array's ``fill_value``: its elements' exact value (:mod:`zarrckpt.format.fill`)."""
+        assert self.constant is not None
+        return fill.to_json(self.dtype, self.constant)
+
+    @classmethod
+    def from_json(cls, path: str, doc: Any, where: str = "the checkpoint") -> ArrayMeta:
+        """Parse an array ``zarr.json`` written by zarrckpt, rejecting anything else clearly."""
+
+        def bad(why: str) -> InvalidCheckpointError:
+            return InvalidCheckpointError(f"array metadata {path!r} in {where} is invalid: {why}")
+
+        attrs = "attributes.zarrckpt."
+        check_extensions(doc, ARRAY_FIELDS, bad)
+        check_version(doc, attrs + "format_version", bad)
+        key = get_field(doc, attrs + "key", str, bad)
+        try:
+            validate_keys([key])
+        except InvalidKeyError as e:
+            raise bad(str(e)) from None
+        if key_to_path(key) != path:
+            raise bad(f"its key {key!r} does not match its path")
+        shape = shape_field(doc, "shape", bad)
+        shard = shape_field(doc, "chunk_grid.configuration.chunk_shape", bad)
+        codecs = get_field(doc, "codecs", list, bad)
+        if len(codecs) != 1:
+            raise bad(f"field 'codecs' must hold exactly one sharding_indexed codec, not {short(codecs)}")
+        chunk = shape_field(codecs[0], "configuration.chunk_shape", bad, at="codecs[0].")
+        dtype = get_field(doc, "data_type", str, bad)
+        role = get_field(doc, attrs + "role", str, bad, "other")
+        kind = get_field(doc, attrs + "kind", str, bad, "tensor")
+        topology = get_field(doc, attrs + "topology", dict, bad, {})
+        python_type = get_field(doc, attrs + "python_type", str, bad, "")
+        is_constant = get_field(doc, attrs + "constant", bool, bad, False)
+        if python_type not in ("", *BYTES_TYPE_NAMES) or (python_type and kind != "bytes"):
+            raise bad(f"python_type {short(python_type)} is not one of {BYTES_TYPE_NAMES} on a bytes array")
+        if not (len(shape) == len(shard) == len(chunk)):
+            raise bad("shape, shard shape and chunk shape have different ranks")
+        if math.prod(max(n, 1) for n in shape) > MAX_ELEMENTS:
+            raise bad(f"absurd shape {short(shape)}")
+        if any(not 1 <= s <= max(n, 1) for n, s in zip(shape, shard, strict=True)):
+            raise bad(f"shard shape {short(shard)} is not within 1..shape {short(shape)} in every dimension")
+        if any(c < 1 or s % c for s, c in zip(shard, chunk, strict=True)):
+            raise bad(f"inner chunks {short(chunk)} do not evenly divide shards {short(shard)}")
+        if too_many := beyond_limits(shape, shard, chunk):
+            raise bad(too_many)
+        if not dtypes.is_known(dtype):
+            raise bad(f"unsupported data_type {short(dtype)}")
+        names = doc.get("dimension_names", None)  # optional: checkpoints written before it was added lack it
+        if names is not None and (
+            not isinstance(names, list)
+            or len(names) != len(shape)
+            or not all(n is None or isinstance(n, str) for n in names)
+        ):
+            raise bad(
+                f"field 'dimension_names' must list one name (a string or null) per dimension "
+                f"({len(shape)}), not {short(names)}"
+            )
+        if role not in ROLES or kind not in ARRAY_KINDS:
+            raise bad(f"unknown role {short(role)} or kind {short(kind)}")
+        if kind == "bytes" and (dtype != "uint8" or len(shape) != 1):
+            raise bad(f"a bytes value must be stored as 1-D uint8, not {len(shape)}-D {dtype}")
+        if get_field(doc, attrs + "order", str, bad, "C") != "C" or doc.get("storage_transformers"):
+            raise bad("only C order and no storage transformers are supported")
+        constant = None
+        if is_constant:  # every element is the fill value, which must spell one element exactly
+            constant = fill.from_json(dtype, doc.get("fill_value"))
+            if constant is None:
+                raise bad(
+                    f"field 'fill_value' {short(doc.get('fill_value'))} is not a {dtype} value of a constant array"
+                )
+        meta = cls(key, shape, dtype, shard, chunk, Role(role), ArrayKind(kind), topology, python_type, constant)
+        expected = meta.to_json()
+        for name in (
+            "zarr_format",
+            "node_type",
+            "chunk_grid",
+            "chunk_key_encoding",
+            "codecs",
+            *(() if is_constant else ("fill_value",)),
+        ):
+            if meaning(name, doc.get(name), meta.itemsize) != meaning(name, expected[name], meta.itemsize):
+                raise bad(f"field {name!r} is {short(doc.get(name))}, zarrckpt writes {short(expected[name])}")
+        return meta
+
+
+def slots(shape: Shape, shard: Shape, chunk: Shape) -> tuple[int, int]:
+    """(shard objects, inner chunks per shard) of an array's grid, by arithmetic."""
+    shards = math.prod(-(-n // s) for n, s in zip(shape, shard, strict=True))
+    return shards, math.prod(s // c for s, c in zip(shard, chunk, strict=True))
+
+
+def beyond_limits(shape: Shape, shard: Shape, chunk: Shape) -> str | None:
+    """What makes a grid exceed :data:`MAX_CHUNKS_PER_SHARD` or :data:`MAX_SLOTS` (None: nothing)."""
+    shards, per_shard = slots(shape, shard, chunk)
+    if per_shard > MAX_CHUNKS_PER_SHARD:
+        grid = f"shard {list(shard)}, chunk {list(chunk)}"
+        return f"{per_shard} inner chunks per shard ({grid}), more than {MAX_CHUNKS_PER_SHARD}"
+    if shards * per_shard > MAX_SLOTS:
+        grid = f"shape {list(shape)}, shard {list(shard)}"
+        return f"{shards} shards of {per_shard} inner chunks ({grid}), more than {MAX_SLOTS} in all"
+    return None
+
+
+def dimension_names(path: str, rank: int) -> list[str]:
+    """An array's ``dimension_names``: ``NAME_dim_0``, ``NAME_dim_1``, ... (``[]`` for 0-d), NAME
+    being the last segment of its path (``model/fc/weight`` -> ``weight_dim_0``, ``weight_dim_1``).
+
+    Unique within the array's group, so xarray can open any group as a Dataset: plain ``dim_0``
+    names would be shared by sibling arrays, and xarray refuses shared names of different sizes
+    (``cls_token`` [1, 1, D] beside ``pos_embed`` [1, N, D])."""
+    name = path.rsplit("/", 1)[-1]
+    return [f"{name}_dim_{i}" for i in range(rank)]
+
+
+def check_version(doc: Any, path: str, bad: Bad) -> None:
+    version = get_field(doc, path, int, bad)
+    if version > FORMAT_VERSION:
+        raise bad(f"format version {version} is newer than this zarrckpt reads (1..{FORMAT_VERSION}): upgrade zarrckpt")
+    if version < 1:
+        raise bad(f"field {path!r}: format version {version} does not exist")
+
+
+ARRAY_FIELDS = frozenset(
+    {"zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding", "fill_value", "codecs"}
+    | {"attributes", "storage_transformers", "dimension_names"}
+)

@@ -1,0 +1,247 @@
+"""The checkpoint's manifest (docs/FORMAT.md): the root ``zarr.json`` with the checkpoint-wide
+attributes, the consolidated metadata of every array and group, and the commit record; its head.
+
+Building and parsing only; no I/O. Parsing treats every document as untrusted input.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from zarrckpt.errors import InvalidCheckpointError, InvalidKeyError
+from zarrckpt.format import integrity, jsondoc
+from zarrckpt.format.array import CONSTANT_VERSION, MAX_UNRECORDED_SLOTS, ArrayMeta, check_version, slots
+from zarrckpt.format.jsondoc import (
+    Bad,
+    check_extensions,
+    finite_float,
+    get_field,
+    no_constant,
+    short,
+)
+from zarrckpt.format.keys import validate_keys
+
+MANIFEST = "zarr.json"
+PENDING = ".zarrckpt-pending.json"  # a save is writing here (or died doing so)
+DELETING = ".zarrckpt-deleting.json"  # a deletion is removing this checkpoint (or died doing so)
+HEAD_BYTES = 64 * 1024  # the prefix of a manifest read for its head (ManifestHead)
+TOMBSTONE_BYTES = 1024  # a tombstone's exact size (padded), so a listing's sizes tell which manifests may be one
+_HEAD_FIELDS = ("format_version", "save_id", "world_size", "values")  # those a head needs; "created" optional
+GROUP_FIELDS = frozenset({"zarr_format", "node_type", "attributes", "consolidated_metadata"})
+
+
+def tombstone(marker: dict[str, Any]) -> bytes:
+    """What replaces a committed manifest as the first step of its deletion: a Zarr group saying
+    ``"deleting"`` (with the deleting marker's content), so every reader refuses the checkpoint from
+    that one PUT on, at no extra request of its own (docs/FORMAT.md §6)."""
+    doc = {"zarr_format": 3, "node_type": "group", "attributes": {"zarrckpt": {"deleting": marker}}}
+    raw = json.dumps(doc, separators=(",", ":")).encode()
+    if len(raw) > TOMBSTONE_BYTES:  # (a marker far larger than zarrckpt writes)
+        raw = tombstone({"started": marker.get("started", "")})
+    return raw.ljust(TOMBSTONE_BYTES)  # JSON allows the trailing spaces
+
+
+def tombstone_marker(raw: bytes) -> dict[str, Any] | None:
+    """The deleting marker in a tombstone's bytes; None for anything else (a manifest, say)."""
+    if len(raw) != TOMBSTONE_BYTES:
+        return None
+    try:
+        found = json.loads(raw)["attributes"]["zarrckpt"]["deleting"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def library_name() -> str:
+    from zarrckpt._version import __version__
+
+    return f"zarrckpt {__version__}"
+
+
+def group_json() -> dict[str, Any]:
+    return {"zarr_format": 3, "node_type": "group", "attributes": {}}
+
+
+def group_paths(arrays: list[ArrayMeta]) -> list[str]:
+    """Every intermediate group path (not the root), parents first."""
+    paths = {"/".join(a.path.split("/")[:i]) for a in arrays for i in range(1, a.path.count("/") + 1)}
+    return sorted(paths, key=lambda p: (p.count("/"), p))
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The committed root ``zarr.json``: checkpoint-wide attributes and consolidated metadata."""
+
+    save_id: str
+    arrays: dict[str, ArrayMeta]
+    values: dict[str, Any]
+    world_size: int
+    created: str = ""
+    library: str = ""
+    dcp: dict[str, Any] = field(default_factory=dict)  # DCP adapter: "objects", "planner_data" (both optional)
+    integrity: dict[str, Any] | None = None  # array path -> record (integrity.records); None: not recorded
+    # loads(): key -> what changed since commit ("": the attributes); see integrity.refuse_modified
+    modified: dict[str, str] = field(default_factory=dict, compare=False)
+
+    def to_json(self) -> dict[str, Any]:
+        arrays = list(self.arrays.values())
+        nodes: dict[str, Any] = {p: group_json() for p in group_paths(arrays)}
+        nodes.update({a.path: a.to_json() for a in arrays})
+        nodes = dict(sorted(nodes.items()))  # zarr-python rebuilds the tree by grouping sorted keys
+        return {
+            "zarr_format": 3,
+            "node_type": "group",
+            "attributes": {
+                "zarrckpt": {
+                    "format_version": max((1, *(CONSTANT_VERSION for a in arrays if a.constant is not None))),
+                    "save_id": self.save_id,
+                    "created": self.created,
+                    "library": self.library,
+                    "world_size": self.world_size,
+                    "values": self.values,
+                    **({"dcp": self.dcp} if self.dcp else {}),
+                    **({"integrity": {"arrays": self.integrity}} if self.integrity is not None else {}),
+                }
+            },
+            "consolidated_metadata": {"kind": "inline", "must_understand": False, "metadata": nodes},
+        }
+
+    def dumps(self) -> bytes:
+        doc = self.to_json()
+        attributes = doc["attributes"]["zarrckpt"]
+        attributes[integrity.ATTRIBUTES_DIGEST] = integrity.attributes_digest(attributes)
+        return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
+
+    def as_is(self) -> Manifest:
+        """This manifest without its commit record: reads accept the checkpoint as it is now."""
+        arrays = {k: replace(m, committed_crc32c=b"") for k, m in self.arrays.items()}
+        return replace(self, arrays=arrays, modified={})
+
+    @classmethod
+    def loads(cls, raw: bytes, where: str) -> Manifest:
+        """Parse a manifest (untrusted bytes); every problem is an InvalidCheckpointError naming ``where``."""
+
+        def bad(why: str) -> InvalidCheckpointError:
+            return InvalidCheckpointError(f"checkpoint manifest {where} is invalid: {why}")
+
+        try:
+            doc = json.loads(raw, parse_float=finite_float, parse_constant=no_constant)
+        except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+            raise bad(f"not JSON ({short(e)})") from None
+        if not isinstance(doc, dict) or doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
+            raise bad("not a Zarr v3 group")
+        if not isinstance(doc.get("attributes"), dict) or not isinstance(doc["attributes"].get("zarrckpt"), dict):
+            raise bad("it is a Zarr group but not a zarrckpt checkpoint (no 'zarrckpt' attribute)")
+        info = "attributes.zarrckpt."
+        check_extensions(doc, GROUP_FIELDS, bad)
+        save_id, world, values = _checkpoint_fields(doc, bad)
+        created, library = (
+            get_field(doc, info + "created", str, bad, ""),
+            get_field(doc, info + "library", str, bad, ""),
+        )
+        dcp = get_field(doc, info + "dcp", dict, bad, {})
+        objects = dcp.get("objects", [])
+        if not isinstance(objects, list) or not all(isinstance(o, str) for o in objects):
+            raise bad(f"field {info + 'dcp.objects'!r} must be a list of keys, not {short(objects)}")
+        nodes = get_field(doc, "consolidated_metadata.metadata", dict, bad)
+        arrays = {}
+        for path, node in nodes.items():
+            if not path or any(s in ("", ".", "..") or "\\" in s or "\0" in s for s in path.split("/")):
+                raise bad(f"consolidated metadata has a node at the unsafe path {short(path)}")
+            node_type = node.get("node_type") if isinstance(node, dict) else None
+            if node_type == "array":
+                meta = ArrayMeta.from_json(path, node, where)
+                arrays[meta.key] = meta
+            elif node_type != "group":
+                raise bad(f"consolidated metadata node {short(path)} is neither a group nor an array: {short(node)}")
+        try:
+            validate_keys([*arrays, *values])
+        except InvalidKeyError as e:
+            raise bad(str(e)) from None
+        if both := sorted(arrays.keys() & values.keys()):
+            raise bad(f"keys stored both as an array and as a value: {short(both)}")
+        attributes = doc["attributes"]["zarrckpt"]
+        modified: dict[str, str] = {}
+        digest = attributes.get(integrity.ATTRIBUTES_DIGEST)
+        if digest is not None and digest != integrity.attributes_digest(attributes):
+            modified[""] = "its zarrckpt attributes (the saved values, the commit records) were edited"
+        record = get_field(doc, info + "integrity", dict, bad, None)
+        if record is not None:
+            arrays, changed = integrity.compare(arrays, get_field(record, "arrays", dict, bad, at="integrity."), bad)
+            modified |= changed
+        for meta in arrays.values():  # no record to back them: a crafted manifest's claims cost nothing to make
+            shards, per_shard = slots(meta.shape, meta.shard_shape, meta.chunk_shape)
+            if meta.constant is None and not meta.committed_crc32c and shards * per_shard > MAX_UNRECORDED_SLOTS:
+                raise bad(
+                    f"array {meta.key!r} claims {shards} shards of {per_shard} inner chunks without a commit "
+                    f"record to back them (at most {MAX_UNRECORDED_SLOTS} without one)"
+                )
+        arrays_record = None if record is None else record.get("arrays")
+        return cls(save_id, arrays, values, world, created, library, dcp, arrays_record, modified)
+
+
+@dataclass(frozen=True)
+class ManifestHead:
+    """A manifest's checkpoint-wide fields; ``tensors`` and ``nbytes`` only when the whole document was parsed.
+
+    zarrckpt writes those fields (``format_version``, ``save_id``, ``created``, ``world_size``,
+    ``values``) before the commit record and the consolidated metadata, which grow with the tensors
+    and the saving ranks (megabytes at a thousand ranks): :meth:`parse` reads them from a prefix.
+    """
+
+    save_id: str
+    world_size: int
+    values: dict[str, Any]
+    created: str = ""
+    tensors: int | None = None
+    nbytes: int | None = None
+
+    @classmethod
+    def of(cls, manifest: Manifest) -> ManifestHead:
+        """The head of a whole, parsed manifest (tensor count and bytes included)."""
+        m, nbytes = manifest, sum(a.nbytes for a in manifest.arrays.values())
+        return cls(m.save_id, m.world_size, m.values, m.created, len(m.arrays), nbytes)
+
+    @classmethod
+    def parse(cls, raw: bytes, where: str, *, whole: bool) -> ManifestHead:
+        """The head of the manifest whose first bytes are ``raw`` (all of it when ``whole``: then
+        parsed by :meth:`Manifest.loads`, every check included).
+
+        Raises:
+            InvalidCheckpointError: what the prefix holds is invalid, worded as :meth:`Manifest.loads`
+                words it; with ``whole``, anything :meth:`Manifest.loads` refuses.
+            Unsettled: not ``whole``, and the prefix does not settle it (the fields run past it, the
+                document is laid out otherwise, as after an edit by another tool, or is not JSON):
+                parse the whole manifest.
+        """
+        if whole:
+            return cls.of(Manifest.loads(raw, where))
+
+        def bad(why: str) -> InvalidCheckpointError:
+            return InvalidCheckpointError(f"checkpoint manifest {where} is invalid: {why}")
+
+        large = frozenset({"integrity", "consolidated_metadata"})  # the head ends before them
+        doc = jsondoc.leading_members(raw, ("attributes", "zarrckpt"), large)
+        # a field the walk did not reach may come after the large parts: only the whole manifest tells
+        if "zarr_format" not in doc or "node_type" not in doc:
+            raise jsondoc.Unsettled
+        if doc["zarr_format"] != 3 or doc["node_type"] != "group":
+            raise bad("not a Zarr v3 group")
+        fields = doc.get("attributes", {}).get("zarrckpt")  # a dict when present: the walk descends into it
+        if not isinstance(fields, dict) or any(f not in fields for f in _HEAD_FIELDS):
+            raise jsondoc.Unsettled
+        save_id, world, values = _checkpoint_fields(doc, bad)  # checked as Manifest.loads checks them
+        return cls(save_id, world, values, get_field(doc, "attributes.zarrckpt.created", str, bad, ""))
+
+
+def _checkpoint_fields(doc: dict[str, Any], bad: Bad) -> tuple[str, int, dict[str, Any]]:
+    """A manifest's format version (checked), save id, world size and values."""
+    info = "attributes.zarrckpt."
+    check_version(doc, info + "format_version", bad)
+    save_id = get_field(doc, info + "save_id", str, bad)
+    world = get_field(doc, info + "world_size", int, bad)
+    if world < 1:
+        raise bad(f"field {info + 'world_size'!r} must be a positive integer, not {world}")
+    return save_id, world, get_field(doc, info + "values", dict, bad)

@@ -1,0 +1,69 @@
+"""Small shards joined (pure): the coarser grid, and who sends what to each joined shard's writer.
+
+A tensor whose shard grid (one shard per rank's box) gives shards under ``small_tensor_bytes``
+gets a coarser grid: the cells joined along dimension 0 first, then the next, until a shard has
+at least that many bytes (the whole tensor when it is smaller). Each joined shard is written by
+one of the ranks owning one of its cells, taken in turn over the save; every other cell is sent
+to it by its owner (:mod:`zarrckpt.engine.exchange` does the sending). Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from zarrckpt.format.layout import Box, Shape, cell_box
+from zarrckpt.plan.rankdesc import TensorSpec
+
+
+@dataclass(frozen=True)
+class Gather:
+    """One joined shard: the rank that writes it, and the regions it lacks with the rank that sends each."""
+
+    writer: int
+    pieces: tuple[tuple[Box, int], ...]
+
+
+def coarse_shard(shape: Shape, cell: Shape, itemsize: int, target_bytes: int) -> Shape:
+    """``cell`` joined, along dimension 0 first, until a shard holds ``target_bytes`` (or the whole
+    extent of every dimension); unchanged when it already does."""
+    shard = list(cell)
+    for d, n in enumerate(shape):
+        nbytes = math.prod(shard) * itemsize
+        if nbytes >= target_bytes:
+            break
+        cells = -(-n // shard[d]) if n else 1
+        shard[d] = max(1, min(n, shard[d] * min(cells, -(-target_bytes // max(nbytes, 1)))))
+    return tuple(shard)
+
+
+def shard_gathers(
+    shape: Shape,
+    cell: Shape,
+    coarse: Shape,
+    cell_owners: dict[Shape, int],
+    ranks: Sequence[int],
+    specs: Sequence[TensorSpec],
+    turn: int,
+) -> tuple[dict[Shape, Gather], int]:
+    """The :class:`Gather` of every joined shard (by its index in the coarse grid), and ``turn``
+    advanced by one per shard (the writer of the n-th shard of a save is the ``n % k``-th of its
+    ``k`` cell owners)."""
+    held: dict[int, list[Box]] = {}
+    for rank, spec in zip(ranks, specs, strict=True):
+        held.setdefault(rank, []).append(spec.box)
+    cells: dict[Shape, list[tuple[Box, int]]] = {}
+    for idx in sorted(cell_owners):
+        box = cell_box(idx, cell, shape)
+        cells.setdefault(tuple(o // c for o, c in zip(box.offsets, coarse, strict=True)), []).append(
+            (box, cell_owners[idx])
+        )
+    out = {}
+    for idx, inside in cells.items():
+        candidates = sorted({owner for _, owner in inside})
+        writer = candidates[turn % len(candidates)]
+        turn += 1
+        pieces = tuple((box, owner) for box, owner in inside if not any(h.contains(box) for h in held[writer]))
+        out[idx] = Gather(writer, pieces)
+    return out, turn

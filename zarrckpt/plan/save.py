@@ -1,0 +1,230 @@
+"""The global save plan, derived identically on every rank from all ranks' descriptions (no I/O)."""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from zarrckpt.errors import SaveLayoutError
+from zarrckpt.format import fill
+from zarrckpt.format.array import ArrayMeta, beyond_limits
+from zarrckpt.format.dtypes import storage_dtype
+from zarrckpt.format.keys import infer_role, validate_keys
+from zarrckpt.format.layout import Claim, Shape, coverage_problems, inner_chunk_shape, owner_of_cells, shard_shape_for
+from zarrckpt.format.manifest import group_json, group_paths
+from zarrckpt.plan.coarsen import Gather, coarse_shard, shard_gathers
+from zarrckpt.plan.gcpause import gc_paused
+from zarrckpt.plan.rankdesc import RankDescription, TensorSpec
+from zarrckpt.types import ArrayKind, Role
+
+DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+DEFAULT_SMALL_TENSOR_BYTES = 2 * 1024 * 1024  # shards smaller than this are joined (a smaller tensor: one shard)
+
+
+@dataclass(frozen=True)
+class ZarrSavePlan:
+    """What a save writes, the same on every rank: every array's metadata, which rank writes each of its
+    shards, and the plain values. Not DCP's ``SavePlan`` (one rank's write items), which
+    :class:`zarrckpt.ZarrWriter` turns into one of these."""
+
+    arrays: dict[str, ArrayMeta]
+    owners: dict[str, dict[Shape, int]]  # key -> shard grid index -> the one rank that writes it
+    values: dict[str, Any]
+    world_size: int
+    replicated: frozenset[str] = frozenset()  # keys of which some block is held by several ranks
+    gathers: Mapping[str, Mapping[Shape, Gather]] = field(default_factory=dict)  # key -> small shards joined
+
+    def shards_of(self, rank: int) -> list[tuple[ArrayMeta, Shape]]:
+        """The shards ``rank`` writes: (array, shard grid index) pairs."""
+        return [(self.arrays[k], idx) for k, owner in self.owners.items() for idx, r in owner.items() if r == rank]
+
+    def metadata_of(self, rank: int) -> list[tuple[str, bytes]]:
+        """The ``zarr.json`` documents (groups, then arrays) ``rank`` writes: spread round-robin."""
+        return metadata_docs(list(self.arrays.values()), rank, self.world_size)
+
+
+def metadata_docs(arrays: list[ArrayMeta], rank: int = 0, world_size: int = 1) -> list[tuple[str, bytes]]:
+    """Rank ``rank``'s round-robin share of the group and array ``zarr.json`` documents of ``arrays``."""
+    nodes = [(p, None) for p in group_paths(arrays)] + [(a.path, a) for a in arrays]
+    return [
+        (f"{path}/zarr.json", json.dumps(group_json() if a is None else a.to_json(), allow_nan=False).encode())
+        for path, a in nodes[rank::world_size]
+    ]
+
+
+@dataclass(frozen=True)
+class _Grid:
+    """What a tensor's holders imply (shared by every key with the same holders and boxes)."""
+
+    shape: Shape
+    shard: Shape
+    chunk: Shape
+    owners: dict[Shape, int]
+    topology: dict[str, Any]
+    replicated: bool
+
+
+def build_save_plan(
+    descriptions: Sequence[RankDescription],
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    small_tensor_bytes: int = 0,
+) -> ZarrSavePlan:
+    """Check that ranks agree and every global tensor is covered exactly once; choose grids and writers.
+
+    ``descriptions[r]`` is rank r's ``LocalState.describe()``. Raises SaveLayoutError listing
+    every problem found, before anything is written. Shards smaller than ``small_tensor_bytes``
+    (an FSDP ``Shard(0)`` of a norm weight over 128 ranks) are joined into shards of at least that
+    size, or the whole tensor when it is smaller, each written by one of the ranks holding a part
+    of it (taken in turn) once the others sent it their parts (``ZarrSavePlan.gathers``); 0 keeps
+    every part's shards.
+
+    Keys whose holders hold the very same spec objects (a weight and its Adam moments, the same
+    shard of every layer on a pipeline stage) are checked and gridded once.
+    """
+    with gc_paused():
+        return _build(descriptions, chunk_bytes, small_tensor_bytes)
+
+
+def _build(descriptions: Sequence[RankDescription], chunk_bytes: int, small_tensor_bytes: int) -> ZarrSavePlan:
+    problems: list[str] = []
+    tensors: dict[str, tuple[list[int], list[TensorSpec]]] = {}  # key -> (holder of each part, the parts)
+    values: dict[str, tuple[list[int], list[Any]]] = {}
+    for rank, desc in enumerate(descriptions):
+        for key, parts in desc.tensors.items():
+            for i in parts:
+                _hold(tensors, key, rank, desc.specs[i])
+        for key, v in desc.values.items():
+            _hold(values, key, rank, v)
+
+    _drop_empty_prefixes(values, tensors.keys() | values.keys())
+    validate_keys(sorted(tensors.keys() | values.keys()))
+    for key in sorted(tensors.keys() & values.keys()):
+        problems.append(f"{key}: a tensor on ranks {tensors[key][0]} but a plain value on ranks {values[key][0]}")
+    for key, (ranks, copies) in values.items():
+        if len(set(map(repr, copies))) > 1:  # equal reprs: equal JSON; else compare as JSON
+            distinct = {json.dumps(v, sort_keys=True) for v in copies}
+            if len(distinct) > 1:
+                problems.append(f"{key}: ranks {ranks} hold different values; give per-rank state per-rank keys")
+
+    arrays: dict[str, ArrayMeta] = {}
+    owners: dict[str, dict[Shape, int]] = {}
+    replicated: set[str] = set()
+    grids: dict[tuple[tuple[int, ...], tuple[int, ...]], _Grid] = {}
+    gathers: dict[str, dict[Shape, Gather]] = {}
+    turn = 0  # small shards' writers are taken in turn over the save
+    for key in sorted(tensors):
+        ranks, specs = tensors[key]
+        same = (tuple(ranks), tuple(map(id, specs)))
+        grid = grids.get(same)
+        if grid is None:
+            found = _check(key, ranks, specs)
+            problems += found
+            if found or len(problems) > 50:
+                continue
+            grid = grids[same] = _grid(ranks, specs, len(descriptions), chunk_bytes)
+        elif len(problems) > 50:
+            continue
+        first = specs[0]
+        constant = _constant(first.dtype, specs)
+        arrays[key] = ArrayMeta(
+            key=key,
+            shape=grid.shape,
+            dtype=first.dtype,
+            shard_shape=grid.shard,
+            chunk_shape=grid.chunk,
+            role=infer_role(key, first.dtype.startswith(("float", "bfloat")))
+            if first.kind == ArrayKind.TENSOR
+            else Role.OTHER,
+            kind=first.kind,
+            topology=dict(grid.topology),
+            python_type=first.python_type,
+            constant=constant,
+        )
+        owners[key] = grid.owners if constant is None else {}  # a constant array: metadata only
+        if grid.replicated and constant is None:  # equal constants are equal replicas
+            replicated.add(key)
+        itemsize = storage_dtype(first.dtype).itemsize
+        if constant is None and len(grid.owners) > 1 and small_tensor_bytes:
+            coarse = coarse_shard(grid.shape, grid.shard, itemsize, small_tensor_bytes)
+            if coarse != grid.shard:
+                chunk = inner_chunk_shape(coarse, itemsize, chunk_bytes)
+                arrays[key] = dataclasses.replace(arrays[key], shard_shape=coarse, chunk_shape=chunk)
+                gathers[key], turn = shard_gathers(grid.shape, grid.shard, coarse, grid.owners, ranks, specs, turn)
+                owners[key] = {idx: g.writer for idx, g in gathers[key].items()}
+        meta = arrays[key]
+        if constant is None and (too_many := beyond_limits(meta.shape, meta.shard_shape, meta.chunk_shape)):
+            problems.append(
+                f"{key}: {too_many}, which readers refuse as a crafted layout; save with a larger chunk_bytes "
+                f"(now {chunk_bytes}), or hold the tensor in fewer, larger parts"
+            )
+    if problems:
+        raise SaveLayoutError(
+            "nothing was written: the ranks' state does not describe each global tensor exactly once:\n  "
+            + "\n  ".join(problems[:50])
+        )
+    values_ = {k: v[1][0] for k, v in sorted(values.items())}
+    return ZarrSavePlan(arrays, owners, values_, len(descriptions), frozenset(replicated), gathers)
+
+
+def _constant(dtype: str, specs: list[TensorSpec]) -> bytes | None:
+    """The element bytes of a tensor every part of which is the same constant (each holder checked
+    its own parts, ``LocalTensor.constant``), stored as metadata only; else None."""
+    found = {t.constant for t in specs}
+    if len(found) != 1 or not specs[0].constant:
+        return None
+    try:
+        bits = bytes.fromhex(specs[0].constant)
+    except ValueError:
+        return None
+    return bits if len(bits) == storage_dtype(dtype).itemsize and fill.storable(dtype, bits) else None
+
+
+def _check(key: str, ranks: list[int], specs: list[TensorSpec]) -> list[str]:
+    """Problems with one tensor: holders that disagree, or boxes that do not tile it exactly once."""
+    problems = []
+    for field_ in ("shape", "dtype", "kind"):
+        if len({getattr(t, field_) for t in specs}) > 1:
+            detail = ", ".join(f"rank {r}: {getattr(t, field_)}" for r, t in zip(ranks, specs, strict=True))
+            problems.append(f"{key}: ranks disagree on {field_} ({detail})")
+    claims = [Claim(r, t.box) for r, t in zip(ranks, specs, strict=True)]
+    return problems + coverage_problems(key, specs[0].shape, claims)
+
+
+def _grid(ranks: list[int], specs: list[TensorSpec], world_size: int, chunk_bytes: int) -> _Grid:
+    """Shard grid, inner chunks, writers and topology of a tensor whose holders passed :func:`_check`."""
+    first = specs[0]
+    shape = first.shape
+    claims = [Claim(r, t.box) for r, t in zip(ranks, specs, strict=True)]
+    shard = shard_shape_for(shape, [c.box for c in claims])
+    itemsize = storage_dtype(first.dtype).itemsize
+    topology = {k: v for k, v in first.topology.items() if v is not None}
+    topology.update(world_size=world_size, holders=len(set(ranks)))
+    chunk = inner_chunk_shape(shard, itemsize, chunk_bytes)
+    replicated = len({c.box for c in claims}) < len(claims)
+    return _Grid(shape, shard, chunk, owner_of_cells(shape, shard, claims), topology, replicated)
+
+
+def _drop_empty_prefixes(values: dict[str, tuple[list[int], list[Any]]], keys: set[str]) -> None:
+    """An empty dict on some ranks where others hold keys under it (a full state dict kept by rank 0
+    only, ``{}`` elsewhere) contributes nothing."""
+    empty = [k for k, (_, copies) in values.items() if all(c == {} for c in copies)]
+    if not empty:
+        return
+    ordered = sorted(keys)
+    for key in empty:
+        at = bisect.bisect_right(ordered, key + ".")
+        if (at < len(ordered) and ordered[at].startswith(key + ".")) or (key + ".") in keys:
+            del values[key]
+
+
+def _hold(held: dict[str, tuple[list[int], list[Any]]], key: str, rank: int, item: Any) -> None:
+    entry = held.get(key)
+    if entry is None:
+        held[key] = ([rank], [item])
+    else:
+        entry[0].append(rank)
+        entry[1].append(item)

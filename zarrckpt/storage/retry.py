@@ -1,0 +1,184 @@
+"""When to retry a failed storage request, how long to wait first, and how to say what failed
+(pure: no fsspec, no I/O).
+
+Object stores fail a small share of requests transiently (connection resets, timeouts, HTTP 5xx,
+throttling such as S3's 503 "SlowDown"). :class:`RetryPolicy` says how often and how patiently a
+request is retried; :func:`is_transient` says which failures are worth retrying. It is
+conservative: a missing object, a permission problem or a malformed request fails at once.
+:func:`describe` words a failure for an error message (an S3 XML error document as its Code and
+Message, an empty ``PermissionError`` as what to check).
+
+The policy comes from ``$ZARRCKPT_RETRIES`` (retries after the first attempt; 0 disables retrying)
+and ``$ZARRCKPT_RETRY_DELAY`` (seconds before the first retry), else from :data:`DEFAULT_POLICY`.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+from dataclasses import dataclass, replace
+
+from zarrckpt.errors import ZarrckptError, causes
+
+__all__ = ["DEFAULT_POLICY", "RetryPolicy", "current_policy", "describe", "is_transient"]
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Bounded exponential backoff with jitter."""
+
+    attempts: int = 6
+    """Tries per request in all (1 = never retry)."""
+    initial_delay: float = 0.05
+    """Seconds to wait before the first retry."""
+    multiplier: float = 2.0
+    """Each further wait is this many times longer ..."""
+    max_delay: float = 2.0
+    """... up to this many seconds."""
+    jitter: float = 0.5
+    """Each wait is scaled by a random factor in ``[1 - jitter, 1]``, so ranks that fail together
+    do not retry in lockstep."""
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1 or self.initial_delay < 0 or self.max_delay < 0 or self.multiplier < 1:
+            raise ZarrckptError(f"invalid retry policy {self}: need attempts >= 1, delays >= 0, multiplier >= 1")
+        if not 0 <= self.jitter <= 1:
+            raise ZarrckptError(f"invalid retry policy {self}: jitter must lie in [0, 1]")
+
+    def delay(self, retry: int, rand: float) -> float:
+        """Seconds to wait before retry number ``retry`` (1, 2, ...); ``rand`` is uniform in [0, 1)."""
+        base = min(self.max_delay, self.initial_delay * self.multiplier ** min(retry - 1, 64))
+        return base * (1.0 - self.jitter * rand)
+
+    def longest_wait(self) -> float:
+        """The most time one request can spend waiting between its attempts."""
+        return sum(self.delay(r, 0.0) for r in range(1, self.attempts))
+
+
+DEFAULT_POLICY = RetryPolicy()
+
+
+def current_policy() -> RetryPolicy:
+    """:data:`DEFAULT_POLICY`, overridden by ``$ZARRCKPT_RETRIES`` / ``$ZARRCKPT_RETRY_DELAY``."""
+    policy = DEFAULT_POLICY
+    retries = os.environ.get("ZARRCKPT_RETRIES", "").strip()
+    if retries:
+        if not retries.isdigit():
+            raise ZarrckptError(f"ZARRCKPT_RETRIES must be a whole number >= 0, not {retries!r}")
+        policy = replace(policy, attempts=int(retries) + 1)
+    delay = os.environ.get("ZARRCKPT_RETRY_DELAY", "").strip()
+    if delay:
+        try:
+            seconds = float(delay)
+        except ValueError:
+            seconds = -1.0
+        if not 0 <= seconds < float("inf"):
+            raise ZarrckptError(f"ZARRCKPT_RETRY_DELAY must be a number of seconds >= 0, not {delay!r}")
+        policy = replace(policy, initial_delay=seconds, max_delay=max(policy.max_delay, seconds))
+    return policy
+
+
+# Never retried, whatever caused them: the answer will not change by asking again.
+_PERMANENT = (
+    FileNotFoundError,
+    FileExistsError,
+    PermissionError,
+    IsADirectoryError,
+    NotADirectoryError,
+    ValueError,
+    TypeError,
+    KeyError,
+    NotImplementedError,
+    ZarrckptError,
+)
+# fmt: off
+_TRANSIENT_ERRNOS = {
+    getattr(errno, name)
+    for name in [
+        "EIO", "EAGAIN", "EINTR", "EBUSY", "ETIMEDOUT", "ECONNRESET", "ECONNABORTED", "ECONNREFUSED", "EPIPE",
+        "ENETDOWN", "ENETUNREACH", "ENETRESET", "EHOSTDOWN", "EHOSTUNREACH", "EREMOTEIO", "ESTALE",
+    ]
+    if hasattr(errno, name)
+}
+_TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
+# Error codes of throttling / server-side trouble (S3 and other AWS-style APIs), whatever the HTTP status.
+_TRANSIENT_CODES = {
+    "SlowDown", "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottled",
+    "RequestThrottledException", "TooManyRequestsException", "RequestLimitExceeded", "BandwidthLimitExceeded",
+    "RequestTimeout", "RequestTimeoutException", "InternalError", "ServiceUnavailable", "PriorRequestNotComplete",
+    # the body the server received is not the one the client's checksum describes: damaged on the way
+    "BadDigest", "XAmzContentSHA256Mismatch", "XAmzContentChecksumMismatch", "BadChecksum",
+}
+# fmt: on
+# Client-library exception classes (matched by name and package, so nothing is imported here).
+_TRANSIENT_CLASSES = {
+    "aiohttp": {"ClientConnectionError", "ClientPayloadError"},
+    # FlexibleChecksumError: a response body that fails its checksum (damaged on the way back)
+    "botocore": {"ConnectionError", "HTTPClientError", "IncompleteReadError", "FlexibleChecksumError"},
+    "aiobotocore": {"ConnectionError", "HTTPClientError", "IncompleteReadError", "FlexibleChecksumError"},
+    "urllib3": {"ProtocolError", "TimeoutError", "NewConnectionError"},
+    "requests": {"ConnectionError", "Timeout", "ChunkedEncodingError"},
+    "http": {"IncompleteRead", "RemoteDisconnected"},
+}
+
+
+def is_transient(error: BaseException) -> bool:
+    """True when ``error`` is worth retrying: connection trouble, timeouts, HTTP 5xx, throttling."""
+    if isinstance(error, _PERMANENT) or not isinstance(error, Exception):
+        return False
+    chain = list(causes(error))
+    for e in chain:  # an HTTP status or service error code decides, wherever it sits in the chain
+        verdict = _http_verdict(e)
+        if verdict is not None:
+            return verdict
+    return any(_transient_kind(e) for e in chain)
+
+
+def _http_verdict(e: BaseException) -> bool | None:
+    response = getattr(e, "response", None)
+    if isinstance(response, dict):  # botocore ClientError
+        error = response.get("Error") or {}
+        if error.get("Code") in _TRANSIENT_CODES:
+            return True
+        status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+    else:  # aiohttp ClientResponseError (.status), gcsfs HttpError (.code), others (.status_code)
+        status = next((getattr(e, a) for a in ("status", "status_code", "code") if hasattr(e, a)), None)
+    if isinstance(status, str) and status.isdigit():
+        status = int(status)
+    if not isinstance(status, int) or isinstance(status, bool) or status < 400:
+        return None
+    return status in _TRANSIENT_STATUS
+
+
+def _transient_kind(e: BaseException) -> bool:
+    if isinstance(e, (ConnectionError, TimeoutError)):
+        return True
+    if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
+        return True
+    for cls in type(e).__mro__:
+        names = _TRANSIENT_CLASSES.get(cls.__module__.split(".", 1)[0])
+        if names and cls.__name__ in names:
+            return True
+    return False
+
+
+_XML = re.compile(r"<\?xml.*?</Error>|<Error>.*?</Error>", re.S)
+_XML_FIELD = re.compile(r"<(Code|Message)>(.*?)</\1>", re.S)
+
+
+def describe(error: BaseException) -> str:
+    """``Type: message`` of a storage error, with any S3 XML error document in it said in words
+    (its Code and Message) instead of printed raw."""
+
+    def words(match: re.Match[str]) -> str:
+        fields = dict(_XML_FIELD.findall(match[0]))
+        return ": ".join(v.strip() for v in (fields.get("Code"), fields.get("Message")) if v) or "an error document"
+
+    said = _XML.sub(words, str(error))
+    if said in ("", "None"):  # (s3fs: PermissionError(None) for a refused signature) the cause says more
+        inner = next((c for c in causes(error) if c is not error and str(c) not in ("", "None")), None)
+        said = _XML.sub(words, str(inner)) if inner is not None else "no reason given"
+        if isinstance(error, PermissionError):
+            said += " (access denied: check the credentials, key and secret, and the permissions)"
+    return f"{type(error).__name__}: {said}"

@@ -1,0 +1,389 @@
+"""The storage face: a checkpoint root on local paths, file://, memory://, s3://, gs://, through the
+filesystem :mod:`zarrckpt.storage.clients` picks (obstore for s3:// where it can, fsspec otherwise).
+
+:class:`Storage` retries every request, bounds concurrency and keeps create-only semantics; what
+differs by kind of storage lives in its backend: :class:`~zarrckpt.storage.local.LocalBackend`
+(local files) or :class:`~zarrckpt.storage.remote.RemoteBackend` (every other filesystem).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import itertools
+import logging
+import os
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+from fsspec.implementations.local import LocalFileSystem
+
+from zarrckpt.errors import StorageError, ZarrckptError
+from zarrckpt.storage.caps import NameLimits, ReadCaps, default_concurrency
+from zarrckpt.storage.clients import isolate_randomness, open_filesystem
+from zarrckpt.storage.local import Buffer, LocalBackend
+from zarrckpt.storage.remote import CreatedCorrupt, RemoteBackend, UploadCorrupted
+from zarrckpt.storage.retry import RetryPolicy, current_policy, describe, is_transient
+from zarrckpt.storage.traffic import Traffic
+from zarrckpt.types import URL
+
+log = logging.getLogger("zarrckpt")
+
+Backend = LocalBackend | RemoteBackend  # what differs by kind of storage
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class Storage:
+    """A checkpoint root on some fsspec filesystem; paths are relative to the root.
+
+    Every request is retried on transient failures (see :mod:`zarrckpt.storage.retry`); ``retry``
+    defaults to :func:`zarrckpt.storage.retry.current_policy`.
+    """
+
+    def __init__(
+        self,
+        url: URL,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        concurrency: int = 0,
+        retry: RetryPolicy | None = None,
+        verify_writes: bool | None = None,
+    ) -> None:
+        self.url = os.fspath(url)
+        self.storage_options = storage_options
+        if not self.url:
+            raise ZarrckptError("empty checkpoint URL")
+        self.fs, root, self.client = open_filesystem(self.url, storage_options)
+        self.root = root.rstrip("/")
+        local = isinstance(self.fs, LocalFileSystem)
+        self.backend: LocalBackend | RemoteBackend = (
+            LocalBackend(self.fs) if local else RemoteBackend(self.fs, self.client)
+        )
+        self._concurrency = concurrency
+        self.concurrency = concurrency or default_concurrency(local, writing=False)
+        self.write_concurrency = concurrency or default_concurrency(local, writing=True)
+        self.retry = retry or current_policy()
+        # read every object written back (True), those no check covered on the way (None), or none
+        self.verify_writes = verify_writes
+        self._jitter = random.Random()  # private: never perturb the global RNG a trainer checkpoints
+        self.traffic = Traffic()  # requests and bytes so far (Checkpoint.stats())
+
+    @property
+    def caps(self) -> ReadCaps:
+        """What this storage does well, which decides how reads are planned."""
+        return self.backend.caps
+
+    @property
+    def name_limits(self) -> NameLimits:
+        """How long the names of objects under the root may be here (local files: the filesystem's
+        NAME_MAX and PATH_MAX; S3 and GCS: keys of at most 1,024 bytes)."""
+        return self.backend.name_limits(self.root)
+
+    @property
+    def atomic_create(self) -> bool:
+        """Whether :meth:`create` is one atomic create-only request here."""
+        return self.backend.atomic_create
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickles as its URL and options (DCP's async PROCESS mode)
+        return (_rebuild, (self.url, self.storage_options, self._concurrency, self.retry, self.verify_writes))
+
+    def child(self, name: str) -> Storage:
+        """The storage of the entry ``name`` directly under the root (same options)."""
+        url = f"{self.url.rstrip('/')}/{name}"
+        return Storage(url, self.storage_options, retry=self.retry, verify_writes=self.verify_writes)
+
+    def _abs(self, path: str) -> str:
+        return f"{self.root}/{path}" if path else self.root
+
+    def where(self, path: str) -> str:
+        """A human-readable location for error messages."""
+        return f"{self.url.rstrip('/')}/{path}"
+
+    def _request(self, what: str, path: str, fn: Callable[[], T], *, missing_ok: bool = True) -> T:
+        """Run one storage request, retrying transient failures with backoff; failures become
+        StorageError, except FileNotFoundError, which passes (unretried) when ``missing_ok``."""
+        policy = self.retry
+        isolate_randomness()  # the clients' retry jitter: never Python's global generator
+        for attempt in range(1, policy.attempts + 1):
+            self.traffic.add(requests=1, retries=int(attempt > 1))
+            try:
+                return fn()
+            except FileNotFoundError as e:
+                if missing_ok:
+                    raise
+                raise StorageError(f"{what} {self.where(path)} failed: {e} (does the bucket/directory exist?)") from e
+            except Exception as e:
+                if not is_transient(e):
+                    if isinstance(e, (OSError, RuntimeError, ValueError)):
+                        raise StorageError(f"{what} {self.where(path)} failed: {describe(e)}") from e
+                    raise
+                if attempt == policy.attempts:
+                    tries = f"{attempt} attempts" if attempt > 1 else "1 attempt (retries are off)"
+                    raise StorageError(f"{what} {self.where(path)} failed after {tries}: {describe(e)}") from e
+                pause = policy.delay(attempt, self._jitter.random())
+                log.log(
+                    logging.DEBUG if attempt < 3 else logging.INFO,
+                    "retrying %s %s in %.2fs (attempt %d of %d failed: %s: %s)",
+                    what,
+                    self.where(path),
+                    pause,
+                    attempt,
+                    policy.attempts,
+                    type(e).__name__,
+                    e,
+                )
+                time.sleep(pause)
+        raise AssertionError("unreachable")
+
+    # -- single objects -------------------------------------------------------------------
+    def write(self, path: str, parts: Sequence[Buffer], *, create_only: bool = False) -> None:
+        """Write one object from its parts; remote stores get exactly one PUT (per attempt).
+
+        A retried write rewrites the whole object, so a write that failed after it landed is harmless.
+        ``create_only``: fail with FileExistsError when the object already exists with other
+        content, atomically on stores that can (local files, S3, GCS); elsewhere the check
+        and the write are two requests (see :meth:`create`).
+        """
+        if create_only:
+            self.create(path, parts)
+            return
+        full = self._abs(path)
+
+        def put() -> None:  # one attempt: the write, and its check
+            self.traffic.add(bytes_written=sum(map(len, parts)))
+            if self._read_back(self.backend.write(full, parts)):
+                self._check_stored(full, parts)
+
+        self._request("writing", path, put, missing_ok=False)
+
+    def create(self, path: str, parts: Sequence[Buffer]) -> None:
+        """Write a new object, or raise FileExistsError when another writer's object is already there.
+
+        Exactly one of several racing creators succeeds on stores with create-only writes (local
+        files: a hard link; S3: ``If-None-Match: *``; GCS: ``ifGenerationMatch=0``). A create that
+        finds the object already holding *these* bytes succeeds: it is a retry of a write that
+        landed. Elsewhere a logged warning says the check is not atomic. Checked end to end as
+        :meth:`write` is; an object this create made but that arrived damaged is overwritten.
+        """
+        full = self._abs(path)
+
+        def put() -> bool:  # one attempt; True: this create made the object
+            self.traffic.add(bytes_written=sum(map(len, parts)))
+            made = self.backend.create(full, parts)
+            if made is not None and self._read_back(made):
+                try:
+                    self._check_stored(full, parts)
+                except UploadCorrupted as e:
+                    raise CreatedCorrupt(str(e)) from e
+            return made is not None
+
+        try:
+            if self._request("creating", path, put, missing_ok=False):
+                return
+        except CreatedCorrupt:  # the object is this writer's, only damaged: write it again until it checks
+            self.write(path, parts)
+            return
+        if not self._holds(path, b"".join(parts)):
+            raise FileExistsError(errno.EEXIST, "another writer created it first", self.where(path))
+
+    def _read_back(self, checked: bool) -> bool:
+        """Whether to read a written object back: ``verify_writes`` True, or None (the default) and the
+        write was not checked end to end on the way."""
+        return self.verify_writes is True or (self.verify_writes is None and not checked)
+
+    def _check_stored(self, full: str, parts: Sequence[Buffer]) -> None:
+        """Raise UploadCorrupted (retried: the write happens again) unless the object holds ``parts``."""
+        stored = self.backend.get(full, None, None)
+        if bytes(stored) != b"".join(parts):
+            raise UploadCorrupted(
+                full, f"read back {len(stored)} bytes that differ from the {sum(map(len, parts))} sent"
+            )
+
+    def _holds(self, path: str, data: bytes) -> bool:
+        """True when the object at ``path`` holds exactly ``data``."""
+        try:
+            return self.read(path) == data
+        except FileNotFoundError:
+            return False
+
+    @contextlib.contextmanager
+    def reading(self, path: str, start: int | None = None, end: int | None = None) -> Iterator[memoryview]:
+        """Like :meth:`read`, as a view valid inside the ``with`` block.
+
+        Local files are read into pooled buffers (no fresh allocation and page faults per read).
+        """
+        full = self._abs(path)
+        held, view = self._request("reading", path, lambda: self.backend.read_view(full, start, end))
+        self.traffic.add(bytes_read=len(view))
+        try:
+            yield view
+        finally:
+            view.release()
+            self.backend.release(held)
+
+    def read_into(self, path: str, offset: int, buffers: Sequence[memoryview]) -> int:
+        """Fill ``buffers`` in order from ``offset`` (one vectored read); bytes read. Backends with
+        ``vectored`` reads only (local files)."""
+        full = self._abs(path)
+        n = self._request("reading", path, lambda: self.backend.read_into(full, offset, buffers))
+        self.traffic.add(bytes_read=n)
+        return n
+
+    def read(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+        """Read an object or the byte range ``[start, end)``; FileNotFoundError when absent."""
+        return bytes(self._get(path, start, end))
+
+    def _get(self, path: str, start: int | None, end: int | None) -> Any:
+        """What the filesystem read: bytes, or a buffer of its own (obstore's ``Bytes``)."""
+        full = self._abs(path)
+        got = self._request("reading", path, lambda: self.backend.get(full, start, end))
+        self.traffic.add(bytes_read=len(got))
+        return got
+
+    def age(self, path: str) -> float | None:
+        """Seconds since the object at ``path`` was last modified (None if absent or unknown)."""
+        full = self._abs(path)
+        try:
+            stamp: datetime = self._request("checking", path, lambda: self.fs.modified(full))
+        except (FileNotFoundError, NotImplementedError, StorageError):
+            return None
+        if stamp.tzinfo is None:
+            stamp = stamp.replace(tzinfo=UTC)
+        return (datetime.now(UTC) - stamp).total_seconds()
+
+    def size(self, path: str) -> int:
+        """The size in bytes of the object at ``path``; FileNotFoundError when absent."""
+        full = self._abs(path)
+        return int(self._request("checking", path, lambda: self.fs.info(full)["size"]))
+
+    def exists(self, path: str) -> bool:
+        full = self._abs(path)
+        return bool(self._request("checking", path, lambda: self.fs.exists(full)))
+
+    def delete(self, path: str) -> None:
+        """Delete one object; a missing object is fine (so is a retry of a delete that landed)."""
+        full = self._abs(path)
+        with contextlib.suppress(FileNotFoundError):
+            self._request("deleting", path, lambda: self.fs.rm_file(full))
+
+    def is_empty(self) -> bool:
+        """True when nothing is stored under the root: the first entry found answers (object stores:
+        one listing of the root's direct entries, however many objects lie below them)."""
+        return bool(self._request("listing", "", lambda: self.backend.is_empty(self.root)))
+
+    def names(self) -> set[str]:
+        """The entries directly under the root (one listing request)."""
+        return set(self.children())
+
+    def children(self) -> list[str]:
+        """Names of the entries directly under the root (sorted; empty when the root is absent)."""
+        return sorted(self.entries())
+
+    def entries(self) -> dict[str, int | None]:
+        """The entries directly under the root: name -> size of an object, None for a directory (one
+        listing request; empty when the root is absent)."""
+        try:
+            found = self._request("listing", "", lambda: self.fs.ls(self.root, detail=True, refresh=True))
+        except FileNotFoundError:
+            return {}
+        out: dict[str, int | None] = {}
+        for e in found:
+            name = str(e["name"]).rstrip("/").rsplit("/", 1)[-1]
+            if name:
+                out[name] = None if e.get("type") == "directory" else int(e.get("size") or 0)
+        return out
+
+    def delete_all(self, keep: Collection[str] = ()) -> None:
+        """Delete everything under the root but the objects ``keep`` names (the root may remain).
+
+        With ``keep``, the rest is listed and deleted in batches; the kept objects stay, so a
+        marker written first can say what the prefix is until the very end.
+        """
+        kept = {self._abs(k) for k in keep}
+        if keep:
+            doomed = sorted(self._objects() - kept)
+            if doomed:
+                with contextlib.suppress(FileNotFoundError):
+                    self._request("deleting", "", lambda: self.fs.rm(doomed))
+            self.prune()
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                self._request("deleting", "", lambda: self.fs.rm(self.root, recursive=True))
+        self.backend.forget()
+        # One listing more: a bulk delete can answer 200 and refuse some keys, which s3fs ignores.
+        left = sorted(self._objects() - kept) if keep else ([] if self.is_empty() else sorted(self._objects()))
+        if left:
+            raise StorageError(
+                f"deleting {self.where('')} left {len(left)} object(s) the store did not delete, e.g. "
+                f"{left[0]!r}: check the delete permission (s3:DeleteObject) and retry"
+            )
+
+    def _objects(self) -> set[str]:
+        """Every object under the root (full paths on the filesystem)."""
+        try:
+            return set(map(str, self._request("listing", "", lambda: self.fs.find(self.root, withdirs=False))))
+        except FileNotFoundError:
+            return set()
+
+    def prune(self) -> None:
+        """Remove the directories left empty under the root, and the root if empty (local files;
+        object stores have none)."""
+        self.backend.prune(self.root)
+
+    def usage(self) -> tuple[int, int]:
+        """(objects, bytes) stored under the root."""
+        sizes = self.sizes()
+        return len(sizes), sum(sizes.values())
+
+    def sizes(self) -> dict[str, int]:
+        """Every object under the root (its path relative to the root: ``""`` for the root itself) and
+        its size in bytes: one recursive listing (one request per page of objects on object stores)."""
+        try:
+            found = self._request("listing", "", lambda: self.fs.find(self.root, withdirs=False, detail=True))
+        except FileNotFoundError:
+            return {}
+        out = {}
+        for name, info in found.items():
+            rel = str(name).rstrip("/")[len(self.root) :].lstrip("/")
+            out[rel] = int(info.get("size") or 0)
+        return out
+
+    # -- concurrency ----------------------------------------------------------------------
+    def run_all(self, fn: Callable[[T], R], items: Iterable[T], *, writing: bool = False) -> list[R]:
+        """Run ``fn`` over ``items`` with bounded concurrency; results in order; re-raise the first failure.
+
+        ``items`` is consumed as it goes (a generator planning each item is fine): at most four times
+        the concurrency is taken ahead, and nothing more once an item failed, so a million items (a
+        crafted manifest's shards, say) cost no more than the first failure.
+        """
+        limit = self.write_concurrency if writing else self.concurrency
+        it = iter(items)
+        head = list(itertools.islice(it, 2))
+        if limit <= 1 or len(head) < 2:
+            return [fn(item) for item in itertools.chain(head, it)]
+        results: list[R] = []
+        pending: deque[Future[R]] = deque()
+        with ThreadPoolExecutor(max_workers=limit, thread_name_prefix="zarrckpt") as pool:
+            try:
+                for item in itertools.chain(head, it):
+                    if len(pending) >= 4 * limit:
+                        results.append(pending.popleft().result())  # raises the first failure, in order
+                    pending.append(pool.submit(fn, item))
+                while pending:
+                    results.append(pending.popleft().result())
+            finally:
+                for fut in pending:  # after a failure, start nothing more
+                    fut.cancel()
+        return results
+
+
+def _rebuild(
+    url: str, options: dict[str, Any] | None, concurrency: int, retry: RetryPolicy, verify_writes: bool | None
+) -> Storage:
+    return Storage(url, options, concurrency=concurrency, retry=retry, verify_writes=verify_writes)
