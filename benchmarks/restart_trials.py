@@ -6,7 +6,8 @@ last run must finish with every save committed, with no manual step in between.
     python benchmarks/restart_trials.py [--trials 30] [--backend local|rgw|both] [--out FILE]
 
 Writes a Markdown report (default ``benchmarks/results/restarts.md``); exits non-zero when a
-trial broke the rule. ``tests/test_restart_trials.py`` runs a few trials in ``make test``.
+trial broke the rule. ``tests/test_restart.py`` covers the same rule in ``make test`` (a killed writer's
+save taken over by the next one, on local disk and S3); this script is the many-trials proof.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +40,7 @@ def _job(root: str, options: dict[str, Any] | None, steps: int, port: int) -> su
     args += ["--keep-last", "2", "--log-every", "1"]
     if options:
         args += ["--storage-options", json.dumps(options)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # lines reach us before the kill
     return subprocess.Popen(
         args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
     )
@@ -50,24 +52,46 @@ def _free_port() -> int:
     return free_port()
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid``: torchrun starts each rank in a session of its own, so killing
+    torchrun's process group would leave the ranks running (and saving) as orphans."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def _kill_tree(pid: int) -> None:
+    """kill -9 torchrun and all its ranks at the same moment, as a node failure would."""
+    for victim in [pid, *_descendants(pid)]:
+        with suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+
+
 def one_trial(root: str, options: dict[str, Any] | None, rng: random.Random) -> dict[str, Any]:
     """Start the job, kill -9 it (torchrun and its ranks) after a random time, and read what it said."""
     proc = _job(root, options, STEPS, _free_port())
     kill_at = time.monotonic() + rng.uniform(4.0, 9.0)  # torch's import takes ~3 s: then it trains, saving each step
     lines: list[str] = []
     assert proc.stdout is not None
-    os.set_blocking(proc.stdout.fileno(), False)
+    reader = threading.Thread(target=lambda: lines.extend(ln.rstrip("\n") for ln in proc.stdout), daemon=True)
+    reader.start()
     while time.monotonic() < kill_at and proc.poll() is None:
-        chunk = proc.stdout.read()
-        if chunk:
-            lines += chunk.splitlines()
         time.sleep(0.05)
     exited = proc.poll()
     if exited is None:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill_tree(proc.pid)
         proc.wait()
-    rest = proc.stdout.read() or ""
-    lines += rest.splitlines()
+    reader.join(timeout=30)
     resumed = next((int(m[1]) for ln in lines if (m := re.match(r"resumed from step (\d+)", ln))), None)
     steps = [int(m[1]) for ln in lines if (m := re.match(r"step (\d+) loss", ln))]
     return {"exited": exited, "resumed": resumed, "last_step": max(steps, default=None), "tail": lines[-5:]}
