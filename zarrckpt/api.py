@@ -11,6 +11,7 @@ import time
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from zarrckpt.display import ProgressOption, watch
 from zarrckpt.engine import commit as protocol
 from zarrckpt.engine import loader, markers
 from zarrckpt.engine.dist import Group
@@ -41,6 +42,7 @@ def save(
     check_replicas: bool = True,
     allow_pickle: bool = False,
     verify_after_save: bool | None = None,
+    progress: ProgressOption = False,
 ) -> None:
     """Save ``state_dict`` as a Zarr v3 checkpoint at ``url``; every rank calls it.
 
@@ -74,6 +76,9 @@ def save(
             when it arrived damaged; None (default) reads back, before the commit, only the objects
             no such check covered (``memory://``, other fsspec stores, multipart uploads, KMS-encrypted
             buckets); True reads every object back; False none.
+        progress: ``True``: a progress line with rate and ETA on stderr (rank 0's writes); a callable
+            ``fn(done_bytes, total_bytes)``: called on every rank after each object it writes (from
+            I/O threads) and once at the end with ``done_bytes == total_bytes``.
 
     Raises:
         SaveLayoutError: the ranks' tensors do not cover every global tensor exactly once, ranks
@@ -98,6 +103,7 @@ def save(
     plan = plan_save(group, local, chunk_bytes, check_replicas, small_tensor_bytes)
     storage = Storage(url, storage_options, verify_writes=verify_after_save)
     check_names(list(plan.arrays.values()), storage.name_limits, storage.url)  # before anything is written
+    bar = watch(storage, progress, f"save {storage.url}", plan.bytes_of(group.rank), group.rank)
     save_id = group.run_together(lambda: protocol.prepare(storage, overwrite) if group.rank == 0 else "", "preparing")
     written: integrity.Written = {}
     try:
@@ -106,7 +112,11 @@ def save(
     except BaseException:
         if save_id:  # rank 0: the heartbeat stops, and the next save may take the leftovers over
             markers.abandon(storage, save_id)
+        if bar is not None:
+            bar.abort()
         raise
+    if bar is not None:
+        bar.finish()
     log.info(
         "saved %s: %d tensors, this rank wrote %.1f MB in %.2fs",
         storage.url,
@@ -128,6 +138,7 @@ def load(
     allow_pickle: bool = False,
     allow_modified: bool = False,
     fan_out: bool = True,
+    progress: ProgressOption = False,
 ) -> None:
     """Load the checkpoint at ``url`` into ``state_dict`` in place; every rank calls it.
 
@@ -167,6 +178,8 @@ def load(
         fan_out: a region that several ranks need (replicas: DDP, HSDP, replicated experts, plain
             tensors on every rank) is read from storage by one of them and sent to the others over
             the process group (:mod:`zarrckpt.engine.fanread`); ``False``: every rank reads all it needs.
+        progress: as for :func:`save`: the bytes this rank reads or receives from other ranks, of
+            the bytes its tensors take (index and read-through bytes can run a little past it).
 
     Raises:
         LayoutMismatchError: the target does not match the checkpoint (keys, shapes, dtypes);
@@ -201,7 +214,23 @@ def load(
         lambda: targets.decode_values(matched, manifest, allow_pickle=allow_pickle), "decoding the saved values"
     )
     requests, finish = targets.plan_requests(matched, manifest, state_dict)
-    nbytes = loader.read(group, storage, manifest, requests, fan_out=fan_out, allow_modified=allow_modified)
+    bar = watch(storage, progress, f"load {storage.url}", sum(r.dest.nbytes for r in requests), group.rank)
+    try:
+        nbytes = loader.read(
+            group,
+            storage,
+            manifest,
+            requests,
+            fan_out=fan_out,
+            allow_modified=allow_modified,
+            on_received=None if bar is None else bar.advance,
+        )
+    except BaseException:
+        if bar is not None:
+            bar.abort()
+        raise
+    if bar is not None:
+        bar.finish()
     for fn in finish:
         fn()
     targets.set_values(state_dict, matched, decoded)

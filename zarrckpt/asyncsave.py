@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import crc32c
 import torch
 
+from zarrckpt.display import Meter, ProgressOption, watch
 from zarrckpt.engine import commit as protocol
 from zarrckpt.engine import markers
 from zarrckpt.engine.dist import Group, side_group
@@ -160,6 +161,7 @@ def async_save(
     allow_pickle: bool = False,
     staging: Staging = "caller",
     verify_after_save: bool | None = None,
+    progress: ProgressOption = False,
 ) -> AsyncSave:
     """Start saving ``state_dict`` to ``url``; every rank calls it.
 
@@ -180,6 +182,7 @@ def async_save(
         check_replicas: as for :func:`zarrckpt.save`.
         allow_pickle: as for :func:`zarrckpt.save`.
         verify_after_save: as for :func:`zarrckpt.save`.
+        progress: as for :func:`zarrckpt.save` (drawn and called from the writing threads).
 
     Returns:
         An :class:`AsyncSave`: a future that completes when the checkpoint is committed (or
@@ -205,7 +208,8 @@ def async_save(
         expected = None
         if os.environ.get("ZARRCKPT_CHECK_STAGING", "") not in ("", "0"):
             expected = {id(t): _digest(t.data) for t in local.parts()}
-        job = _Job(storage, plan, background, overwrite, handoff)
+        bar = watch(storage, progress, f"save {storage.url}", plan.bytes_of(group.rank), group.rank)
+        job = _Job(storage, plan, background, overwrite, handoff, bar)
         future = AsyncSave()
         _background.writer.submit(future._run, job.run)
         _background.last = future
@@ -342,6 +346,7 @@ class _Job:
     group: Group
     overwrite: bool
     handoff: _Handoff
+    bar: Meter | None = None  # progress
     written: integrity.Written = field(default_factory=dict)  # chunk checksums, for the manifest
 
     def run(self) -> None:
@@ -354,7 +359,11 @@ class _Job:
             self.handoff.abandon()
             if save_id:  # rank 0: the heartbeat stops, and the next save may take the leftovers over
                 markers.abandon(self.storage, save_id)
+            if self.bar is not None:
+                self.bar.abort()
             raise
+        if self.bar is not None:
+            self.bar.finish()
 
     def _prepare(self) -> str:
         return protocol.prepare(self.storage, self.overwrite) if self.group.rank == 0 else ""

@@ -11,12 +11,16 @@ import math
 import sys
 import threading
 import time
+from collections.abc import Callable
 from html import escape
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, TypeAlias
+
+from zarrckpt.errors import ZarrckptError
 
 if TYPE_CHECKING:  # (the command line imports this module: numpy only when a table is drawn)
     from zarrckpt.format.array import ArrayMeta
     from zarrckpt.format.manifest import Manifest
+    from zarrckpt.storage.store import Storage
 
 MAX_ROWS = 50  # tensors listed in a checkpoint's HTML table
 MAX_METADATA_CHARS = 4000
@@ -235,7 +239,8 @@ class Progress:
         rate = f", {human(self.moved_bytes / elapsed)}/s" if elapsed > 0 else ""
         if 0 < frac < 1 and elapsed > 0:  # the rest at the rate so far
             rate += f", ETA {_duration(elapsed * (1 - frac) / frac)}"
-        line = f"{self.label} {self.items}/{self.total_items} {self.unit} [{bar}] {frac:4.0%} {human(self.moved_bytes)}"
+        count = f" {self.items}/{self.total_items} {self.unit}" if self.unit else ""  # "": bytes alone
+        line = f"{self.label}{count} [{bar}] {frac:4.0%} {human(self.moved_bytes)}"
         line += rate
         if self.live:
             self.stream.write("\r" + line.ljust(self.width))  # pad: a shorter line must cover the last one
@@ -252,6 +257,65 @@ class Progress:
         if self.live:
             self.stream.write("\n")
             self.stream.flush()
+
+
+ProgressOption: TypeAlias = "bool | Callable[[int, int], None]"
+"""The ``progress`` argument of save, load, async_save, the manager and import: ``True`` draws a
+progress line with rate and ETA on stderr (rank 0's bytes); a callable is called on every rank as
+``fn(done_bytes, total_bytes)`` after each object the rank writes or reads (from I/O threads), and
+once at the end with ``done_bytes == total_bytes``; ``False``: nothing."""
+
+
+class Meter:
+    """One rank's byte progress for a ``progress`` argument: ``advance`` from any thread, ``finish`` once."""
+
+    def __init__(self, progress: ProgressOption, label: str, total_bytes: int, rank: int) -> None:
+        self.total = max(total_bytes, 0)
+        self.done = 0
+        self.lock = threading.Lock()
+        self.callback = None if isinstance(progress, bool) else progress
+        self.bar = Progress(label, 1, self.total, unit="") if progress is True and rank == 0 else None
+
+    def advance(self, nbytes: int) -> None:
+        with self.lock:
+            self.done += nbytes
+            if self.done >= self.total:  # metadata, index and read-through bytes: finish() reports the end
+                return
+            done = self.done
+            if self.bar is not None:
+                self.bar.update(0, done, done)
+        if self.callback is not None:
+            self.callback(done, self.total)
+
+    def finish(self) -> None:
+        """All done: the final state (the line ends; the callback gets ``total, total``)."""
+        if self.bar is not None:
+            self.bar.update(1, self.total, self.done)
+            self.bar.finish()
+        if self.callback is not None:
+            self.callback(self.total, self.total)
+
+    def abort(self) -> None:
+        """The work failed: end a line drawn in place, so the error starts on a line of its own."""
+        if self.bar is not None and self.bar.live and self.bar.width:
+            self.bar.stream.write("\n")
+            self.bar.stream.flush()
+
+
+def meter(progress: ProgressOption, label: str, total_bytes: int, rank: int) -> Meter | None:
+    """A :class:`Meter` for ``progress``, or None when it is False."""
+    if progress is False:
+        return None
+    if not (progress is True or callable(progress)):
+        raise ZarrckptError(f"progress must be True, False or a callable(done_bytes, total_bytes), not {progress!r}")
+    return Meter(progress, label, total_bytes, rank)
+
+
+def watch(storage: Storage, progress: ProgressOption, label: str, total_bytes: int, rank: int) -> Meter | None:
+    """A meter for ``progress`` fed by every byte ``storage`` moves (None: no progress)."""
+    bar = meter(progress, label, total_bytes, rank)
+    storage.traffic.watch = None if bar is None else bar.advance
+    return bar
 
 
 def _duration(seconds: float) -> str:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from zarrckpt.api import load, save
 from zarrckpt.asyncsave import AsyncSave, Staging, async_save
+from zarrckpt.display import ProgressOption
 from zarrckpt.engine.dist import Group
 from zarrckpt.errors import CheckpointSaveError, ZarrckptError
 from zarrckpt.lifecycle import DEFAULT_GRACE_SECONDS, await_dead_save, delete, is_leftover, list_checkpoints, scan
@@ -54,6 +55,7 @@ class CheckpointManager:
         delete_workers: threads deleting old checkpoints (rank 0).
         grace_seconds: see above.
         staging: ``"caller"`` or ``"background"``, as for :func:`zarrckpt.async_save`.
+        progress: each save's progress, as for :func:`zarrckpt.save` (``True``: a line on stderr).
 
     Raises:
         ZarrckptError: ``interval``, ``keep_last`` or ``keep_every`` below 1.
@@ -72,6 +74,7 @@ class CheckpointManager:
         delete_workers: int = 8,
         grace_seconds: float = DEFAULT_GRACE_SECONDS,
         staging: Staging = "caller",
+        progress: ProgressOption = False,
     ) -> None:
         if interval < 1 or keep_last < 1 or (keep_every is not None and keep_every < 1):
             raise ZarrckptError("CheckpointManager: interval and keep_last must be >= 1 (keep_every too, if given)")
@@ -80,6 +83,7 @@ class CheckpointManager:
         self.use_async = async_save
         self.staging: Staging = staging  # async saves: "background" returns before the copy (see wait_staged)
         self.storage_options = storage_options
+        self.progress = progress
         self.process_group = process_group
         self.grace_seconds = grace_seconds
         self.rank = Group(process_group).rank
@@ -110,11 +114,13 @@ class CheckpointManager:
             await_dead_save(url, storage_options=opts)  # (its save is then taken over; a live one never)
         future: Future[None]
         if self.use_async:
-            future = async_save(state_dict, url, storage_options=opts, process_group=group, staging=self.staging)
+            future = async_save(
+                state_dict, url, storage_options=opts, process_group=group, staging=self.staging, progress=self.progress
+            )
             future.add_done_callback(partial(self._log_failure, step))
         else:
             try:
-                save(state_dict, url, storage_options=opts, process_group=group)
+                save(state_dict, url, storage_options=opts, process_group=group, progress=self.progress)
             except Exception as e:
                 raise self._failure(step, e) from e
             future = Future()

@@ -183,7 +183,14 @@ def cmd_export(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
 def cmd_import(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
     from zarrckpt.convert.importer import import_checkpoint
 
-    summary = import_checkpoint(args.src, args.url, kind=args.kind, storage_options=opts, overwrite=args.overwrite)
+    summary = import_checkpoint(
+        args.src,
+        args.url,
+        kind=args.kind,
+        storage_options=opts,
+        overwrite=args.overwrite,
+        progress=args.progress or sys.stderr.isatty(),
+    )
     if args.json:
         emit_json(summary)
         return 0
@@ -295,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--overwrite", action="store_true", help="replace an earlier export in OUT")
     p.set_defaults(func=cmd_export)
-    p = sub.add_parser("import", parents=[common], help="convert a DCP, torch.save or safetensors checkpoint")
+    p = sub.add_parser("import", parents=[common, progress], help="convert a DCP, torch.save or safetensors checkpoint")
     p.add_argument("src", help="DCP directory, torch.save file, .safetensors file, or directory / index json")
     p.add_argument("url")
     p.add_argument("--from", dest="kind", choices=IMPORT_KINDS, help="source kind (default: detected)")

@@ -27,6 +27,7 @@ import torch
 from zarrckpt.api import save
 from zarrckpt.checkpoint import open as open_checkpoint
 from zarrckpt.convert.safetensors import MAX_HEADER, read_safetensors
+from zarrckpt.display import ProgressOption
 from zarrckpt.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -50,6 +51,7 @@ def import_checkpoint(
     kind: SourceKind | str | None = None,
     storage_options: dict[str, Any] | None = None,
     overwrite: bool = False,
+    progress: ProgressOption = False,
 ) -> dict[str, Any]:
     """Convert the checkpoint at local path ``src`` into a zarrckpt checkpoint at ``url``.
 
@@ -66,6 +68,7 @@ def import_checkpoint(
             ``*.safetensors.index.json``). None: detected from the files.
         storage_options: passed to fsspec for ``url``.
         overwrite: replace a committed checkpoint at ``url`` (as ``save(..., overwrite=True)``).
+        progress: the writing's progress, as for :func:`zarrckpt.save`.
 
     Returns:
         A summary: ``{"source", "kind", "url", "tensors", "values", "bytes", "seconds"}``
@@ -116,7 +119,7 @@ def import_checkpoint(
             nbytes += leaf.nbytes if isinstance(leaf, np.ndarray) else len(leaf)
         else:
             values += 1
-    save(state, url, storage_options=storage_options, overwrite=overwrite)
+    save(state, url, storage_options=storage_options, overwrite=overwrite, progress=progress)
     return {
         "source": str(path),
         "kind": kind,

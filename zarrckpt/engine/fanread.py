@@ -28,7 +28,13 @@ from zarrckpt.storage.store import Storage
 
 
 def read_shared(
-    group: Group, storage: Storage, manifest: Manifest, requests: Sequence[Request], *, any_layout: bool = False
+    group: Group,
+    storage: Storage,
+    manifest: Manifest,
+    requests: Sequence[Request],
+    *,
+    any_layout: bool = False,
+    on_received: Callable[[int], None] | None = None,
 ) -> int:
     """Fill every request's ``dest`` (every rank calls it), reading regions that several ranks
     need once; returns the bytes this rank fetched from storage.
@@ -39,6 +45,7 @@ def read_shared(
         manifest: the checkpoint's manifest, the same on every rank.
         requests: this rank's reads.
         any_layout: read shards any Zarr writer laid out (``allow_modified``).
+        on_received: told the bytes of each round's messages from other ranks, once they arrived.
 
     Returns:
         The bytes this rank fetched from storage.
@@ -108,7 +115,7 @@ def read_shared(
             if pending is not None:
                 finish, pending = pending, None
                 group.run_together(finish, RECEIVING)
-            pending = _post(group, rnd, requests, held)
+            pending = _post(group, rnd, requests, held, on_received)
         last, pending = pending, None
         if last is not None:
             group.run_together(last, RECEIVING)
@@ -141,7 +148,11 @@ def _flat(a: np.ndarray) -> np.ndarray | None:
 
 
 def _post(
-    group: Group, rnd: fanout.Round, requests: Sequence[Request], held: dict[int, np.ndarray]
+    group: Group,
+    rnd: fanout.Round,
+    requests: Sequence[Request],
+    held: dict[int, np.ndarray],
+    on_received: Callable[[int], None] | None = None,
 ) -> Callable[[], None]:
     """Post one round's messages (send what this rank read, receive what others read for it);
     returns what completes them and copies packed data into place."""
@@ -174,6 +185,8 @@ def _post(
     def finish() -> None:
         transfers.wait()
         _unpack(rank, rnd, requests, unpack)
+        if on_received is not None and recvs:
+            on_received(sum(buf.nbytes for _, buf in recvs))
 
     return finish
 

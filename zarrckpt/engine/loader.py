@@ -6,7 +6,7 @@ runs the two in turn, as ``zarrckpt.save`` runs :mod:`zarrckpt.plan.save` and :m
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from zarrckpt.engine import commit as protocol
 from zarrckpt.engine.dist import Group
@@ -40,13 +40,15 @@ def read(
     *,
     fan_out: bool,
     allow_modified: bool,
+    on_received: Callable[[int], None] | None = None,
 ) -> int:
     """Fill every request (every rank calls it); returns the bytes this rank fetched.
 
     ``fan_out``: regions several ranks need are read once and sent over the process group
-    (:mod:`zarrckpt.engine.fanread`). A load that returns holds the committed data of ``manifest``:
-    every chunk used is compared with the commit record, or, where that cannot tell (``allow_modified``,
-    no record), rank 0 checks at the end that the manifest is still this save's.
+    (:mod:`zarrckpt.engine.fanread`; ``on_received`` is told the bytes of what arrived). A load that
+    returns holds the committed data of ``manifest``: every chunk used is compared with the commit
+    record, or, where that cannot tell (``allow_modified``, no record), rank 0 checks at the end that
+    the manifest is still this save's.
 
     Raises:
         IncompleteCheckpointError: the checkpoint was overwritten or deleted meanwhile (what a read
@@ -56,7 +58,7 @@ def read(
     """
     try:
         if fan_out:
-            nbytes = read_shared(group, storage, manifest, requests, any_layout=allow_modified)
+            nbytes = read_shared(group, storage, manifest, requests, any_layout=allow_modified, on_received=on_received)
         else:
             nbytes = group.run_together(lambda: read_regions(storage, requests, any_layout=allow_modified), "reading")
     except ZarrckptError:

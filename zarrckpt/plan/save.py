@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,7 +15,15 @@ from zarrckpt.format import fill
 from zarrckpt.format.array import ArrayMeta, beyond_limits
 from zarrckpt.format.dtypes import storage_dtype
 from zarrckpt.format.keys import infer_role, validate_keys
-from zarrckpt.format.layout import Claim, Shape, coverage_problems, inner_chunk_shape, owner_of_cells, shard_shape_for
+from zarrckpt.format.layout import (
+    Claim,
+    Shape,
+    cell_box,
+    coverage_problems,
+    inner_chunk_shape,
+    owner_of_cells,
+    shard_shape_for,
+)
 from zarrckpt.format.manifest import group_json, group_paths
 from zarrckpt.plan.coarsen import Gather, coarse_shard, shard_gathers
 from zarrckpt.plan.gcpause import gc_paused
@@ -41,6 +50,11 @@ class ZarrSavePlan:
     def shards_of(self, rank: int) -> list[tuple[ArrayMeta, Shape]]:
         """The shards ``rank`` writes: (array, shard grid index) pairs."""
         return [(self.arrays[k], idx) for k, owner in self.owners.items() for idx, r in owner.items() if r == rank]
+
+    def bytes_of(self, rank: int) -> int:
+        """The data bytes of the shards ``rank`` writes (a save's progress total)."""
+        cells = [(m, cell_box(idx, m.shard_shape, m.shape)) for m, idx in self.shards_of(rank)]
+        return sum(math.prod(cell.sizes) * m.itemsize for m, cell in cells)
 
     def metadata_of(self, rank: int) -> list[tuple[str, bytes]]:
         """The ``zarr.json`` documents (groups, then arrays) ``rank`` writes: spread round-robin."""

@@ -4,6 +4,7 @@ they happen (thread-safe), for ``Checkpoint.stats()`` and for anyone tuning read
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 __all__ = ["Traffic"]
@@ -18,6 +19,7 @@ class Traffic:
     retries: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
+    watch: Callable[[int], None] | None = None  # called with each read's or write's byte count (progress)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, *, requests: int = 0, retries: int = 0, bytes_read: int = 0, bytes_written: int = 0) -> None:
@@ -26,6 +28,8 @@ class Traffic:
             self.retries += retries
             self.bytes_read += bytes_read
             self.bytes_written += bytes_written
+        if self.watch is not None and (bytes_read or bytes_written):
+            self.watch(bytes_read + bytes_written)
 
     def snapshot(self) -> dict[str, int]:
         """``{"requests", "retries", "bytes_read", "bytes_written"}`` so far."""
