@@ -94,7 +94,8 @@ def one_trial(root: str, options: dict[str, Any] | None, rng: random.Random) -> 
     reader.join(timeout=30)
     resumed = next((int(m[1]) for ln in lines if (m := re.match(r"resumed from step (\d+)", ln))), None)
     steps = [int(m[1]) for ln in lines if (m := re.match(r"step (\d+) loss", ln))]
-    return {"exited": exited, "resumed": resumed, "last_step": max(steps, default=None), "tail": lines[-5:]}
+    errors = [ln for ln in lines if "Error" in ln and not ln.startswith("[rank")][:3]
+    return {"exited": exited, "resumed": resumed, "last_step": max(steps, default=None), "tail": errors or lines[-5:]}
 
 
 def run(root: str, options: dict[str, Any] | None, trials: int, seed: int = 0) -> dict[str, Any]:
@@ -107,7 +108,9 @@ def run(root: str, options: dict[str, Any] | None, trials: int, seed: int = 0) -
         if trial["exited"] is not None:  # it stopped by itself before the kill: a failure (saves raise)
             problems.append(f"trial {n}: the job exited with {trial['exited']} before the kill: {trial['tail']}")
             continue
-        if trial["resumed"] != committed_before:  # everything stopped at the kill: the latest is what it resumes
+        if trial["resumed"] is None and trial["last_step"] is None:  # killed while starting (torch's import)
+            outcomes["killed before resuming"] += 1
+        elif trial["resumed"] != committed_before:  # everything stopped at the kill: the latest is what it resumes
             problems.append(f"trial {n}: resumed from {trial['resumed']}, the latest committed: {committed_before}")
         states = zarrckpt.list_checkpoints(root, storage_options=options)
         outcomes.update(s for s in states.values())
@@ -119,7 +122,8 @@ def run(root: str, options: dict[str, Any] | None, trials: int, seed: int = 0) -
     proc = _job(root, options, final_steps, _free_port())
     out, _ = proc.communicate(timeout=600)
     if proc.returncode != 0 or f"done: step {final_steps}" not in out:
-        problems.append(f"the final run did not finish: exit {proc.returncode}: {out.splitlines()[-5:]}")
+        errors = [ln for ln in out.splitlines() if "Error" in ln and not ln.startswith("[rank")][:3]
+        problems.append(f"the final run did not finish: exit {proc.returncode}: {errors or out.splitlines()[-5:]}")
     manager = zarrckpt.CheckpointManager(root, interval=1, keep_last=2, storage_options=options)
     if manager.latest() != final_steps:
         problems.append(f"after the final run the latest step is {manager.latest()}, not {final_steps}")
@@ -158,15 +162,17 @@ def main(argv: list[str] | None = None) -> int:
         "background staging) is killed with kill -9 (torchrun and its ranks) after 4-9 s, then started again, "
         "with no step in between; then it runs to the end.",
         "",
-        "| backend | restarts | problems | prefixes seen after the kills (committed / incomplete / deleting) "
-        "| leftovers at the end | seconds |",
-        "|---|---:|---:|---|---|---:|",
+        "| backend | restarts | killed before resuming | problems | prefixes seen after the kills "
+        "(committed / incomplete / deleting) | leftovers at the end | seconds |",
+        "|---|---:|---:|---:|---|---|---:|",
     ]
     for backend, r in reports.items():
         o = r["outcomes"]
         seen = f"{o.get('committed', 0)} / {o.get('incomplete', 0)} / {o.get('deleting', 0)}"
+        early = o.get("killed before resuming", 0)
         lines.append(
-            f"| {backend} | {o.get('trials', 0)} | {len(r['problems'])} | {seen} | {r['leftovers'] or 'none'} "
+            f"| {backend} | {o.get('trials', 0)} | {early} | {len(r['problems'])} | {seen} "
+            f"| {r['leftovers'] or 'none'} "
             f"| {r['seconds']:.0f} |"
         )
     problems = [f"- {b}: {p}" for b, r in reports.items() for p in r["problems"]]

@@ -111,22 +111,25 @@ def is_leftover(entry: Entry, grace_seconds: float) -> bool:
 def await_dead_save(
     url: URL, *, storage_options: dict[str, Any] | None = None, timeout: float | None = None
 ) -> str | None:
-    """When ``url`` holds a save that never committed, wait (polling each second, at most ``timeout``
-    seconds; default: the lease) until it counts as dead, commits, or goes away. Returns why it
-    counts as dead (the next save there takes it over), or None (nothing to wait for; a marker
-    without heartbeats, which no wait settles; or it still runs: a save elsewhere, never touched).
+    """When ``url`` holds a save that never committed (or a deletion not finished), wait (polling each
+    second, at most ``timeout`` seconds; default: the lease) until it counts as dead, commits, or goes
+    away. Returns why it counts as dead (the next save there takes it over, or finishes the deletion),
+    or None (nothing to wait for; a marker without heartbeats, which no wait settles; or it still
+    runs: a save or deletion elsewhere, never touched).
     A restarted job calls it before saving where its predecessor may have died mid-save;
     :class:`~zarrckpt.CheckpointManager` does."""
     storage = Storage(url, storage_options)
     deadline = time.monotonic() + (markers.lease_seconds() + markers.HEARTBEAT_SECONDS if timeout is None else timeout)
     while True:
         names = storage.names()
-        if protocol.state(names) != protocol.INCOMPLETE:
+        found = protocol.state(names)
+        if found not in (protocol.INCOMPLETE, protocol.DELETING_STATE):
             return None
-        why = markers.writer_gone(storage, names)
+        name = PENDING if found == protocol.INCOMPLETE else DELETING
+        why = markers.writer_gone(storage, names, name)
         if why is not None or time.monotonic() >= deadline:
             return why
-        if "heartbeat" not in markers.marker(storage, PENDING):  # (older zarrckpt) no lease to run out
+        if "heartbeat" not in markers.marker(storage, name):  # (older zarrckpt) no lease to run out
             return None
         time.sleep(1.0)
 

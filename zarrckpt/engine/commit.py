@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from typing import Any
 
 from zarrckpt.engine.markers import (
     lease_seconds,
@@ -154,17 +155,25 @@ def prepare(storage: Storage, overwrite: bool) -> str:
     names = storage.names()
     if DELETING in names:
         if not overwrite:
-            raise IncompleteCheckpointError(
-                f"the checkpoint at {storage.url!r} is being deleted, or its deletion died half-way "
-                f"({marker(storage, DELETING)}); pass overwrite=True to finish that and save here"
-            )
+            why = writer_gone(storage, names, DELETING)
+            if why is None:
+                raise IncompleteCheckpointError(
+                    f"the checkpoint at {storage.url!r} is being deleted ({marker(storage, DELETING)}); pass "
+                    "overwrite=True to finish that and save here, or wait: a deletion that died is finished by the "
+                    f"next save once its marker has gone {lease_seconds():.0f} s without a heartbeat"
+                )
+            log.warning("finishing the deletion of %s before saving there: it died (%s)", storage.url, why)
         remove(storage)
-    elif MANIFEST in names and is_tombstone(storage):  # a deletion that died before its marker
+    elif MANIFEST in names and (dying := _tombstone(storage)) is not None:  # a deletion that died before its marker
         if not overwrite:
-            raise IncompleteCheckpointError(
-                f"the checkpoint at {storage.url!r} is being deleted, or its deletion died half-way; pass "
-                "overwrite=True to finish that and save here"
-            )
+            why = writer_gone(storage, names, MANIFEST, dying)
+            if why is None:
+                raise IncompleteCheckpointError(
+                    f"the checkpoint at {storage.url!r} is being deleted ({dying}); pass overwrite=True to finish "
+                    "that and save here, or wait: a deletion that died is finished by the next save once "
+                    f"{lease_seconds():.0f} s have passed"
+                )
+            log.warning("finishing the deletion of %s before saving there: it died (%s)", storage.url, why)
         remove(storage)
     elif MANIFEST in names:
         if not is_zarrckpt_manifest(storage):
@@ -244,8 +253,12 @@ def remove(storage: Storage) -> None:
     if committed is not None:
         storage.write(MANIFEST, [tombstone(doc)])  # readers refuse from here on
     storage.write(DELETING, [json.dumps(doc).encode()])
-    storage.delete(MANIFEST)
-    storage.delete_all(keep=[DELETING])
+    start_heartbeat(storage, doc, DELETING)  # a live deletion is never taken for a dead one
+    try:
+        storage.delete(MANIFEST)
+        storage.delete_all(keep=[DELETING])
+    finally:
+        stop_heartbeat(storage, doc["save_id"], DELETING)  # before the marker goes: no beat may bring it back
     storage.delete(DELETING)
     storage.prune()
 
@@ -274,10 +287,15 @@ def is_zarrckpt_manifest(storage: Storage) -> bool:
 
 def is_tombstone(storage: Storage) -> bool:
     """True when the root zarr.json is a tombstone: a deletion started (and may have died) there."""
+    return _tombstone(storage) is not None
+
+
+def _tombstone(storage: Storage) -> dict[str, Any] | None:
+    """The deleting marker in the root zarr.json when it is a tombstone; else None."""
     try:
-        return tombstone_marker(storage.read(MANIFEST, 0)) is not None
+        return tombstone_marker(storage.read(MANIFEST, 0))
     except FileNotFoundError:
-        return False
+        return None
 
 
 def _manifest_id(storage: Storage) -> str | None:
