@@ -77,10 +77,12 @@ def _kill_tree(pid: int) -> None:
             os.kill(victim, signal.SIGKILL)
 
 
-def one_trial(root: str, options: dict[str, Any] | None, rng: random.Random) -> dict[str, Any]:
+def one_trial(
+    root: str, options: dict[str, Any] | None, rng: random.Random, window: tuple[float, float]
+) -> dict[str, Any]:
     """Start the job, kill -9 it (torchrun and its ranks) after a random time, and read what it said."""
     proc = _job(root, options, STEPS, _free_port())
-    kill_at = time.monotonic() + rng.uniform(4.0, 9.0)  # torch's import takes ~3 s: then it trains, saving each step
+    kill_at = time.monotonic() + rng.uniform(*window)  # torch's import takes ~3 s: then it trains, saving each step
     lines: list[str] = []
     assert proc.stdout is not None
     reader = threading.Thread(target=lambda: lines.extend(ln.rstrip("\n") for ln in proc.stdout), daemon=True)
@@ -98,13 +100,15 @@ def one_trial(root: str, options: dict[str, Any] | None, rng: random.Random) -> 
     return {"exited": exited, "resumed": resumed, "last_step": max(steps, default=None), "tail": errors or lines[-5:]}
 
 
-def run(root: str, options: dict[str, Any] | None, trials: int, seed: int = 0) -> dict[str, Any]:
+def run(
+    root: str, options: dict[str, Any] | None, trials: int, window: tuple[float, float], seed: int = 0
+) -> dict[str, Any]:
     rng = random.Random(seed)
     outcomes: Counter[str] = Counter()
     problems: list[str] = []
     committed_before = None
     for n in range(trials):
-        trial = one_trial(root, options, rng)
+        trial = one_trial(root, options, rng, window)
         if trial["exited"] is not None:  # it stopped by itself before the kill: a failure (saves raise)
             problems.append(f"trial {n}: the job exited with {trial['exited']} before the kill: {trial['tail']}")
             continue
@@ -135,6 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=30)
     parser.add_argument("--backend", choices=["local", "rgw", "both"], default="both")
+    parser.add_argument(
+        "--kill-after",
+        type=float,
+        nargs=2,
+        default=(4.0, 9.0),
+        metavar=("MIN", "MAX"),
+        help="kill each run after MIN..MAX seconds (uniform; default 4 9: after start-up, during saves)",
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "restarts.md")
     args = parser.parse_args(argv)
     reports = {}
@@ -152,28 +164,27 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 endpoint = stack.enter_context(rgw_server())
                 root, options = unique_url("s3"), rgw_storage_options(endpoint)
-            report = run(root, options, args.trials)
-            report["seconds"] = time.perf_counter() - started
+            report = run(root, options, args.trials, tuple(args.kill_after))
+            report["seconds"], report["window"] = time.perf_counter() - started, args.kill_after
             reports[backend] = report
             print(backend, json.dumps(report, indent=1), flush=True)
     lines = ["# Kill -9 and restart trials (`benchmarks/restart_trials.py`)", ""]
     lines += [
         f"The example job (`zarrckpt.example.train`, {WORLD} ranks under torchrun, a save every step, async with "
-        "background staging) is killed with kill -9 (torchrun and its ranks) after 4-9 s, then started again, "
-        "with no step in between; then it runs to the end.",
+        "background staging) is killed with kill -9 (torchrun and its ranks) at a random moment, then started "
+        "again with no step in between; then it runs to the end.",
         "",
-        "| backend | restarts | killed before resuming | problems | prefixes seen after the kills "
+        "| backend | kill after (s) | restarts | killed before resuming | problems | prefixes seen after the kills "
         "(committed / incomplete / deleting) | leftovers at the end | seconds |",
-        "|---|---:|---:|---:|---|---|---:|",
+        "|---|---|---:|---:|---:|---|---|---:|",
     ]
     for backend, r in reports.items():
         o = r["outcomes"]
         seen = f"{o.get('committed', 0)} / {o.get('incomplete', 0)} / {o.get('deleting', 0)}"
-        early = o.get("killed before resuming", 0)
+        early, (lo, hi) = o.get("killed before resuming", 0), r["window"]
         lines.append(
-            f"| {backend} | {o.get('trials', 0)} | {early} | {len(r['problems'])} | {seen} "
-            f"| {r['leftovers'] or 'none'} "
-            f"| {r['seconds']:.0f} |"
+            f"| {backend} | {lo:g}-{hi:g} | {o.get('trials', 0)} | {early} | {len(r['problems'])} | {seen} "
+            f"| {r['leftovers'] or 'none'} | {r['seconds']:.0f} |"
         )
     problems = [f"- {b}: {p}" for b, r in reports.items() for p in r["problems"]]
     lines += ["", *(problems or ["Every restart resumed from the latest committed step, and the final run finished."])]

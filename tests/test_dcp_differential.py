@@ -227,6 +227,7 @@ def _stored_state() -> dict[str, Any]:
             "w": torch.linspace(-1.0, 1.0, 64 * 48).reshape(64, 48),  # several inner chunks at chunk_bytes=1024
             "scalar": torch.tensor(2.5),
             "empty": torch.zeros(0, 3),
+            "bias": torch.nn.Parameter(torch.ones(3)),  # requires_grad: in TensorProperties
             "step": 7,
         },
         "blob": b"\x00\x01" * 50,
@@ -248,12 +249,12 @@ def _indexes(md: Metadata) -> set[MetadataIndex]:
 
 
 def _items(md: Metadata) -> dict[str, Any]:
-    """What ``state_dict_metadata`` says of each item. A tensor without elements has no chunk here
-    (FileSystemReader lists one of size 0, where zarrckpt stores nothing)."""
+    """What ``state_dict_metadata`` says of each item: a tensor's size, properties (dtype,
+    requires_grad, ...) and chunks (one of size 0 for a tensor without elements)."""
     out: dict[str, Any] = {}
     for key, item in md.state_dict_metadata.items():
         if isinstance(item, TensorStorageMetadata):
-            chunks = [(tuple(c.offsets), tuple(c.sizes)) for c in item.chunks if c.sizes.numel()]
+            chunks = [(tuple(c.offsets), tuple(c.sizes)) for c in item.chunks]
             out[key] = (tuple(item.size), item.properties, chunks)
         else:
             out[key] = item
@@ -277,7 +278,7 @@ def _check_against_the_store(path: str, md: Metadata) -> None:
         assert info.offset == 0 and info.length == Path(path, info.relative_path).stat().st_size, info
     group = zarr.open_group(path, mode="r", zarr_format=3)
     for index, info in md.storage_data.items():
-        if index.offset is None:
+        if index.offset is None or info.relative_path == "zarr.json":  # a value, or a chunk without objects
             continue
         arr = group[index.fqn.replace(".", "/")]
         assert isinstance(arr, zarr.Array) and info.chunk_shape == arr.chunks, (index, info, arr.chunks)
@@ -306,6 +307,9 @@ def test_storage_data_names_every_item_where_it_lies(flatten: bool) -> None:
 
     got = differential(run)
     assert torch.equal(got["loaded"]["model"]["w"], _stored_state()["model"]["w"])
+    if flatten:  # (else "model" is one object)
+        assert got["metadata"]["model.bias"][1].requires_grad and not got["metadata"]["model.w"][1].requires_grad
+        assert got["metadata"]["model.empty"][2] == [((0, 0), (0, 3))]
 
 
 def _save_uneven_parts(rank: int, world: int, root: str) -> None:
@@ -496,6 +500,8 @@ def test_writer_defaults_and_contracts(tmp_path: Path) -> None:
         dcp.save({"w": _x()}, storage_writer=zarrckpt.ZarrWriter(url, overwrite=False))
     assert type(oracle.value) is type(ours.value)  # both wrapped in DCP's CheckpointException
     assert any(isinstance(e, zarrckpt.CheckpointExistsError) for e in causes(ours.value)), "our type, inside"
+    inner = [[type(e) for e in causes(raised.value) if "already exists" in str(e)][-1] for raised in (oracle, ours)]
+    assert all(issubclass(t, RuntimeError) for t in inner), inner  # code catching DCP's RuntimeError catches ours
 
 
 @pytest.mark.parametrize("mode", ["THREAD", "PROCESS"])

@@ -36,8 +36,9 @@ class IncompleteCheckpointError(ZarrckptError):
     """The URL holds objects of a save that never committed (or is being overwritten)."""
 
 
-class CheckpointExistsError(ZarrckptError):
-    """A committed checkpoint already exists at the URL and ``overwrite=False``."""
+class CheckpointExistsError(ZarrckptError, RuntimeError):
+    """A committed checkpoint already exists at the URL and ``overwrite=False``; also a
+    ``RuntimeError`` with "Checkpoint already exists" in its message, as DCP's ``FileSystemWriter`` raises."""
 
 
 class CheckpointSaveError(ZarrckptError):

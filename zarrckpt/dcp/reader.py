@@ -247,11 +247,13 @@ def _items(
             md[key] = BytesStorageMetadata()
             where[MetadataIndex(key)] = shards[0][1] if len(shards) == 1 else in_manifest.holding(shards)
             continue
+        if not shards:  # no elements, no objects: one empty chunk, as DCP's own metadata lists it
+            shards = [(Box.full(meta.shape), in_manifest)]
         chunks = []
         for i, (box, info) in enumerate(shards):
             chunks.append(ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes)))
             where[MetadataIndex(key, box.offsets, i)] = info
-        props = TensorProperties(dtype=dtypes.torch_dtype(meta.dtype))
+        props = _properties(meta.dtype, manifest.dcp.get("properties", {}).get(key, {}))
         md[key] = TensorStorageMetadata(properties=props, size=torch.Size(meta.shape), chunks=chunks)
     for key in manifest.values:
         if not key.startswith(inside):
@@ -263,6 +265,17 @@ def _items(
         shards = [s for m in under if m.constant is None for s in _shards(m, as_is, in_manifest)]
         where[MetadataIndex(key)] = in_manifest.holding(shards)
     return md, where
+
+
+def _properties(dtype: str, stored: dict[str, Any]) -> TensorProperties:
+    """DCP's ``TensorProperties`` of an array: its dtype, and what ``ZarrWriter`` kept of the rest
+    (validated with the manifest)."""
+    return TensorProperties(
+        dtype=dtypes.torch_dtype(dtype),
+        requires_grad=stored.get("requires_grad", False),
+        pin_memory=stored.get("pin_memory", False),
+        memory_format=getattr(torch, stored.get("memory_format", "contiguous_format")),
+    )
 
 
 def _shards(meta: ArrayMeta, as_is: bool, in_manifest: ZarrStorageInfo) -> list[tuple[Box, ZarrStorageInfo]]:

@@ -19,6 +19,8 @@ from torch.distributed.checkpoint.metadata import (
     Metadata,
     MetadataIndex,
     StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
     SavePlan,
@@ -180,11 +182,31 @@ class ZarrWriter(StorageWriter):
         dcp: dict[str, Any] = {"objects": sorted(objects)} if objects else {}
         if metadata.planner_data is not None:
             dcp["planner_data"] = values.encode(metadata.planner_data, "Metadata.planner_data", self.allow_pickle)
+        properties = {
+            key: found
+            for key, item in sorted(metadata.state_dict_metadata.items())
+            if isinstance(item, TensorStorageMetadata) and (found := _properties(item.properties))
+        }
+        if properties:
+            dcp["properties"] = properties
         write_metadata(self.storage, metadata_docs(list(arrays.values())))  # after every rank's shards
         manifest = committed_manifest(
             self._save_id, arrays, values_, len(results), crcs, library=library_name() + " (dcp)", dcp=dcp
         )
         protocol.commit(self.storage, manifest)
+
+
+def _properties(props: TensorProperties) -> dict[str, Any]:
+    """A tensor's DCP properties beyond its dtype (stored in the array): those that differ from the
+    defaults, as ``read_metadata()`` gives them back (``dcp.properties`` in docs/FORMAT.md)."""
+    out: dict[str, Any] = {}
+    if props.requires_grad:
+        out["requires_grad"] = True
+    if props.pin_memory:
+        out["pin_memory"] = True
+    if props.memory_format != torch.contiguous_format:
+        out["memory_format"] = str(props.memory_format).removeprefix("torch.")
+    return out
 
 
 def _check_keys(plans: list[SavePlan]) -> None:

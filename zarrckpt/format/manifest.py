@@ -145,6 +145,14 @@ class Manifest:
         objects = dcp.get("objects", [])
         if not isinstance(objects, list) or not all(isinstance(o, str) for o in objects):
             raise bad(f"field {info + 'dcp.objects'!r} must be a list of keys, not {short(objects)}")
+        properties = dcp.get("properties", {})
+        if not isinstance(properties, dict) or not all(
+            isinstance(k, str) and _valid_properties(p) for k, p in properties.items()
+        ):
+            raise bad(
+                f"field {info + 'dcp.properties'!r} must map keys to {{'requires_grad': bool, 'pin_memory': bool, "
+                f"'memory_format': one of {list(DCP_MEMORY_FORMATS)}}}, not {short(properties)}"
+            )
         nodes = get_field(doc, "consolidated_metadata.metadata", dict, bad)
         arrays = {}
         for path, node in nodes.items():
@@ -245,3 +253,14 @@ def _checkpoint_fields(doc: dict[str, Any], bad: Bad) -> tuple[str, int, dict[st
     if world < 1:
         raise bad(f"field {info + 'world_size'!r} must be a positive integer, not {world}")
     return save_id, world, get_field(doc, info + "values", dict, bad)
+
+
+DCP_MEMORY_FORMATS = ("contiguous_format", "channels_last", "preserve_format")  # (the ones DCP can pickle)
+
+
+def _valid_properties(found: Any) -> bool:
+    """A ``dcp.properties`` entry: DCP's ``TensorProperties`` fields that differ from their defaults."""
+    if not isinstance(found, dict) or not found.keys() <= {"requires_grad", "pin_memory", "memory_format"}:
+        return False
+    flags = all(isinstance(found.get(k, False), bool) for k in ("requires_grad", "pin_memory"))
+    return flags and found.get("memory_format", "contiguous_format") in DCP_MEMORY_FORMATS
