@@ -19,6 +19,9 @@
 #   MASTER_PORT     static rendezvous port                                    default 29500
 #   NODE_RANK       this node's rank for static rendezvous                   default 0
 #   MAX_RESTARTS    torchrun worker-group restarts before failing             default 0
+#   SHUTDOWN_TIMEOUT  seconds torchrun gives its ranks after SIGTERM / SIGUSR1 before SIGKILL:
+#                   the example saves the step it is at, then exits (keep it under the pod's
+#                   terminationGracePeriodSeconds)                            default 50
 #   TORCHRUN        launcher executable                                       default torchrun
 #   ZARRCKPT_TRAIN_MODULE  module to run (same contract as the example)
 #                                                         default zarrckpt.example.train
@@ -110,7 +113,12 @@ else
     cmd+=(--nnodes="$nnodes" --node-rank="$node_rank" --master-addr="$MASTER_ADDR"
         --master-port="${MASTER_PORT:-29500}")
 fi
+shutdown_timeout="${SHUTDOWN_TIMEOUT:-50}"
+is_count "$shutdown_timeout" || die "SHUTDOWN_TIMEOUT must be a positive integer, not '$shutdown_timeout'"
+# Preemption: torchrun forwards these signals to its ranks, which save the step they are at
+# (CheckpointManager(save_on=...)) and exit; it waits SHUTDOWN_TIMEOUT seconds before SIGKILL.
 cmd+=(--nproc-per-node="$NPROC_PER_NODE" --max-restarts="$max_restarts"
+    --signals-to-handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" --shutdown-timeout="$shutdown_timeout"
     -m "${ZARRCKPT_TRAIN_MODULE:-zarrckpt.example.train}" --ckpt "$ckpt")
 cmd+=(${train_args[@]+"${train_args[@]}"})
 

@@ -521,6 +521,8 @@ def test_torchrun_script_rendezvous(env, expected):
     cmd = _dry_run(["--ckpt", "s3://b/run 1", "--steps", "5", "--", "--seed", "3"], **env)
     assert cmd[0] == "torchrun"
     assert cmd[1 : 1 + len(expected)] == expected
+    # preemption: torchrun forwards SIGTERM and Slurm's SIGUSR1 to the ranks (which save) and waits for them
+    assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in cmd and "--shutdown-timeout=50" in cmd
     assert cmd[cmd.index("-m") :] == [
         "-m",
         "zarrckpt.example.train",

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from zarrckpt.convert.export import export_safetensors
     from zarrckpt.convert.importer import import_checkpoint
     from zarrckpt.dcp import ZarrReader, ZarrWriter, dcp_to_torch_save
-    from zarrckpt.lifecycle import collect_garbage, delete, list_checkpoints
+    from zarrckpt.lifecycle import collect_garbage, committed_steps, delete, latest_step, list_checkpoints
     from zarrckpt.manager import CheckpointManager
     from zarrckpt.plan.localstate import LocalShard
     from zarrckpt.tensorview import TensorView
@@ -68,6 +68,8 @@ _LAZY = {
     "export_safetensors": "zarrckpt.convert.export",
     "import_checkpoint": "zarrckpt.convert.importer",
     "collect_garbage": "zarrckpt.lifecycle",
+    "committed_steps": "zarrckpt.lifecycle",
+    "latest_step": "zarrckpt.lifecycle",
     "delete": "zarrckpt.lifecycle",
     "list_checkpoints": "zarrckpt.lifecycle",
     "copy_checkpoint": "zarrckpt.transfer",
@@ -122,12 +124,14 @@ __all__ = [
     "__version__",
     "async_save",
     "collect_garbage",
+    "committed_steps",
     "copy_checkpoint",
     "dcp_to_torch_save",
     "delete",
     "errors",
     "export_safetensors",
     "import_checkpoint",
+    "latest_step",
     "list_checkpoints",
     "load",
     "open",

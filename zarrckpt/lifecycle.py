@@ -7,6 +7,7 @@ that dies half-way leaves a prefix that says what it is, and ``collect_garbage``
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -57,6 +58,26 @@ def list_checkpoints(root_url: URL, *, storage_options: dict[str, Any] | None = 
     """The checkpoints directly under ``root_url``: name -> ``"committed"``, ``"incomplete"``
     (a save is writing it, or died) or ``"deleting"`` (a deletion is removing it, or died)."""
     return {entry.name: entry.state for entry in scan(root_url, storage_options=storage_options)}
+
+
+STEP_NAME = re.compile(r"^step_(\d{10})$")  # CheckpointManager's checkpoints: <root>/step_<10-digit step>
+
+
+def committed_steps(root_url: URL, *, storage_options: dict[str, Any] | None = None) -> list[int]:
+    """The steps of the committed checkpoints a :class:`~zarrckpt.CheckpointManager` saved under
+    ``root_url`` (``step_<10-digit step>``), ascending; one listing of the root and one of each
+    checkpoint. A step being saved, whose save died, or being deleted is never among them."""
+    return sorted(
+        int(m.group(1))
+        for name, state in list_checkpoints(root_url, storage_options=storage_options).items()
+        if state == protocol.COMMITTED and (m := STEP_NAME.match(name))
+    )
+
+
+def latest_step(root_url: URL, *, storage_options: dict[str, Any] | None = None) -> int | None:
+    """The newest committed step under ``root_url`` (None: none), as :func:`committed_steps` sees them."""
+    steps = committed_steps(root_url, storage_options=storage_options)
+    return steps[-1] if steps else None
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,9 @@ committed checkpoint survives every failed or running save. The manager never ov
 from __future__ import annotations
 
 import logging
-import re
+import signal
 import threading
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from functools import partial
@@ -22,14 +23,22 @@ from zarrckpt.asyncsave import AsyncSave, Staging, async_save
 from zarrckpt.display import ProgressOption
 from zarrckpt.engine.dist import Group
 from zarrckpt.errors import CheckpointSaveError, ZarrckptError
-from zarrckpt.lifecycle import DEFAULT_GRACE_SECONDS, await_dead_save, delete, is_leftover, list_checkpoints, scan
+from zarrckpt.lifecycle import (
+    DEFAULT_GRACE_SECONDS,
+    STEP_NAME,
+    await_dead_save,
+    committed_steps,
+    delete,
+    is_leftover,
+    scan,
+)
+from zarrckpt.preemption import SignalWatch
 from zarrckpt.types import URL
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 log = logging.getLogger("zarrckpt")
-_STEP = re.compile(r"^step_(\d{10})$")
 
 
 class CheckpointManager:
@@ -44,6 +53,19 @@ class CheckpointManager:
     to host memory runs in the background; the loop calls ``wait_staged()`` before
     ``optimizer.step()``.
 
+    Preemption (``save_on``): on one of these signals (Kubernetes and torchrun send SIGTERM before
+    killing, Slurm ``--signal=USR1@120`` SIGUSR1), the next ``save()`` call, on every rank at the same
+    step, waits for the save in flight and saves that step synchronously, whether due or not; then
+    ``preempted`` is the signal and the loop should stop::
+
+        manager = CheckpointManager(root, interval=100, keep_last=3, save_on=(signal.SIGTERM,))
+        for step in range(start, steps):
+            train_step()
+            manager.save(step, state)  # every step: a no-op unless due, or preempted
+            if manager.preempted:
+                break
+        manager.close()
+
     Args:
         root_url: where the checkpoints go (``<root>/step_<10-digit step>``).
         interval: save when the step is a multiple of this (``save(..., force=True)`` saves anyway).
@@ -56,9 +78,14 @@ class CheckpointManager:
         grace_seconds: see above.
         staging: ``"caller"`` or ``"background"``, as for :func:`zarrckpt.async_save`.
         progress: each save's progress, as for :func:`zarrckpt.save` (``True``: a line on stderr).
+        save_on: signals that ask for a final save (see above); their handlers are installed here
+            (from the main thread) and the previous ones restored by ``close()``. ``save()`` must then
+            be called every step on every rank: each call compares notes between ranks (one small
+            all-gather), so that all of them save the same step.
 
     Raises:
-        ZarrckptError: ``interval``, ``keep_last`` or ``keep_every`` below 1.
+        ZarrckptError: ``interval``, ``keep_last`` or ``keep_every`` below 1; ``save_on`` given
+            outside the main thread.
     """
 
     def __init__(
@@ -75,6 +102,7 @@ class CheckpointManager:
         grace_seconds: float = DEFAULT_GRACE_SECONDS,
         staging: Staging = "caller",
         progress: ProgressOption = False,
+        save_on: Iterable[int] = (),
     ) -> None:
         if interval < 1 or keep_last < 1 or (keep_every is not None and keep_every < 1):
             raise ZarrckptError("CheckpointManager: interval and keep_last must be >= 1 (keep_every too, if given)")
@@ -92,6 +120,8 @@ class CheckpointManager:
         self._deleting: list[Future[None]] = []  # background retention work (guarded by _lock)
         self._doomed: set[int] = set()  # steps queued for deletion or being deleted (guarded by _lock)
         self._lock = threading.Lock()
+        self._watch = SignalWatch(save_on) if save_on else None
+        self.preempted: signal.Signals | None = None  # the signal a final save answered (see save_on)
 
     def url(self, step: int) -> str:
         return f"{self.root}/step_{step:010d}"
@@ -105,6 +135,12 @@ class CheckpointManager:
             CheckpointSaveError: this save failed (synchronous mode), or the previous
                 (asynchronous) one did; the cause is chained. Raised once per failed save.
         """
+        if self.preempted is not None:
+            raise ZarrckptError(
+                f"the job was preempted ({self.preempted.name}) and its last step saved: stop training, and close()"
+            )
+        if self._watch is not None and self._signalled():
+            return self._final_save(step, state_dict)
         self._check_previous()
         if step < 0 or (not force and step % self.interval):
             return None
@@ -128,6 +164,45 @@ class CheckpointManager:
         self._saving = (step, future)
         if self.rank == 0:  # queued now, so wait() / close() cannot miss it
             self._background(partial(self._retain_after, future))
+        return future
+
+    def _signalled(self) -> bool:
+        """Whether any rank got a ``save_on`` signal (every rank calls it at each ``save()``)."""
+        assert self._watch is not None
+        mine = self._watch.signalled
+        seen = [int(s) for s in Group(self.process_group).all_gather_json(int(mine) if mine else 0) if s]
+        if seen:
+            self._signal = signal.Signals(seen[0])
+        return bool(seen)
+
+    def _final_save(self, step: int, state_dict: Any) -> Future[None]:
+        """Preempted: wait for the save in flight, then save ``step`` synchronously (unless it was that one)."""
+        previous = self._saving[0] if self._saving is not None else None
+        try:
+            self._check_previous()
+            done = previous == step
+        except CheckpointSaveError as e:  # the final save still goes on
+            log.error("%s", e)
+            done = False
+        if not done:
+            url = self.url(step)
+            if self.rank == 0:
+                await_dead_save(url, storage_options=self.storage_options)
+            try:
+                save(
+                    state_dict,
+                    url,
+                    storage_options=self.storage_options,
+                    process_group=self.process_group,
+                    progress=self.progress,
+                )
+            except Exception as e:
+                raise self._failure(step, e) from e
+        self.preempted = self._signal
+        if self.rank == 0:
+            log.warning("%s received: saved step %d to %s; stop now", self._signal.name, step, self.url(step))
+        future: Future[None] = Future()
+        future.set_result(None)
         return future
 
     def wait_staged(self) -> None:
@@ -174,11 +249,7 @@ class CheckpointManager:
 
     def steps(self) -> list[int]:
         """Committed steps, ascending."""
-        return sorted(
-            int(m.group(1))
-            for name, state in list_checkpoints(self.root, storage_options=self.storage_options).items()
-            if state == "committed" and (m := _STEP.match(name))
-        )
+        return committed_steps(self.root, storage_options=self.storage_options)
 
     def latest(self) -> int | None:
         steps = self.steps()
@@ -211,7 +282,7 @@ class CheckpointManager:
         found = [
             (e, int(m.group(1)))
             for e in scan(self.root, storage_options=self.storage_options)
-            if (m := _STEP.match(e.name))
+            if (m := STEP_NAME.match(e.name))
         ]
         newest = max((step for e, step in found if e.state == "committed"), default=-1)
         stale = [
@@ -288,3 +359,5 @@ class CheckpointManager:
             self.wait()
         finally:
             self._deleter.shutdown(wait=True)
+            if self._watch is not None:
+                self._watch.close()

@@ -120,6 +120,19 @@ def cmd_gc(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
     return 0
 
 
+def cmd_latest(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
+    root = args.root.rstrip("/")
+    step = zarrckpt.latest_step(root, storage_options=opts)
+    url = None if step is None else f"{root}/step_{step:010d}"
+    if args.json:
+        emit_json({"root": root, "step": step, "url": url})
+    elif url is None:
+        print(f"no committed checkpoint under {root}", file=sys.stderr)
+    else:
+        print(url if args.url else step)
+    return 0 if step is not None else 1
+
+
 def cmd_rm(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
     for url in args.url:  # in order; the first refusal stops (those before it are deleted, and said so)
         zarrckpt.delete(url, storage_options=opts, force=args.force)
@@ -268,6 +281,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dry-run", action="store_true", help="list what would be removed, with sizes; remove nothing")
     p.set_defaults(func=cmd_gc)
+    p = sub.add_parser(
+        "latest", parents=[common], help="the newest committed step under a CheckpointManager root (exit 1: none)"
+    )
+    p.add_argument("root")
+    p.add_argument("--url", action="store_true", help="print the checkpoint's URL instead of its step")
+    p.set_defaults(func=cmd_latest)
     p = sub.add_parser("rm", parents=[common], help="delete checkpoints (a save that may still run: only with --force)")
     p.add_argument("url", nargs="+")
     p.add_argument("--force", action="store_true", help="also delete an incomplete checkpoint whose save may still run")

@@ -7,7 +7,9 @@
 Under ``torchrun`` it joins the env:// rendezvous; run alone it is a single process. It resumes
 from the latest committed checkpoint under ``--ckpt`` (saved by any number of ranks in any
 layout: loading reshards), trains until step N, and saves every K steps with a
-``CheckpointManager`` (asynchronous saves, keeping the last ``--keep-last``).
+``CheckpointManager`` (asynchronous saves, keeping the last ``--keep-last``). On SIGTERM or SIGUSR1
+(a scheduler's preemption warning) it saves the step it is at, synchronously, and exits with 128 +
+the signal's number, so that the scheduler restarts it (and the restart resumes from that step).
 ``--ckpt`` defaults to ``$ZARRCKPT_CKPT_URL``, ``--storage-options`` to ``$ZARRCKPT_STORAGE_OPTIONS``.
 """
 
@@ -17,6 +19,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -87,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             keep_last=args.keep_last,
             storage_options=args.options,
             staging="background",  # save() returns after planning; the copy overlaps the next forward/backward
+            save_on=(signal.SIGTERM, signal.SIGUSR1),  # preemption: save the step we are at, then exit
         )
         step = _latest(manager)
         if step is not None:
@@ -102,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
             if rank == 0 and (trainer.step % args.log_every == 0 or trainer.step == args.steps):
                 rate = (trainer.step - first) / max(time.perf_counter() - start, 1e-9)
                 print(f"step {trainer.step} loss {loss:.4f} ({rate:.1f} steps/s)", flush=True)
+            if manager.preempted:
+                manager.close()
+                if rank == 0:
+                    print(f"preempted ({manager.preempted.name}): saved step {trainer.step}, exiting", flush=True)
+                return 128 + int(manager.preempted)
         manager.close()
         if rank == 0:
             print(f"done: step {trainer.step} loss {loss:.4f}", flush=True)
