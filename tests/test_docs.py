@@ -90,6 +90,7 @@ ALL = [b for page in PAGES for b in blocks(page)]
 MARKED = {
     "fsdp2-recipe": "tests/test_recipes.py::test_fsdp2_recipe_saves_on_2_and_resumes_on_4_and_1",
     "readme-example": "tests/test_docs.py::test_readme_example_runs_as_a_script",
+    "lightning-example": "tests/test_lightning.py::test_the_documented_example_runs_as_a_script",
 }
 
 

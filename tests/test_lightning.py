@@ -1,0 +1,159 @@
+"""PyTorch Lightning through ``zarrckpt.integrations.lightning.ZarrCheckpointIO``, against the real
+package, with Lightning's own ``TorchCheckpointIO`` as the oracle: the same fit, saved, resumed from
+``last.ckpt`` and trained on, ends with the same weights, and ``load_checkpoint`` gives back the dict
+``torch.load`` does (int keys, lists, tuples, schedulers, callbacks' states with file paths as keys)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import zarrckpt
+
+L = pytest.importorskip("lightning")  # `pip install zarrckpt[lightning]` (make test installs it)
+
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.plugins.io import TorchCheckpointIO  # noqa: E402
+
+from zarrckpt.integrations.lightning import ZarrCheckpointIO, last_checkpoint  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore")  # Lightning's tips and its CPU-only notes
+
+
+class Regression(L.LightningModule):  # type: ignore[misc]
+    def __init__(self, lr: float = 0.1) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+        self.save_hyperparameters()
+
+    def training_step(self, batch: Any, index: int) -> torch.Tensor:
+        x, y = batch
+        loss = ((self.layer(x) - y) ** 2).mean()
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 2)}
+
+
+def _data() -> torch.utils.data.DataLoader[Any]:
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+
+
+def _trainer(root: str, io: Any, steps: int) -> Any:
+    return L.Trainer(
+        max_steps=steps,
+        default_root_dir=root,
+        plugins=[io],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ModelCheckpoint(dirpath=f"{root}/ckpts", save_last=True, every_n_train_steps=2, monitor="loss")],
+    )
+
+
+def _fit_and_resume(root: str, io: Any) -> tuple[Any, dict[str, Any]]:
+    """4 steps saving every 2 (top 1 by loss, and last), then a new trainer resumes from last.ckpt to 6."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        L.seed_everything(0, verbose=False)
+        _trainer(root, io, 4).fit(Regression(), _data())
+        resumed = Regression()
+        _trainer(root, io, 6).fit(resumed, _data(), ckpt_path=f"{root}/ckpts/last.ckpt")
+    return resumed, io.load_checkpoint(f"{root}/ckpts/last.ckpt")
+
+
+def same(a: Any, b: Any, roots: tuple[str, str] = ("", ""), where: str = "") -> None:
+    """Equal as saved: tensors bit-exact with their dtype, containers by kind and content, keys by
+    type and value; strings (and keys) naming files under the runs' roots compared relative to them."""
+
+    def norm(x: Any, root: str) -> Any:
+        return x.replace(root, "ROOT") if root and isinstance(x, str) else x
+
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):  # (an OrderedDict or AttributeDict comes back a dict)
+        assert isinstance(b, dict), where
+        mine, theirs = {norm(k, roots[0]): v for k, v in a.items()}, {norm(k, roots[1]): v for k, v in b.items()}
+        assert sorted(map(repr, mine)) == sorted(map(repr, theirs)), where
+        for k, v in mine.items():
+            same(v, theirs[k], roots, f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            same(x, y, roots, f"{where}[{i}]")
+    else:
+        assert type(a) is type(b) and norm(a, roots[0]) == norm(b, roots[1]), where
+
+
+def test_fit_save_resume_like_torch_checkpoint_io(tmp_path: Path) -> None:
+    want, want_ckpt = _fit_and_resume(str(tmp_path / "torch"), TorchCheckpointIO())
+    got, got_ckpt = _fit_and_resume(str(tmp_path / "zarr"), ZarrCheckpointIO())
+    assert torch.equal(want.layer.weight, got.layer.weight) and torch.equal(want.layer.bias, got.layer.bias)
+    same(want_ckpt, got_ckpt, (str(tmp_path / "torch"), str(tmp_path / "zarr")))
+    assert got_ckpt["global_step"] == 6 and isinstance(got_ckpt["optimizer_states"], list)
+    ckpts = tmp_path / "zarr" / "ckpts"
+    # top-1 by loss: the others were removed through remove_checkpoint, as Lightning removed its files
+    kept = sorted(p.name for p in (tmp_path / "torch" / "ckpts").iterdir())
+    assert len(kept) == 2 and zarrckpt.list_checkpoints(ckpts) == dict.fromkeys(kept, "committed")
+    view = zarrckpt.open(ckpts / "last.ckpt")
+    assert "tensors.state_dict.layer.weight" in view  # browsable: `zarrckpt ls` names it so
+    assert torch.equal(view["tensors.state_dict.layer.weight"][:], got.layer.weight.detach())
+    assert last_checkpoint(str(ckpts)) == f"{ckpts}/last.ckpt"
+
+
+def test_load_of_nothing_is_file_not_found(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="Checkpoint file not found"):
+        ZarrCheckpointIO().load_checkpoint(tmp_path / "nothing.ckpt")
+    ZarrCheckpointIO().remove_checkpoint(tmp_path / "nothing.ckpt")  # nothing there: nothing to do
+    assert last_checkpoint(str(tmp_path)) is None
+
+
+def test_keys_no_store_takes_and_map_location(tmp_path: Path) -> None:
+    checkpoint = {
+        "state_dict": {"a.b": torch.ones(2)},  # a dot inside a key: its tensor keeps a path of its own
+        "odd": {"x/y": torch.zeros(3), 7: [torch.arange(3), (torch.ones(1), "s")]},
+        # keys that would be a group and an array at once: numbered apart
+        "clash": {"a": torch.ones(1), "a.b": torch.zeros(1), "a.b-c": torch.ones(2), "a.b.c": torch.zeros(2)},
+        "epoch": 3,
+    }
+    io = ZarrCheckpointIO()
+    io.save_checkpoint(checkpoint, tmp_path / "c.ckpt")
+    back = io.load_checkpoint(tmp_path / "c.ckpt", map_location="cpu")
+    same(checkpoint, back)
+    io.save_checkpoint({"epoch": 4}, tmp_path / "c.ckpt")  # Lightning re-saves last.ckpt in place
+    assert io.load_checkpoint(tmp_path / "c.ckpt") == {"epoch": 4}
+
+
+def test_on_s3(s3_url: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``default_root_dir`` on S3: Lightning's own listing (``ModelCheckpoint``) goes through fsspec with
+    the environment's credentials; the checkpoints through zarrckpt with ``storage_options``."""
+    url, options = s3_url
+    monkeypatch.setenv("AWS_ENDPOINT_URL", options["endpoint_url"])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", options["key"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", options["secret"])
+    got, ckpt = _fit_and_resume(url, ZarrCheckpointIO(options))
+    assert ckpt["global_step"] == 6 and torch.equal(ckpt["state_dict"]["layer.weight"], got.layer.weight.detach())
+    assert last_checkpoint(f"{url}/ckpts", storage_options=options) == f"{url}/ckpts/last.ckpt"
+
+
+@pytest.mark.slow
+def test_the_documented_example_runs_as_a_script(tmp_path: Path) -> None:
+    """docs/integrations.md's example, as a script: fit 4 steps, resume from last.ckpt, train to 6."""
+    import re
+    import subprocess
+    import sys
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "integrations.md").read_text()
+    (code,) = [b for b in re.findall(r"^```python\n(.*?)^```$", page, re.S | re.M) if "lightning-example" in b]
+    (tmp_path / "example.py").write_text(code)
+    done = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("resumed at step 4, trained to 6"), done.stdout[-2000:]
+    assert zarrckpt.list_checkpoints(tmp_path / "runs" / "ckpts")["last.ckpt"] == "committed"
