@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 
 import pytest
@@ -77,13 +78,21 @@ def s3_requests(s3: S3Server) -> RequestLog:
 
 
 SERVERS = {"s3", "s3_server", "gcs_server", "rgw_server"}
+SERVER_IDS = {"s3", "gcs", "rgw", "moto"}  # parameter ids of tests that start a server themselves
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test on a server (moto, the GCS emulator, Ceph RGW) is ``slow``, like the multi-process
     ones (marked where they are defined): ``make test-fast`` leaves them out, ``make test`` runs all."""
     for item in items:
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        on_server = SERVERS & set(getattr(item, "fixturenames", ())) or params.get("storage") in ("s3", "gcs")
+        callspec = getattr(item, "callspec", None)
+        params = getattr(callspec, "params", {})
+        ids = set(re.split(r"[-\[\]]", getattr(callspec, "id", "")))  # [s3-s3fs], [rgw-delete], [gcs], ...
+        on_server = (
+            SERVERS & set(getattr(item, "fixturenames", ()))
+            or params.get("storage") in ("s3", "gcs")
+            or ids & SERVER_IDS
+            or item.path.name == "test_rgw.py"
+        )
         if on_server:
             item.add_marker(pytest.mark.slow)

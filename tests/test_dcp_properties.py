@@ -70,6 +70,7 @@ def _save_small_shards(rank: int, world: int, root: str) -> None:
     zarrckpt.save({"norm": norm}, f"{root}/save")
 
 
+@pytest.mark.slow
 def test_zarr_writer_writes_each_ranks_small_parts_as_objects_of_their_own(tmp_path: Path) -> None:
     """The difference that stays (docs/usage.md): DCP runs write_data on each rank without a
     collective, so ZarrWriter cannot send a rank's small parts to another rank to join them into one

@@ -92,6 +92,7 @@ def same(a: Any, b: Any, roots: tuple[str, str] = ("", ""), where: str = "") -> 
         assert type(a) is type(b) and norm(a, roots[0]) == norm(b, roots[1]), where
 
 
+@pytest.mark.slow
 def test_fit_save_resume_like_torch_checkpoint_io(tmp_path: Path) -> None:
     want, want_ckpt = _fit_and_resume(str(tmp_path / "torch"), TorchCheckpointIO())
     got, got_ckpt = _fit_and_resume(str(tmp_path / "zarr"), ZarrCheckpointIO())

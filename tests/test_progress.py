@@ -140,6 +140,7 @@ def _read_fanned(rank: int, world: int, url: str, out: str) -> None:
     Path(out, str(rank)).write_text(json.dumps([storage.traffic.snapshot()["bytes_read"], received]))
 
 
+@pytest.mark.slow
 def test_fanned_out_reads_report_what_other_ranks_send(tmp_path: Path) -> None:
     """Both ranks need all of ``w``: one reads it and sends it; the receiver's progress counts
     what arrived (else a fanned-out load would sit at its few own bytes until the end)."""

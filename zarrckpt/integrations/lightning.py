@@ -150,7 +150,7 @@ def _join(obj: Any, where: dict[tuple[Any, ...], str], tensors: dict[str, torch.
 
 
 def _mover(map_location: Any | None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """What ``torch.load(map_location=...)`` does to a CPU tensor: a device, a string, a dict or None."""
+    """What torch's loader does to a CPU tensor for a ``map_location``: a device, a string, a dict or None."""
     if map_location is None or callable(map_location):
         return lambda t: t  # Lightning's default maps storages to where they are: the CPU here
     if isinstance(map_location, dict):
