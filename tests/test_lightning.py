@@ -116,6 +116,16 @@ def test_load_of_nothing_is_file_not_found(tmp_path: Path) -> None:
     assert last_checkpoint(str(tmp_path)) is None
 
 
+def test_last_checkpoint_is_the_newest_committed_last(tmp_path: Path) -> None:
+    io = ZarrCheckpointIO()
+    io.save_checkpoint({"global_step": 5, "w": torch.ones(1)}, tmp_path / "last-v1.ckpt")
+    io.save_checkpoint({"global_step": 2, "w": torch.ones(1)}, tmp_path / "last.ckpt")
+    io.save_checkpoint({"global_step": 9, "w": torch.ones(1)}, tmp_path / "epoch=0-step=9.ckpt")  # not a last
+    (tmp_path / "last-v2.ckpt").mkdir()
+    (tmp_path / "last-v2.ckpt" / ".zarrckpt-pending.json").write_text("{}")  # a save of it under way
+    assert last_checkpoint(str(tmp_path)) == f"{tmp_path}/last-v1.ckpt"
+
+
 def test_keys_no_store_takes_and_map_location(tmp_path: Path) -> None:
     checkpoint = {
         "state_dict": {"a.b": torch.ones(2)},  # a dot inside a key: its tensor keeps a path of its own
@@ -123,6 +133,7 @@ def test_keys_no_store_takes_and_map_location(tmp_path: Path) -> None:
         # keys that would be a group and an array at once: numbered apart
         "clash": {"a": torch.ones(1), "a.b": torch.zeros(1), "a.b-c": torch.ones(2), "a.b.c": torch.zeros(2)},
         "epoch": 3,
+        "unnamed": {"0": torch.full((2,), 5.0)},  # where numbered tensors go, too: kept apart
     }
     io = ZarrCheckpointIO()
     io.save_checkpoint(checkpoint, tmp_path / "c.ckpt")

@@ -112,11 +112,9 @@ def save(
     except BaseException:
         if save_id:  # rank 0: the heartbeat stops, and the next save may take the leftovers over
             markers.abandon(storage, save_id)
-        if bar is not None:
-            bar.abort()
+        bar.abort()
         raise
-    if bar is not None:
-        bar.finish()
+    bar.finish()
     log.info(
         "saved %s: %d tensors, this rank wrote %.1f MB in %.2fs",
         storage.url,
@@ -223,14 +221,12 @@ def load(
             requests,
             fan_out=fan_out,
             allow_modified=allow_modified,
-            on_received=None if bar is None else bar.advance,
+            on_received=bar.advance if bar.active else None,
         )
     except BaseException:
-        if bar is not None:
-            bar.abort()
+        bar.abort()
         raise
-    if bar is not None:
-        bar.finish()
+    bar.finish()
     for fn in finish:
         fn()
     targets.set_values(state_dict, matched, decoded)

@@ -346,7 +346,7 @@ class _Job:
     group: Group
     overwrite: bool
     handoff: _Handoff
-    bar: Meter | None = None  # progress
+    bar: Meter  # progress (inactive unless asked for)
     written: integrity.Written = field(default_factory=dict)  # chunk checksums, for the manifest
 
     def run(self) -> None:
@@ -359,11 +359,9 @@ class _Job:
             self.handoff.abandon()
             if save_id:  # rank 0: the heartbeat stops, and the next save may take the leftovers over
                 markers.abandon(self.storage, save_id)
-            if self.bar is not None:
-                self.bar.abort()
+            self.bar.abort()
             raise
-        if self.bar is not None:
-            self.bar.finish()
+        self.bar.finish()
 
     def _prepare(self) -> str:
         return protocol.prepare(self.storage, self.overwrite) if self.group.rank == 0 else ""

@@ -267,9 +267,15 @@ once at the end with ``done_bytes == total_bytes``; ``False``: nothing."""
 
 
 class Meter:
-    """One rank's byte progress for a ``progress`` argument: ``advance`` from any thread, ``finish`` once."""
+    """One rank's byte progress for a ``progress`` argument: ``advance`` from any thread, then
+    ``finish`` or ``abort`` once; with ``progress=False`` it does nothing (``active`` is False)."""
 
     def __init__(self, progress: ProgressOption, label: str, total_bytes: int, rank: int) -> None:
+        if not (isinstance(progress, bool) or callable(progress)):
+            raise ZarrckptError(
+                f"progress must be True, False or a callable(done_bytes, total_bytes), not {progress!r}"
+            )
+        self.active = progress is not False
         self.total = max(total_bytes, 0)
         self.done = 0
         self.lock = threading.Lock()
@@ -302,19 +308,10 @@ class Meter:
             self.bar.stream.flush()
 
 
-def meter(progress: ProgressOption, label: str, total_bytes: int, rank: int) -> Meter | None:
-    """A :class:`Meter` for ``progress``, or None when it is False."""
-    if progress is False:
-        return None
-    if not (progress is True or callable(progress)):
-        raise ZarrckptError(f"progress must be True, False or a callable(done_bytes, total_bytes), not {progress!r}")
-    return Meter(progress, label, total_bytes, rank)
-
-
-def watch(storage: Storage, progress: ProgressOption, label: str, total_bytes: int, rank: int) -> Meter | None:
-    """A meter for ``progress`` fed by every byte ``storage`` moves (None: no progress)."""
-    bar = meter(progress, label, total_bytes, rank)
-    storage.traffic.watch = None if bar is None else bar.advance
+def watch(storage: Storage, progress: ProgressOption, label: str, total_bytes: int, rank: int) -> Meter:
+    """A :class:`Meter` for ``progress``, fed by every byte ``storage`` moves when active."""
+    bar = Meter(progress, label, total_bytes, rank)
+    storage.traffic.watch = bar.advance if bar.active else None
     return bar
 
 

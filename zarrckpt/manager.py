@@ -144,27 +144,28 @@ class CheckpointManager:
         self._check_previous()
         if step < 0 or (not force and step % self.interval):
             return None
-        url = self.url(step)
-        opts, group = self.storage_options, self.process_group
-        if self.rank == 0:  # a restarted job: its predecessor may have died saving this very step
-            await_dead_save(url, storage_options=opts)  # (its save is then taken over; a live one never)
-        future: Future[None]
-        if self.use_async:
-            future = async_save(
-                state_dict, url, storage_options=opts, process_group=group, staging=self.staging, progress=self.progress
-            )
-            future.add_done_callback(partial(self._log_failure, step))
-        else:
-            try:
-                save(state_dict, url, storage_options=opts, process_group=group, progress=self.progress)
-            except Exception as e:
-                raise self._failure(step, e) from e
-            future = Future()
-            future.set_result(None)
+        future = self._start(step, state_dict, self.use_async)
         self._saving = (step, future)
         if self.rank == 0:  # queued now, so wait() / close() cannot miss it
             self._background(partial(self._retain_after, future))
         return future
+
+    def _start(self, step: int, state_dict: Any, use_async: bool) -> Future[None]:
+        """Save ``step`` (asynchronously: started; else done, or CheckpointSaveError)."""
+        url, opts, group = self.url(step), self.storage_options, self.process_group
+        if self.rank == 0:  # a restarted job: its predecessor may have died saving this very step
+            await_dead_save(url, storage_options=opts)  # (its save is then taken over; a live one never)
+        if use_async:
+            future = async_save(
+                state_dict, url, storage_options=opts, process_group=group, staging=self.staging, progress=self.progress
+            )
+            future.add_done_callback(partial(self._log_failure, step))
+            return future
+        try:
+            save(state_dict, url, storage_options=opts, process_group=group, progress=self.progress)
+        except Exception as e:
+            raise self._failure(step, e) from e
+        return _completed()
 
     def _signalled(self) -> bool:
         """Whether any rank got a ``save_on`` signal (every rank calls it at each ``save()``)."""
@@ -184,25 +185,10 @@ class CheckpointManager:
         except CheckpointSaveError as e:  # the final save still goes on
             log.error("%s", e)
             done = False
-        if not done:
-            url = self.url(step)
-            if self.rank == 0:
-                await_dead_save(url, storage_options=self.storage_options)
-            try:
-                save(
-                    state_dict,
-                    url,
-                    storage_options=self.storage_options,
-                    process_group=self.process_group,
-                    progress=self.progress,
-                )
-            except Exception as e:
-                raise self._failure(step, e) from e
+        future = _completed() if done else self._start(step, state_dict, use_async=False)
         self.preempted = self._signal
         if self.rank == 0:
             log.warning("%s received: saved step %d to %s; stop now", self._signal.name, step, self.url(step))
-        future: Future[None] = Future()
-        future.set_result(None)
         return future
 
     def wait_staged(self) -> None:
@@ -361,3 +347,10 @@ class CheckpointManager:
             self._deleter.shutdown(wait=True)
             if self._watch is not None:
                 self._watch.close()
+
+
+def _completed() -> Future[None]:
+    """A future already done (a synchronous save's)."""
+    future: Future[None] = Future()
+    future.set_result(None)
+    return future

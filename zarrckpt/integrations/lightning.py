@@ -2,13 +2,14 @@
 zarrckpt checkpoint (``pip install zarrckpt[lightning]``).
 
 For the strategies that hand the whole checkpoint to their ``CheckpointIO`` on rank 0 (single
-device, DDP, DeepSpeed-free data parallel). A Lightning checkpoint is a nested dict of tensors (the
-model's ``state_dict``, the optimizers' states) and bookkeeping (loops, callbacks, schedulers,
-hyper-parameters), whose keys can be anything (a callback's state key holds its arguments, a file
-path). The tensors become arrays named by their path (``state_dict.layer.weight``,
-``optimizer_states.0.state.1.exp_avg``: what ``zarrckpt ls`` shows and any Zarr reader opens); the
-rest is one value, ``lightning`` (the dict without its tensors, and each tensor's place), so
-``load_checkpoint`` rebuilds the dict exactly (int keys, lists and tuples included) without a template.
+device, DDP). A Lightning checkpoint is a nested dict of tensors (the model's ``state_dict``, the
+optimizers' states) and bookkeeping (loops, callbacks, schedulers, hyper-parameters), whose keys can
+be anything (a callback's state key holds its arguments, a file path). The tensors become arrays
+named by their path (``tensors.state_dict.layer.weight``, ``tensors.optimizer_states.0.state.1.exp_avg``:
+what ``zarrckpt ls`` shows and any Zarr reader opens; one whose path makes no name is
+``unnamed.<n>``); the rest is one value, ``lightning`` (the dict without its tensors, and each
+tensor's place), so ``load_checkpoint`` rebuilds the dict exactly (int keys, lists and tuples
+included) without a template.
 """
 
 from __future__ import annotations
@@ -51,7 +52,10 @@ class ZarrCheckpointIO(CheckpointIO):
         places: list[tuple[Path, str]] = []
         skeleton = _split(checkpoint, [], tensors, places)
         _unclash(tensors, places)
-        state = {"tensors": tensors, "lightning": (skeleton, places)}  # a tuple: one value, not flattened
+        state: dict[str, Any] = {"lightning": (skeleton, places)}  # a tuple: one value, not flattened
+        for key, tensor in tensors.items():  # "tensors.<its path>" or "unnamed.<n>"
+            space, _, name = key.partition(".")
+            state.setdefault(space, {})[name] = tensor
         zarrckpt.save(
             state,
             str(path),
@@ -75,13 +79,14 @@ class ZarrCheckpointIO(CheckpointIO):
             ckpt = zarrckpt.open(url, storage_options=self.storage_options)
         except zarrckpt.CheckpointNotFoundError as e:
             raise FileNotFoundError(f"Checkpoint file not found: {url} ({e})") from e
-        views = [ckpt[key] for key in ckpt.keys() if key.startswith("tensors.")]  # noqa: SIM118 (a list)
-        tensors = {v.key.removeprefix("tensors."): torch.empty(v.shape, dtype=v.dtype) for v in views}
-        target: dict[str, Any] = {"tensors": tensors, "lightning": None}
+        target: dict[str, Any] = {"lightning": None}
+        for key in ckpt.keys():  # noqa: SIM118 (a list)
+            space, _, name = key.partition(".")
+            target.setdefault(space, {})[name] = torch.empty(ckpt[key].shape, dtype=ckpt[key].dtype)
         zarrckpt.load(target, url, storage_options=self.storage_options, allow_pickle=self.allow_pickle)
-        skeleton, places = target["lightning"]
+        skeleton, places = target.pop("lightning")
         move = _mover(map_location)
-        placed = {key: move(tensor) for key, tensor in target["tensors"].items()}
+        placed = {f"{space}.{name}": move(t) for space, named in target.items() for name, t in named.items()}
         rebuilt: dict[str, Any] = _join(skeleton, {tuple(p): key for p, key in places}, placed, [])
         return rebuilt
 
@@ -104,16 +109,22 @@ def last_checkpoint(dirpath: str, *, storage_options: dict[str, Any] | None = No
     ]
     if not found:
         return None
-    times = {name: zarrckpt.open(f"{root}/{name}", storage_options=storage_options).metadata for name, _ in found}
-    return f"{root}/{max(times, key=lambda n: (times[n].get('global_step', -1), n))}"
+
+    def step(name: str) -> int:
+        saved = zarrckpt.open(f"{root}/{name}", storage_options=storage_options).metadata.get("lightning")
+        skeleton = saved[0] if isinstance(saved, tuple) and saved and isinstance(saved[0], dict) else {}
+        found_step = skeleton.get("global_step", -1)
+        return found_step if isinstance(found_step, int) else -1
+
+    return f"{root}/{max((name for name, _ in found), key=lambda n: (step(n), n))}"
 
 
 def _split(obj: Any, path: Path, tensors: dict[str, torch.Tensor], places: list[tuple[Path, str]]) -> Any:
     """``obj`` with its tensors taken out (None in their place, their key and path recorded)."""
     if isinstance(obj, torch.Tensor):
-        key = ".".join(map(str, path))
+        key = "tensors." + ".".join(map(str, path))
         if not path or not all(_SEGMENT.match(str(p)) for p in path) or key in tensors:
-            key = f"other.{len(places)}"  # a key no store takes as a name: numbered
+            key = f"unnamed.{len(places)}"  # a path no store takes as a name: numbered, apart from the named
         tensors[key] = obj.detach()
         places.append((list(path), key))
         return None
@@ -132,8 +143,8 @@ def _unclash(tensors: dict[str, torch.Tensor], places: list[tuple[Path, str]]) -
     clashing = prefixes & tensors.keys()
     for n, (path, key) in enumerate(places):
         if key in clashing:
-            tensors[f"other.{n}"] = tensors.pop(key)
-            places[n] = (path, f"other.{n}")
+            tensors[f"unnamed.{n}"] = tensors.pop(key)
+            places[n] = (path, f"unnamed.{n}")
 
 
 def _join(obj: Any, where: dict[tuple[Any, ...], str], tensors: dict[str, torch.Tensor], path: Path) -> Any:
