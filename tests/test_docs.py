@@ -153,7 +153,7 @@ def snippet(block: Block) -> Snippet | None:
 RUN_ELSEWHERE = {
     "make demo": "tests/test_example.py::test_resume_under_three_topologies_on_s3: the demo's scenario "
     "(zarrckpt.example.scenario.run, 8 ranks PP2 x EP2 x EP-DP2 -> 8 / 4 / 1 on moto) at test size; "
-    "`make demo` itself starts 8 + 8 + 4 + 1 processes, about 75 s on 2 cores",
+    "`make demo` itself starts 8 + 8 + 4 + 1 processes, about 60 s on 2 cores",
     "make test": ".ci/run: CI runs `make test` (ruff, mypy, lint-imports, the whole suite); the suite cannot run "
     "inside itself",
     "torchrun ": "tests/test_deploy.py::test_launch_train_checkpoint_to_s3_and_resume: deploy/torchrun.sh runs "
