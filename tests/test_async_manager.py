@@ -37,11 +37,11 @@ def test_async_save_stages_then_training_may_continue(tmp_path: Path) -> None:
     # without a budget the writes wait for the whole copy: everything was staged at once
     assert future.staging.tensors == 6 and future.staging.peak_bytes == 6 * 128 * 64 * 4, future.staging
     _assert_loads(str(tmp_path / "ck"), 1.0)
-    from zarrckpt import asyncsave
+    from zarrckpt import hostpool
 
-    assert asyncsave._pool, "staging buffers are kept for the next save"
-    asyncsave.release_staging()
-    assert not asyncsave._pool
+    assert hostpool.pool, "staging buffers are kept for the next save"
+    zarrckpt.release_staging()
+    assert not hostpool.pool
 
 
 def test_staging_budget_bounds_host_copies(tmp_path: Path) -> None:

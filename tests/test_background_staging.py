@@ -43,7 +43,7 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
     monkeypatch.setattr(asyncsave, "_to_host", gated)
     yield opened
     opened.set()
-    asyncsave.release_staging()
+    zarrckpt.release_staging()
 
 
 def test_returns_before_staging_and_mutation_after_wait_staged_cannot_leak(

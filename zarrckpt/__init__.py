@@ -39,11 +39,12 @@ from zarrckpt.types import URL, ArrayKind, Role, SourceKind
 
 if TYPE_CHECKING:
     from zarrckpt.api import load, save
-    from zarrckpt.asyncsave import AsyncSave, StagingStats, async_save, release_staging
+    from zarrckpt.asyncsave import AsyncSave, StagingStats, async_save
     from zarrckpt.checkpoint import Checkpoint, open
     from zarrckpt.convert.export import export_safetensors
     from zarrckpt.convert.importer import import_checkpoint
     from zarrckpt.dcp import ZarrReader, ZarrWriter, dcp_to_torch_save
+    from zarrckpt.hostpool import release_staging
     from zarrckpt.lifecycle import collect_garbage, committed_steps, delete, latest_step, list_checkpoints
     from zarrckpt.manager import CheckpointManager
     from zarrckpt.plan.localstate import LocalShard
@@ -58,7 +59,7 @@ _LAZY = {
     "async_save": "zarrckpt.asyncsave",
     "AsyncSave": "zarrckpt.asyncsave",
     "StagingStats": "zarrckpt.asyncsave",
-    "release_staging": "zarrckpt.asyncsave",
+    "release_staging": "zarrckpt.hostpool",
     "Checkpoint": "zarrckpt.checkpoint",
     "open": "zarrckpt.checkpoint",
     "TensorView": "zarrckpt.tensorview",

@@ -44,6 +44,8 @@ from zarrckpt.errors import ZarrckptError
 from zarrckpt.format import dtypes, integrity
 from zarrckpt.format.array import ArrayMeta
 from zarrckpt.format.layout import Shape
+from zarrckpt.hostpool import recycle as _recycle
+from zarrckpt.hostpool import to_host as _to_host
 from zarrckpt.plan import stateful
 from zarrckpt.plan.localstate import LocalState, LocalTensor, collect
 from zarrckpt.plan.names import check_names
@@ -71,33 +73,7 @@ class _Background:
         atexit.register(self.stager.shutdown, wait=True)
 
 
-class _HostPool:
-    """Host staging buffers kept for the next async_save (no fresh allocation and page faults each time),
-    by (shape, dtype, pinned); holds at most what one save had staged at once."""
-
-    def __init__(self) -> None:
-        self._free: dict[tuple[Any, ...], list[torch.Tensor]] = {}
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return sum(map(len, self._free.values()))
-
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor | None:
-        with self._lock:
-            free = self._free.get((shape, dtype, pinned))
-            return free.pop() if free else None
-
-    def give(self, t: torch.Tensor) -> None:
-        with self._lock:
-            self._free.setdefault((tuple(t.shape), t.dtype, t.is_pinned()), []).append(t)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
-
-
 _background = _Background()
-_pool = _HostPool()
 
 
 @dataclass(frozen=True)
@@ -380,25 +356,3 @@ class _Job:
             )
             _recycle(tensor.data)
             self.handoff.written(tensor)
-
-
-def release_staging() -> None:
-    """Free the host staging buffers async_save keeps between saves."""
-    _pool.clear()
-
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A host copy the training loop can no longer change (pinned for GPU tensors)."""
-    t = t.detach()
-    gpu = t.device.type != "cpu"
-    host = _pool.take(tuple(t.shape), t.dtype, gpu)
-    if host is None:
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=gpu)
-    host.copy_(t, non_blocking=gpu)
-    if gpu:
-        torch.cuda.current_stream(t.device).synchronize()
-    return host
-
-
-def _recycle(t: torch.Tensor) -> None:
-    _pool.give(t)
