@@ -153,25 +153,15 @@ def prepare(storage: Storage, overwrite: bool) -> str:
     one goes on and the other gets CheckpointExistsError before it has written anything.
     """
     names = storage.names()
-    if DELETING in names:
+    dying = marker(storage, DELETING) if DELETING in names else _tombstone(storage) if MANIFEST in names else None
+    if dying is not None:  # a deletion (a marker, or only its tombstone: it died before the marker)
         if not overwrite:
-            why = writer_gone(storage, names, DELETING)
-            if why is None:
-                raise IncompleteCheckpointError(
-                    f"the checkpoint at {storage.url!r} is being deleted ({marker(storage, DELETING)}); pass "
-                    "overwrite=True to finish that and save here, or wait: a deletion that died is finished by the "
-                    f"next save once its marker has gone {lease_seconds():.0f} s without a heartbeat"
-                )
-            log.warning("finishing the deletion of %s before saving there: it died (%s)", storage.url, why)
-        remove(storage)
-    elif MANIFEST in names and (dying := _tombstone(storage)) is not None:  # a deletion that died before its marker
-        if not overwrite:
-            why = writer_gone(storage, names, MANIFEST, dying)
+            why = writer_gone(storage, names, DELETING if DELETING in names else MANIFEST, dying)
             if why is None:
                 raise IncompleteCheckpointError(
                     f"the checkpoint at {storage.url!r} is being deleted ({dying}); pass overwrite=True to finish "
-                    "that and save here, or wait: a deletion that died is finished by the next save once "
-                    f"{lease_seconds():.0f} s have passed"
+                    "that and save here, or wait: a deletion that died is finished by the next save once its "
+                    f"marker has gone {lease_seconds():.0f} s without a heartbeat"
                 )
             log.warning("finishing the deletion of %s before saving there: it died (%s)", storage.url, why)
         remove(storage)
