@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# torch 2.13.0 is a CPU build on these machines; a looser pin downloads a multi-GB CUDA build
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,dev,docs,lightning]'
+	$(BIN)/pip install -q -e '.[test,dev,docs,lightning,ray,accelerate]'
 	touch $(STAMP)
 
 demo: $(STAMP)
