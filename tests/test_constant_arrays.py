@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import zarrckpt
 from zarrckpt.errors import ModifiedCheckpointError
@@ -300,3 +302,25 @@ def test_dcp_sees_a_constant_array_in_the_manifest(tmp_path: Path) -> None:
     target = {"step": torch.tensor(0.0), "w": torch.zeros(4)}
     dcp.load(target, storage_reader=zarrckpt.ZarrReader(url))
     assert target["step"].item() == 3.0 and torch.equal(target["w"], torch.arange(4.0))
+
+
+_FLOATS = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True, width=64),
+    st.integers(min_value=-(2**64), max_value=2**64).map(float),
+    st.sampled_from([65504.0, 65519.99, 65520.0, 3.4028235e38, 3.4028236e38, 1e39, 5e-324, -0.0, 2.0**-25]),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(value=_FLOATS, name=st.sampled_from(["float16", "float32", "float64", "bfloat16", "float8_e4m3fn"]))
+def test_fill_values_round_as_numpy_does(value: float, name: str) -> None:
+    """``fill_value`` numbers become element bits without numpy for the core float types (so that
+    reading a manifest imports none): numpy's own rounding is the oracle, overflow to infinity and
+    NaN included, and the bits spell back as a fill value that means them again."""
+    with np.errstate(over="ignore"):
+        expected = np.array(value, dtype=np.float64).astype(fill.value_dtype(name)).tobytes()
+    assert fill.from_json(name, value) == expected
+    if fill.storable(name, expected):
+        assert fill.from_json(name, fill.to_json(name, expected)) == expected
+    else:  # only NaNs other than the type's canonical one cannot be constants
+        assert np.isnan(np.frombuffer(expected, dtype=fill.value_dtype(name))[0])

@@ -17,7 +17,6 @@ from typing import Any
 
 from zarrckpt.display import Progress, VerifySummary, checkpoint_html
 from zarrckpt.engine import commit as protocol
-from zarrckpt.engine.verify import verify_array
 from zarrckpt.errors import InvalidCheckpointError, KeyNotFoundError, ModifiedCheckpointError, ZarrckptError
 from zarrckpt.format import integrity, values
 from zarrckpt.format.array import ArrayMeta
@@ -202,6 +201,8 @@ class Checkpoint:
             IncompleteCheckpointError: problems were found, and the checkpoint was overwritten or
                 deleted while it was being verified (which explains them).
         """
+        from zarrckpt.engine import verify  # reads data (numpy): not on the import path of `zarrckpt ls`
+
         start = time.perf_counter()
         problems = [f"modified after commit: {why}" for _, why in sorted(self.manifest.modified.items())]
         fetched = done = 0
@@ -215,7 +216,7 @@ class Checkpoint:
         for i, meta in enumerate(arrays, 1):
             try:
                 fetched += self._verify_array_doc(meta)
-                fetched += verify_array(self.storage, meta, any_layout=self.allow_modified, listing=listing)
+                fetched += verify.verify_array(self.storage, meta, any_layout=self.allow_modified, listing=listing)
             except ZarrckptError as e:
                 problems.append(str(e))
             except MemoryError:  # a crafted size no check above caught: a problem to report, never a crash

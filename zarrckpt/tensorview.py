@@ -7,11 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-import numpy as np
-
 from zarrckpt.display import tensor_html
 from zarrckpt.engine import commit as protocol
-from zarrckpt.engine.reader import Request, read_regions
 from zarrckpt.errors import ZarrckptError
 from zarrckpt.format import dtypes, integrity
 from zarrckpt.format.array import ArrayMeta
@@ -21,6 +18,7 @@ from zarrckpt.storage.store import Storage
 from zarrckpt.types import Role
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 
@@ -143,6 +141,10 @@ class TensorView:
         return raw.view(values) if raw.dtype != values else raw
 
     def _raw(self, index: Any) -> np.ndarray:
+        import numpy as np  # here, not at import: listing a checkpoint (`zarrckpt ls`) needs no numpy
+
+        from zarrckpt.engine.reader import Request, read_regions
+
         box, local = _plan_index(index, self.shape)
         dtype = dtypes.storage_dtype(self.meta.dtype)
         try:
@@ -171,6 +173,8 @@ class TensorView:
 
 def _plan_index(index: Any, shape: tuple[int, ...]) -> tuple[Box, tuple[Any, ...]]:
     """The bounding box an index reads, and how to index that box to get the result."""
+    import numpy as np
+
     items = list(index) if isinstance(index, tuple) else [index]
     if sum(i is Ellipsis for i in items) > 1:
         raise ZarrckptError("an index can hold at most one '...'")

@@ -1,4 +1,4 @@
-"""The one table of zarrckpt's data types (numpy only: no torch, no zarr, no ml_dtypes at import).
+"""The one table of zarrckpt's data types (no torch, zarr, ml_dtypes or even numpy at import).
 
 This tiny top-level package imports neither torch nor the ``zarrckpt`` package. Its
 :mod:`zarrckpt_dtypes.zarr_types` module adds the data types zarr-python lacks (``bfloat16``,
@@ -13,9 +13,10 @@ Everything else in zarrckpt derives its dtype knowledge from :data:`TABLE`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class DataType:
 
     @property
     def itemsize(self) -> int:
-        return np.dtype(self.bits).itemsize
+        return int(self.bits[2:])  # "<u2", "|b1", "<c16": the byte count follows the kind
 
 
 # Every data type zarrckpt stores. Names: the Zarr v3 core spec's, else the zarr-extensions
@@ -64,6 +65,8 @@ BY_NAME: dict[str, DataType] = {d.name: d for d in TABLE}
 
 def value_dtype(name: str) -> np.dtype:
     """The numpy dtype of the values (ml_dtypes' bfloat16 / float8 types for those names)."""
+    import numpy as np  # here, not at import: reading a manifest (`zarrckpt ls`) needs no numpy
+
     row = BY_NAME[name]
     if row.in_zarr_python:
         return np.dtype(row.numpy)

@@ -15,6 +15,7 @@ from zarrckpt.format.jsondoc import Bad, check_extensions, get_field, meaning, s
 from zarrckpt.format.keys import ROLES, key_to_path, validate_keys
 from zarrckpt.format.layout import Shape
 from zarrckpt.types import ArrayKind, Role
+from zarrckpt_dtypes import BY_NAME
 
 FORMAT_VERSION = 2  # the newest this zarrckpt reads; it writes the oldest that describes a checkpoint
 CONSTANT_VERSION = 2  # constant arrays (no shard objects) first appeared in format version 2
@@ -54,7 +55,7 @@ class ArrayMeta:
 
     @property
     def itemsize(self) -> int:
-        return dtypes.storage_dtype(self.dtype).itemsize
+        return BY_NAME[self.dtype].itemsize
 
     @property
     def nbytes(self) -> int:

@@ -9,12 +9,11 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from zarrckpt.errors import UnsupportedValueError
 from zarrckpt_dtypes import BY_NAME, TABLE, fill_value, value_dtype
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 __all__ = [
@@ -30,11 +29,18 @@ __all__ = [
     "zarr_name",
 ]
 
-_STORAGE = {d.name: np.dtype(d.bits) for d in TABLE}
-# numpy arrays (kind "ndarray"): the dtypes numpy itself has, in native (little-endian) byte order
-_BY_NUMPY = {np.dtype(d.numpy): d.name for d in TABLE if d.in_zarr_python}
-
 SUPPORTED = tuple(d.name for d in TABLE)
+
+
+@functools.cache
+def _numpy_tables() -> tuple[dict[str, np.dtype], dict[np.dtype, str]]:
+    """name -> the numpy dtype of the stored bits, and numpy dtype -> name for numpy arrays (kind
+    "ndarray": the dtypes numpy itself has, in native little-endian byte order). Built on first
+    use: reading a manifest (`zarrckpt ls`) does not import numpy."""
+    import numpy as np
+
+    by_numpy = {np.dtype(d.numpy): d.name for d in TABLE if d.in_zarr_python}
+    return {d.name: np.dtype(d.bits) for d in TABLE}, by_numpy
 
 
 @functools.cache
@@ -44,7 +50,7 @@ def _torch_tables() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str], dic
     import torch
 
     by_name: dict[str, torch.dtype] = {d.name: getattr(torch, d.torch) for d in TABLE}
-    view_as = {by_name[d.name]: getattr(torch, np.dtype(d.bits).name) for d in TABLE if d.bits != d.numpy}
+    view_as = {by_name[d.name]: getattr(torch, storage_dtype(d.name).name) for d in TABLE if d.bits != d.numpy}
     return by_name, {t: name for name, t in by_name.items()}, view_as
 
 
@@ -57,10 +63,11 @@ def zarr_name(dtype: torch.dtype) -> str:
 
 def numpy_name(dtype: np.dtype) -> str:
     """The data_type name of a numpy array's dtype (UnsupportedValueError when there is none)."""
+    by_numpy = _numpy_tables()[1]
     try:
-        return _BY_NUMPY[dtype]
+        return by_numpy[dtype]
     except (KeyError, TypeError):
-        supported = ", ".join(str(d) for d in _BY_NUMPY)
+        supported = ", ".join(str(d) for d in by_numpy)
         raise UnsupportedValueError(
             f"numpy dtype {dtype} is not supported; supported (little-endian): {supported}"
         ) from None
@@ -72,7 +79,7 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def storage_dtype(name: str) -> np.dtype:
     """The numpy dtype whose bytes equal the stored element bytes (bit pattern for bf16/fp8)."""
-    return _STORAGE[name]
+    return _numpy_tables()[0][name]
 
 
 def safetensors_name(dtype: torch.dtype) -> str | None:
@@ -82,7 +89,7 @@ def safetensors_name(dtype: torch.dtype) -> str | None:
 
 
 def is_known(name: object) -> bool:
-    return isinstance(name, str) and name in _STORAGE
+    return isinstance(name, str) and name in BY_NAME
 
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:

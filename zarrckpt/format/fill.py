@@ -1,4 +1,4 @@
-"""Constant arrays: finding them, and their exact ``fill_value`` (pure: numpy only, no torch, no I/O).
+"""Constant arrays: finding them, and their exact ``fill_value`` (pure: no torch, no I/O; numpy only to scan data).
 
 An array whose every element has the same bits is stored as metadata only (FORMAT.md §2): no
 shard objects, and a ``fill_value`` that every Zarr reader turns into exactly those bits, since
@@ -18,13 +18,20 @@ reads other float16 NaNs, and signalling float32 NaNs, as another NaN.
 
 from __future__ import annotations
 
-import numpy as np
+import math
+import struct
+from typing import TYPE_CHECKING
 
 from zarrckpt_dtypes import BY_NAME, value_dtype
 
+if TYPE_CHECKING:
+    import numpy as np
+
 CHECK_BYTES = 64 * 1024  # a local part is checked for constancy only up to this size
 _HALF = {"complex64": "float32", "complex128": "float64"}  # the float type of each part
-_CORE_FLOATS = ("float16", "float32", "float64")
+# the core float types through struct, so that reading a manifest (`zarrckpt ls`) needs no numpy;
+# bfloat16 and the float8 types through numpy and ml_dtypes
+_CORE_FLOATS = {"float16": "<e", "float32": "<f", "float64": "<d"}
 
 
 def constant_of(bits: np.ndarray, name: str) -> bytes | None:
@@ -33,6 +40,8 @@ def constant_of(bits: np.ndarray, name: str) -> bytes | None:
     them exactly; else None."""
     if bits.size == 0 or bits.nbytes > CHECK_BYTES:
         return None
+    import numpy as np
+
     rows = np.ascontiguousarray(bits).reshape(-1).view(np.uint8).reshape(bits.size, -1)
     if not (rows == rows[0]).all():
         return None
@@ -49,8 +58,11 @@ def storable(name: str, bits: bytes) -> bool:
         return storable(_HALF[name], bits[:half]) and storable(_HALF[name], bits[half:])
     if kind != "float":
         return True
-    value = np.frombuffer(bits, dtype=value_dtype(name))[0]
-    return not np.isnan(value) or bits == _canonical_nan(name)
+    if name in _CORE_FLOATS:
+        return not math.isnan(struct.unpack(_CORE_FLOATS[name], bits)[0]) or bits == _canonical_nan(name)
+    import numpy as np
+
+    return not np.isnan(np.frombuffer(bits, dtype=value_dtype(name))[0]) or bits == _canonical_nan(name)
 
 
 def to_json(name: str, bits: bytes) -> bool | int | float | str | list[float | str]:
@@ -59,7 +71,7 @@ def to_json(name: str, bits: bytes) -> bool | int | float | str | list[float | s
     if row.kind == "bool":
         return bits != b"\x00"
     if row.kind == "int":
-        return int.from_bytes(bits, "little", signed=np.dtype(row.bits).kind == "i")
+        return int.from_bytes(bits, "little", signed=row.bits[1] == "i")
     if row.kind == "complex":
         half = len(bits) // 2
         return [_float_json(_HALF[name], bits[:half]), _float_json(_HALF[name], bits[half:])]
@@ -69,14 +81,14 @@ def to_json(name: str, bits: bytes) -> bool | int | float | str | list[float | s
 def from_json(name: str, value: object) -> bytes | None:
     """The element bytes a ``fill_value`` means for data type ``name``; None when it means none."""
     row = BY_NAME[name]
-    size = np.dtype(row.bits).itemsize
+    size = row.itemsize
     if row.kind == "bool":
         return (b"\x01" if value else b"\x00") if isinstance(value, bool) else None
     if row.kind == "int":
         if not isinstance(value, int) or isinstance(value, bool):
             return None
         try:
-            return value.to_bytes(size, "little", signed=np.dtype(row.bits).kind == "i")
+            return value.to_bytes(size, "little", signed=row.bits[1] == "i")
         except OverflowError:
             return None
     if row.kind == "complex":
@@ -88,33 +100,52 @@ def from_json(name: str, value: object) -> bytes | None:
 
 
 def _float_json(name: str, bits: bytes) -> float | str:
-    value = np.frombuffer(bits, dtype=value_dtype(name))[0]
-    if name not in _CORE_FLOATS or (value == 0 and np.signbit(value)):
-        return f"0x{int.from_bytes(bits, 'little'):0{2 * len(bits)}x}"
-    if np.isnan(value):
+    hexadecimal = f"0x{int.from_bytes(bits, 'little'):0{2 * len(bits)}x}"
+    if name not in _CORE_FLOATS:
+        return hexadecimal
+    value: float = struct.unpack(_CORE_FLOATS[name], bits)[0]
+    if value == 0 and math.copysign(1.0, value) < 0:
+        return hexadecimal
+    if math.isnan(value):
         return "NaN"
-    if np.isinf(value):
+    if math.isinf(value):
         return "Infinity" if value > 0 else "-Infinity"
-    return float(value)
+    return value
 
 
 def _float_bits(name: str, value: object, size: int) -> bytes | None:
     if isinstance(value, str) and value.startswith("0x"):
         try:
-            number = int(value, 16)
+            pattern = int(value, 16)
         except ValueError:
             return None
-        return number.to_bytes(size, "little") if 0 <= number < 256**size else None
-    special = {"NaN": np.nan, "Infinity": np.inf, "-Infinity": -np.inf}
+        return pattern.to_bytes(size, "little") if 0 <= pattern < 256**size else None
+    special = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
     if isinstance(value, str) and value in special:
-        number_ = special[value]
+        number = special[value]
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        number_ = float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an integer beyond float64 is no value of a float type
+            return None
     else:
         return None
+    return _to_bits(name, number)
+
+
+def _to_bits(name: str, number: float) -> bytes:
+    """``number`` (a float64) rounded to the float type ``name``, as numpy's ``astype`` rounds
+    (to nearest, ties to even; beyond the largest finite value to infinity)."""
+    if name in _CORE_FLOATS:
+        try:
+            return struct.pack(_CORE_FLOATS[name], number)
+        except OverflowError:
+            return struct.pack(_CORE_FLOATS[name], math.copysign(math.inf, number))
+    import numpy as np
+
     with np.errstate(over="ignore"):
-        return np.array(number_, dtype=np.float64).astype(value_dtype(name)).tobytes()
+        return np.array(number, dtype=np.float64).astype(value_dtype(name)).tobytes()
 
 
 def _canonical_nan(name: str) -> bytes:
-    return np.array(np.nan, dtype=np.float64).astype(value_dtype(name)).tobytes()
+    return _to_bits(name, math.nan)

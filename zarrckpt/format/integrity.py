@@ -29,10 +29,9 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import crc32c
-import numpy as np
 
 from zarrckpt.errors import ModifiedCheckpointError, ZarrckptError
-from zarrckpt.format.layout import Shape, grid_shape
+from zarrckpt.format.layout import Shape, flat_index, grid_shape
 from zarrckpt.format.shard import chunks_per_shard
 
 if TYPE_CHECKING:
@@ -46,7 +45,7 @@ Written = dict[str, dict[int, bytes]]
 
 def shard_number(meta: ArrayMeta, index: Shape) -> int:
     grid = grid_shape(meta.shape, meta.shard_shape)
-    return int(np.ravel_multi_index(index, grid)) if grid else 0
+    return flat_index(index, grid)
 
 
 def _slots(meta: ArrayMeta) -> tuple[int, int]:

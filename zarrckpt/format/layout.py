@@ -13,8 +13,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 Shape = tuple[int, ...]
 
 
@@ -106,6 +104,8 @@ def coverage_problems(key: str, shape: Shape, claims: Sequence[Claim], limit: in
         s.stop - s.start == 1 for idx in spans.values() for s in idx
     ):
         return problems  # as many distinct boxes as grid cells, each box one cell: an exact tiling
+    import numpy as np  # only here: reading a manifest (`zarrckpt ls`) does not import numpy
+
     counts = np.zeros([len(c) - 1 for c in cuts], dtype=np.int32)
     owners = np.full(counts.shape, -1, dtype=np.int64)
     for box, ranks in distinct.items():
@@ -195,6 +195,16 @@ def _divisors_around(n: int, want: int) -> tuple[int, int]:
 def grid_shape(shape: Shape, cell: Shape) -> Shape:
     """Number of grid cells per dimension (edge cells may be partial)."""
     return tuple(-(-n // c) for n, c in zip(shape, cell, strict=True))
+
+
+def flat_index(index: Shape, grid: Shape) -> int:
+    """The number of grid cell ``index`` in C order (``numpy.ravel_multi_index``; ValueError outside)."""
+    flat = 0
+    for i, n in zip(index, grid, strict=True):
+        if not 0 <= i < n:
+            raise ValueError(f"cell {index} is outside the grid {grid}")
+        flat = flat * n + i
+    return flat
 
 
 def cell_box(index: Shape, cell: Shape, shape: Shape) -> Box:

@@ -17,12 +17,13 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 import crc32c
-import numpy as np
 
 from zarrckpt.errors import CorruptChunkError
-from zarrckpt.format.layout import Shape, cell_box
+from zarrckpt.format.layout import Shape, cell_box, flat_index
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from zarrckpt.format.array import ArrayMeta
 
 EMPTY = 2**64 - 1
@@ -86,8 +87,7 @@ class ShardLayout:
         that read them all, of shards whose size was checked)."""
         if self.inside == self.grid:
             return tuple(range(self.n_chunks))
-        cells = np.indices(self.inside).reshape(len(self.inside), -1) if self.inside else np.zeros((0, 1), int)
-        return tuple(int(k) for k in np.ravel_multi_index(tuple(cells), self.grid)) if self.inside else (0,)
+        return tuple(flat_index(cell, self.grid) for cell in itertools.product(*map(range, self.inside)))
 
     @cached_property
     def _strides(self) -> tuple[int, ...]:
@@ -127,6 +127,8 @@ def encode_shard(data: np.ndarray, shard_shape: Shape, chunk_shape: Shape) -> li
 
     Inner chunks that are whole and contiguous in ``data`` are passed through without a copy.
     """
+    import numpy as np  # in the functions that move data: reading a manifest needs no numpy
+
     grid = chunks_per_shard(shard_shape, chunk_shape)
     index = np.full((math.prod(grid), 2), EMPTY, dtype="<u8")
     chunk_nbytes = math.prod(chunk_shape) * data.dtype.itemsize
@@ -161,6 +163,8 @@ def decode_index(raw: bytes, n_chunks: int, where: str, key: str) -> np.ndarray:
         )
     if _checksum(raw[:-4]) != raw[-4:]:
         raise CorruptChunkError(f"shard index of {key!r} at {where} fails its crc32c checksum", key=key, chunk=where)
+    import numpy as np
+
     return np.frombuffer(raw, dtype="<u8", count=2 * n_chunks).reshape(n_chunks, 2)
 
 
@@ -181,6 +185,8 @@ def decode_chunk(raw: bytes | memoryview, chunk_nbytes: int, key: str, where: st
 def chunk_crcs(parts: list[bytes | memoryview], n_chunks: int) -> bytes:
     """The crc32c of every inner chunk of a shard from :func:`encode_shard`'s parts: ``n_chunks``
     little-endian uint32 slots in index order, 0 for chunks outside the array."""
+    import numpy as np
+
     index = np.frombuffer(bytes(parts[0][:-4]), dtype="<u8").reshape(n_chunks, 2)
     out = bytearray(4 * n_chunks)
     for j, k in enumerate(np.flatnonzero(index[:, 0] != EMPTY)):

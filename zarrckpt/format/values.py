@@ -19,14 +19,18 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
 from zarrckpt.errors import InvalidCheckpointError, UnsupportedValueError
 from zarrckpt.format import pickling
 
 TAG = "__zarrckpt__"
 _INT64 = 2**63
 _FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def _numpy(dtype: str, data: str) -> Any:
+    import numpy as np  # only a stored numpy value needs numpy: `zarrckpt info` does not otherwise
+
+    return np.frombuffer(base64.b64decode(data), dtype=np.dtype(dtype))
 
 
 def _torch_dtype(name: str) -> Any:
@@ -50,7 +54,8 @@ def _b64(raw: bytes) -> str:
 
 def encode(value: Any, key: str, allow_pickle: bool = False) -> Any:
     """``value`` as typed JSON, or UnsupportedValueError naming ``key``, the type and the opt-in."""
-    import torch  # saving has imported it anyway; kept off the import path of reading
+    import numpy as np  # saving has imported both anyway; kept off the import path of reading
+    import torch
 
     def enc(v: Any) -> Any:
         if v is None or isinstance(v, (bool, str)):
@@ -140,8 +145,8 @@ def decode(doc: Any, like: Any = None, *, key: str = "", allow_pickle: bool = Fa
             "bytes": lambda: base64.b64decode(p),
             "bytearray": lambda: bytearray(base64.b64decode(p)),
             "BytesIO": lambda: io.BytesIO(base64.b64decode(p)),
-            "ndarray": lambda: np.frombuffer(base64.b64decode(p[2]), dtype=np.dtype(p[0])).reshape(p[1]).copy(),
-            "numpy": lambda: np.frombuffer(base64.b64decode(p[1]), dtype=np.dtype(p[0]))[0],
+            "ndarray": lambda: _numpy(p[0], p[2]).reshape(p[1]).copy(),
+            "numpy": lambda: _numpy(p[0], p[1])[0],
             "torch.dtype": lambda: _torch_dtype(p),
             "torch.Size": lambda: _torch_size(p),
             "datetime": lambda: dt.datetime.fromisoformat(p),

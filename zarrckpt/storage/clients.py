@@ -11,10 +11,9 @@ import sys
 import threading
 from typing import Any
 
-import fsspec
-
 from zarrckpt.errors import ZarrckptError
 from zarrckpt.storage import s3config
+from zarrckpt.storage.localfs import LocalFiles, local_path
 
 log = logging.getLogger("zarrckpt")
 _S3 = ("s3", "s3a")
@@ -74,6 +73,8 @@ def with_defaults(url: str, options: dict[str, Any] | None) -> dict[str, Any]:
     no SHA-256 of each request body (``payload_signing_enabled=False``; botocore hashes every body sent
     over plain http, and the server hashes it again: 40% of the client's CPU per PUT byte against Ceph RGW,
     benchmarks/README.md). Over https botocore already skips it for bodies that carry a checksum."""
+    import fsspec
+
     opts = dict(options or {})
     protocol = fsspec.core.split_protocol(url)[0]
     if protocol in _S3 and fsspec.get_filesystem_class(protocol).__module__.startswith("s3fs"):
@@ -84,6 +85,11 @@ def with_defaults(url: str, options: dict[str, Any] | None) -> dict[str, Any]:
 
 def open_filesystem(url: str, options: dict[str, Any] | None) -> tuple[Any, str, str]:
     """(filesystem, root path on it, client name) for ``url``; ZarrckptError when none can serve it."""
+    path = local_path(url)
+    if path is not None:
+        return LocalFiles(), path, "local"
+    import fsspec  # not for local files: `zarrckpt ls ./ckpt` starts without it
+
     protocol, path = fsspec.core.split_protocol(url)
     if protocol in _S3:
         fs = _obstore(url, options)

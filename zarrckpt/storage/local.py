@@ -2,7 +2,7 @@
 
 A file is written aside, flushed to disk, then renamed into place (or, for a create, hard-linked:
 ``FileExistsError``-free "exists" when the name is taken), so no reader ever sees it half-written.
-Listing, deleting and the rest go through fsspec's ``LocalFileSystem`` as for any filesystem.
+Listing, deleting and the rest go through :class:`~zarrckpt.storage.localfs.LocalFiles` (os calls).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ Buffer = bytes | memoryview
 
 
 class LocalBackend:
-    """Local files under fsspec's ``LocalFileSystem`` ``fs``, with os-level fast paths."""
+    """Local files under :class:`~zarrckpt.storage.localfs.LocalFiles` ``fs``, with os-level fast paths."""
 
     caps: ReadCaps = LOCAL_FILES
     atomic_create = True  # a hard link fails when the name exists

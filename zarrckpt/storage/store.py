@@ -21,12 +21,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
-from fsspec.implementations.local import LocalFileSystem
-
 from zarrckpt.errors import StorageError, ZarrckptError
 from zarrckpt.storage.caps import NameLimits, ReadCaps, default_concurrency
 from zarrckpt.storage.clients import isolate_randomness, open_filesystem
 from zarrckpt.storage.local import Buffer, LocalBackend
+from zarrckpt.storage.localfs import LocalFiles
 from zarrckpt.storage.remote import CreatedCorrupt, RemoteBackend, UploadCorrupted
 from zarrckpt.storage.retry import RetryPolicy, current_policy, describe, is_transient
 from zarrckpt.storage.traffic import Traffic
@@ -61,7 +60,7 @@ class Storage:
             raise ZarrckptError("empty checkpoint URL")
         self.fs, root, self.client = open_filesystem(self.url, storage_options)
         self.root = root.rstrip("/")
-        local = isinstance(self.fs, LocalFileSystem)
+        local = isinstance(self.fs, LocalFiles)
         self.backend: LocalBackend | RemoteBackend = (
             LocalBackend(self.fs) if local else RemoteBackend(self.fs, self.client)
         )
