@@ -5,6 +5,9 @@ package, with Lightning's own ``TorchCheckpointIO`` as the oracle: the same fit,
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.plugins.io import TorchCheckpointIO  # noqa: E402
 
 from zarrckpt.integrations.lightning import ZarrCheckpointIO, last_checkpoint  # noqa: E402
+from zarrckpt.testing import free_port  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore")  # Lightning's tips and its CPU-only notes
 
@@ -169,3 +173,62 @@ def test_the_documented_example_runs_as_a_script(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("resumed at step 4, trained to 6"), done.stdout[-2000:]
     assert zarrckpt.list_checkpoints(tmp_path / "runs" / "ckpts")["last.ckpt"] == "committed"
+
+
+WORKER = Path(__file__).with_name("lightning_worker.py")
+
+
+def _torchrun(ranks: int, *args: Any) -> dict[str, Any]:
+    """tests/lightning_worker.py on ``ranks`` gloo processes; rank 0's report (losses, full state)."""
+    out = Path(str(args[1])) / f"report-{ranks}.pt"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
+    cmd += ["--master-port", str(free_port()), str(WORKER), *map(str, args[:3]), str(out), *map(str, args[3:])]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parents[1])}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    report: dict[str, Any] = torch.load(out, weights_only=False)
+    return report
+
+
+def _equal_states(a: dict[str, Any], b: dict[str, Any]) -> None:
+    same(a["model"], b["model"])
+    same(a["optim"]["state"], b["optim"]["state"])
+    assert [g["lr"] for g in a["optim"]["param_groups"]] == [g["lr"] for g in b["optim"]["param_groups"]]
+
+
+@pytest.mark.slow
+def test_model_parallel_strategy_resumes_on_the_same_and_another_number_of_ranks(tmp_path: Path) -> None:
+    """FSDP2 through ``ZarrModelParallelStrategy`` on 2 gloo ranks, 6 steps, saving every 2. Resumed
+    from step 4 on 2 ranks it trains the same losses into the same weights and Adam moments, bit for
+    bit; resumed on 1 rank it holds exactly the global tensors the 2 ranks saved (and the learning
+    rate the scheduler had halved at every step, and the step)."""
+    whole = _torchrun(2, "model_parallel", tmp_path / "whole", 6)
+    step4 = tmp_path / "whole" / "ckpts" / "epoch=0-step=4.ckpt"
+    assert len(whole["losses"]) == 6 and zarrckpt.open(step4).metadata["lightning"][0]["global_step"] == 4
+    resumed = _torchrun(2, "model_parallel", tmp_path / "resumed", 6, step4)
+    assert resumed["losses"] == whole["losses"][4:] and resumed["global_step"] == 6
+    _equal_states(resumed["state"], whole["state"])
+
+    one = _torchrun(1, "model_parallel", tmp_path / "one", 4, step4)
+    assert one["losses"] == [] and one["global_step"] == 4
+    ckpt = zarrckpt.open(step4)
+    for name, tensor in one["state"]["model"].items():
+        assert torch.equal(tensor, ckpt[f"tensors.state_dict.{name}"][...]), name
+    for name, moments in one["state"]["optim"]["state"].items():
+        for moment in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(moments[moment], ckpt[f"tensors.optimizer_states.0.state.{name}.{moment}"][...])
+    saved_groups = ckpt.metadata["lightning"][0]["optimizer_states"][0]["param_groups"]
+    assert [g["lr"] for g in one["state"]["optim"]["param_groups"]] == [g["lr"] for g in saved_groups] == [0.01 / 2**4]
+
+
+@pytest.mark.slow
+def test_ddp_saves_from_rank_0_alone(tmp_path: Path) -> None:
+    """Under DDP Lightning hands the checkpoint to ``ZarrCheckpointIO`` on rank 0 only: the save must
+    not wait for rank 1 (it did, until the process group timed out), and the checkpoint holds the
+    trained state."""
+    report = _torchrun(2, "ddp", tmp_path, 4)
+    ckpt = zarrckpt.open(tmp_path / "ckpts" / "last.ckpt")
+    assert report["global_step"] == 4 and ckpt.metadata["lightning"][0]["global_step"] == 4
+    for name, tensor in report["state"]["model"].items():
+        assert torch.equal(tensor, ckpt[f"tensors.state_dict.{name}"][...]), name

@@ -1,15 +1,18 @@
-"""PyTorch Lightning: ``Trainer(plugins=[ZarrCheckpointIO()])`` saves and loads every checkpoint as a
-zarrckpt checkpoint (``pip install zarrckpt[lightning]``).
+"""PyTorch Lightning: ``Trainer(plugins=[ZarrCheckpointIO()])`` (single device, DDP) or
+``Trainer(strategy=ZarrModelParallelStrategy(...))`` (FSDP2 / tensor parallel) saves and loads every
+checkpoint as a zarrckpt checkpoint (``pip install zarrckpt[lightning]``).
 
-For the strategies that hand the whole checkpoint to their ``CheckpointIO`` on rank 0 (single
-device, DDP). A Lightning checkpoint is a nested dict of tensors (the model's ``state_dict``, the
-optimizers' states) and bookkeeping (loops, callbacks, schedulers, hyper-parameters), whose keys can
-be anything (a callback's state key holds its arguments, a file path). The tensors become arrays
-named by their path (``tensors.state_dict.layer.weight``, ``tensors.optimizer_states.0.state.1.exp_avg``:
-what ``zarrckpt ls`` shows and any Zarr reader opens; one whose path makes no name is
-``unnamed.<n>``); the rest is one value, ``lightning`` (the dict without its tensors, and each
-tensor's place), so ``load_checkpoint`` rebuilds the dict exactly (int keys, lists and tuples
-included) without a template.
+``ZarrCheckpointIO`` serves the strategies that hand the whole checkpoint to their ``CheckpointIO`` on
+rank 0; ``ZarrModelParallelStrategy`` is Lightning's ``ModelParallelStrategy`` whose every rank writes
+its own shards of the model and optimizer states, and which loads on any number of ranks.
+
+A Lightning checkpoint is a nested dict of tensors (the model's ``state_dict``, the optimizers'
+states) and bookkeeping (loops, callbacks, schedulers, hyper-parameters), whose keys can be anything
+(a callback's state key holds its arguments, a file path). The tensors become arrays named by their
+path (``tensors.state_dict.layer.weight``, ``tensors.optimizer_states.0.state.1.exp_avg``: what
+``zarrckpt ls`` shows and any Zarr reader opens; one whose path makes no name is ``unnamed.<n>``); the
+rest is one value, ``lightning`` (the dict without its tensors, and each tensor's place), so
+``load_checkpoint`` rebuilds the dict exactly (int keys, lists and tuples included) without a template.
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 import zarrckpt
 
-__all__ = ["ZarrCheckpointIO", "last_checkpoint"]
+__all__ = ["ZarrCheckpointIO", "ZarrModelParallelStrategy", "last_checkpoint"]
 
 _SEGMENT = re.compile(r"^(?!__)[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$")  # dotted names ("layer.weight") too
 Path = list[Any]  # dict keys and list indices from the checkpoint's root to a tensor
@@ -47,22 +52,12 @@ class ZarrCheckpointIO(CheckpointIO):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Save ``checkpoint`` at ``path``, replacing a checkpoint already there (as Lightning does
-        with ``last.ckpt``: the old one is deleted first, so a save that fails loses both)."""
-        tensors: dict[str, torch.Tensor] = {}
-        places: list[tuple[Path, str]] = []
-        skeleton = _split(checkpoint, [], tensors, places)
-        _unclash(tensors, places)
-        state: dict[str, Any] = {"lightning": (skeleton, places)}  # a tuple: one value, not flattened
-        for key, tensor in tensors.items():  # "tensors.<its path>" or "unnamed.<n>"
-            space, _, name = key.partition(".")
-            state.setdefault(space, {})[name] = tensor
-        zarrckpt.save(
-            state,
-            str(path),
-            storage_options=storage_options if storage_options is not None else self.storage_options,
-            overwrite=True,
-            allow_pickle=self.allow_pickle,
-        )
+        with ``last.ckpt``: the old one is deleted first, so a save that fails loses both).
+
+        Lightning calls it on one rank (rank 0 under DDP): this process saves alone, never waiting
+        for the other ranks of a process group."""
+        options = storage_options if storage_options is not None else self.storage_options
+        _save(checkpoint, str(path), options, self.allow_pickle, _this_process_alone())
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
@@ -74,27 +69,174 @@ class ZarrCheckpointIO(CheckpointIO):
         Raises:
             FileNotFoundError: nothing is stored at ``path`` (Lightning's contract).
         """
-        url = str(path)
-        try:
-            ckpt = zarrckpt.open(url, storage_options=self.storage_options)
-        except zarrckpt.CheckpointNotFoundError as e:
-            raise FileNotFoundError(f"Checkpoint file not found: {url} ({e})") from e
-        target: dict[str, Any] = {"lightning": None}
-        for key in ckpt.keys():  # noqa: SIM118 (a list)
-            space, _, name = key.partition(".")
-            target.setdefault(space, {})[name] = torch.empty(ckpt[key].shape, dtype=ckpt[key].dtype)
-        zarrckpt.load(target, url, storage_options=self.storage_options, allow_pickle=self.allow_pickle)
-        skeleton, places = target.pop("lightning")
-        move = _mover(map_location)
-        placed = {f"{space}.{name}": move(t) for space, named in target.items() for name, t in named.items()}
-        rebuilt: dict[str, Any] = _join(skeleton, {tuple(p): key for p, key in places}, placed, [])
-        return rebuilt
+        return _load(str(path), self.storage_options, self.allow_pickle, _this_process_alone(), {}, map_location)
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the checkpoint at ``path`` (no checkpoint there: nothing to do, as Lightning expects)."""
         parent, _, name = str(path).rstrip("/").rpartition("/")
         if name in zarrckpt.list_checkpoints(parent or ".", storage_options=self.storage_options):
             zarrckpt.delete(str(path), storage_options=self.storage_options)
+
+
+class ZarrModelParallelStrategy(ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` (FSDP2 and tensor parallelism over a device mesh; it runs
+    on CPUs with gloo too) saving through zarrckpt: every rank writes its own shards of the model
+    and optimizer states, straight to a local path or any fsspec URL, into one checkpoint that any
+    number of ranks loads (``Trainer(devices=M)`` resuming a run saved on N). Lightning's own
+    strategy bypasses the ``CheckpointIO``, so this is a strategy, not a plug-in.
+
+    The bookkeeping (loops, callbacks, schedulers, hyper-parameters) is rank 0's, as Lightning's own
+    sharded checkpoints keep it.
+
+    Args:
+        data_parallel_size, tensor_parallel_size, ...: as ``ModelParallelStrategy``
+            (``save_distributed_checkpoint=False`` is refused: a zarrckpt checkpoint is always
+            written in shards and read in any layout).
+        storage_options: passed to fsspec (credentials, endpoint, ...).
+        allow_pickle: store bookkeeping values of other types pickled (see ``ZarrCheckpointIO``).
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        storage_options: dict[str, Any] | None = None,
+        allow_pickle: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if kwargs.get("save_distributed_checkpoint") is False:
+            raise zarrckpt.ZarrckptError(
+                "ZarrModelParallelStrategy always saves the shards of every rank (any number of ranks loads "
+                "them): leave save_distributed_checkpoint at True, or export a full copy with "
+                "zarrckpt.export_safetensors"
+            )
+        super().__init__(*args, **kwargs)
+        self.storage_options = storage_options
+        self.allow_pickle = allow_pickle
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Every rank saves its shards of ``checkpoint`` at ``filepath`` (rank 0's path), replacing a
+        checkpoint already there, as ``ZarrCheckpointIO`` does."""
+        url = str(self.broadcast(str(filepath)))
+        sharded: dict[str, Any] = {k: checkpoint.pop(k) for k in ("state_dict", "optimizer_states") if k in checkpoint}
+        bookkeeping = self.broadcast(checkpoint)  # rank 0's on every rank: ranks' metrics may differ
+        options = storage_options if storage_options is not None else self.storage_options
+        _save({**bookkeeping, **sharded}, url, options, self.allow_pickle, None)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load the model's and optimizers' shards this rank holds now (whatever the ranks that saved
+        them) into the model and optimizers; returns the rest of the checkpoint for Lightning."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        url = str(self.broadcast(str(checkpoint_path)))
+        assert self.model is not None and self.lightning_module is not None
+        model = get_model_state_dict(self.model)  # DTensors of this layout, filled in place
+        optimizers = [get_optimizer_state_dict(self.model, o) for o in self.optimizers]
+        rest = _load(
+            url, self.storage_options, self.allow_pickle, None, {"state_dict": model, "optimizer_states": optimizers}
+        )
+        strict = self.lightning_module.strict_loading
+        set_model_state_dict(self.model, model, options=StateDictOptions(strict=strict))
+        for optimizer, state, saved in zip(self.optimizers, optimizers, rest.pop("optimizer_states"), strict=True):
+            state["param_groups"] = saved["param_groups"]  # as saved (a scheduler's learning rate)
+            set_optimizer_state_dict(self.model, optimizer, state, options=StateDictOptions(strict=strict))
+        rest.pop("state_dict")
+        return rest
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Delete the checkpoint at ``filepath`` (rank 0; the others wait)."""
+        if self.is_global_zero:
+            ZarrCheckpointIO(self.storage_options).remove_checkpoint(filepath)
+        self.barrier("zarrckpt remove_checkpoint")
+
+
+def _save(
+    checkpoint: dict[str, Any], url: str, options: Any, allow_pickle: bool, group: dist.ProcessGroup | None
+) -> None:
+    """Save a Lightning checkpoint dict: its tensors as arrays named by their place, the rest one value."""
+    tensors: dict[str, torch.Tensor] = {}
+    places: list[tuple[Path, str]] = []
+    skeleton = _split(checkpoint, [], tensors, places)
+    _unclash(tensors, places)
+    state: dict[str, Any] = {"lightning": (skeleton, places)}  # a tuple: one value, not flattened
+    for key, tensor in tensors.items():  # "tensors.<its path>" or "unnamed.<n>"
+        space, _, name = key.partition(".")
+        state.setdefault(space, {})[name] = tensor
+    zarrckpt.save(state, url, storage_options=options, overwrite=True, allow_pickle=allow_pickle, process_group=group)
+
+
+def _load(
+    url: str,
+    options: Any,
+    allow_pickle: bool,
+    group: dist.ProcessGroup | None,
+    into: dict[str, Any],
+    map_location: Any | None = None,
+) -> dict[str, Any]:
+    """The Lightning checkpoint dict saved at ``url``. Tensors whose place is also a tensor's in
+    ``into`` (a DTensor of the model's layout now) are loaded into that one; the others into new
+    CPU tensors, moved as ``map_location`` says."""
+    try:
+        ckpt = zarrckpt.open(url, storage_options=options)
+    except zarrckpt.CheckpointNotFoundError as e:
+        raise FileNotFoundError(f"Checkpoint file not found: {url} ({e})") from e
+    saved = ckpt.metadata.get("lightning")
+    if not (isinstance(saved, tuple) and len(saved) == 2):
+        raise zarrckpt.InvalidCheckpointError(
+            f"{url} is a zarrckpt checkpoint but not one Lightning saved (it has no 'lightning' value)"
+        )
+    target: dict[str, Any] = {"lightning": None}
+    given: set[str] = set()
+    for path, key in saved[1]:
+        space, _, name = key.partition(".")
+        mine = _find(into, path)
+        if mine is None:
+            meta = ckpt[key]
+            mine = torch.empty(meta.shape, dtype=meta.dtype)
+        else:
+            given.add(key)
+        target.setdefault(space, {})[name] = mine
+    zarrckpt.load(target, url, storage_options=options, allow_pickle=allow_pickle, process_group=group)
+    skeleton, places = target.pop("lightning")
+    move = _mover(map_location)
+    placed = {
+        f"{space}.{name}": t if f"{space}.{name}" in given else move(t)
+        for space, named in target.items()
+        for name, t in named.items()
+    }
+    rebuilt: dict[str, Any] = _join(skeleton, {tuple(p): key for p, key in places}, placed, [])
+    return rebuilt
+
+
+def _find(tree: Any, path: Path) -> torch.Tensor | None:
+    """The tensor at ``path`` in a nested dict / list, or None."""
+    for step in path:
+        inside = step in tree if isinstance(tree, dict) else isinstance(tree, list) and 0 <= step < len(tree)
+        if inside:
+            tree = tree[step]
+        else:
+            return None
+    return tree if isinstance(tree, torch.Tensor) else None
+
+
+_solo: dict[int, dist.ProcessGroup] = {}
+
+
+def _this_process_alone() -> dist.ProcessGroup | None:
+    """A process group of this process alone where ``torch.distributed`` runs several (None: there is
+    no group to leave out). Lightning calls ``CheckpointIO`` on rank 0 only; a save over the default
+    group would wait for the other ranks forever. Made once per process, without the other ranks."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    rank = dist.get_rank()
+    if rank not in _solo:
+        _solo[rank] = dist.new_group([rank], backend="gloo", use_local_synchronization=True)
+    return _solo[rank]
 
 
 def last_checkpoint(dirpath: str, *, storage_options: dict[str, Any] | None = None) -> str | None:
