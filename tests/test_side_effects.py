@@ -76,3 +76,22 @@ def test_checkpoint_calls_leave_every_global_generator_alone(
     assert all(torch.equal(got["model"][k], STATE["model"][k]) for k in STATE["model"])
     if proxy is not None:
         assert any(status == 503 for _, _, status in proxy.answered), "no request was retried"
+
+
+def test_deletions_on_gcs_never_take_gcsfs_batch_delete(gcs_server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gcsfs's batch delete retries the objects a batch answer refuses after a sleep drawn from
+    Python's global random generator (a local ``import random`` in ``GCSFileSystem._rm_files``, out of
+    reach of zarrckpt's isolation of the clients' randomness), so zarrckpt deletes on gs:// one object
+    per request (retried by gcsfs's isolated retry and zarrckpt's own): overwrite, delete, gc."""
+    from gcsfs.core import GCSFileSystem
+
+    async def refuse(self: Any, paths: Any) -> Any:
+        raise AssertionError("gcsfs's batch delete was called")
+
+    monkeypatch.setattr(GCSFileSystem, "_rm_files", refuse)
+    monkeypatch.setattr(GCSFileSystem, "on_google", True)  # gcsfs batches deletes only there, not on emulators
+    opts, root = gcs_storage_options(gcs_server), unique_url("gs")
+    zarrckpt.save(STATE, f"{root}/a", storage_options=opts)
+    zarrckpt.save(STATE, f"{root}/a", storage_options=opts, overwrite=True)
+    zarrckpt.delete(f"{root}/a", storage_options=opts)
+    assert zarrckpt.list_checkpoints(root, storage_options=opts) == {}

@@ -305,9 +305,13 @@ class Storage:
         marker written first can say what the prefix is until the very end.
         """
         kept = {self._abs(k) for k in keep}
-        if keep:
+        if keep or self.client == "gcsfs":
             doomed = sorted(self._objects() - kept)
-            if doomed:
+            if doomed and self.client == "gcsfs":  # gcsfs's batch delete retries with jitter from
+                # Python's global random generator (a local `import random` in GCSFileSystem._rm_files),
+                # which a run's data order may depend on: one DELETE per object, retried here instead
+                self.run_all(lambda full: self.delete(full[len(self.root) :].lstrip("/")), doomed, writing=True)
+            elif doomed:
                 with contextlib.suppress(FileNotFoundError):
                     self._request("deleting", "", lambda: self.fs.rm(doomed))
             self.prune()
