@@ -148,3 +148,40 @@ def test_a_running_save_keeps_its_marker_fresh(tmp_path: Path, monkeypatch: pyte
         zarrckpt.save(_state(2.0), url)
     first.result(timeout=60)
     assert slowed and _loads(url, 1.0)
+
+
+@pytest.mark.parametrize("writer", ["same", "new"])
+def test_a_failed_dcp_save_leaves_no_live_heartbeat(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str
+) -> None:
+    """A ``dcp.save`` through ``ZarrWriter`` that fails after the prepare (a shard write refused):
+    DCP tells the writer nothing, yet the save is abandoned (its heartbeat stopped) when the writer
+    is reset for the next save or collected, so the next save to the same place takes it over at
+    once; before, the heartbeat beat on until the process exited and every later save was refused
+    as "in progress"."""
+    import gc
+
+    import torch.distributed.checkpoint as dcp
+
+    url = tmp_path / "ck"
+    real = Storage.write
+
+    def refuse(self: Storage, path: str, parts: Any, **kwargs: Any) -> None:
+        if "/c/" in path:
+            raise zarrckpt.StorageError(f"writing {path} refused (injected)")
+        real(self, path, parts, **kwargs)
+
+    monkeypatch.setattr(Storage, "write", refuse)
+    first = zarrckpt.ZarrWriter(url)
+    with pytest.raises(dcp.api.CheckpointException) as failed:
+        dcp.save(_state(1.0), storage_writer=first, no_dist=True)
+    assert "injected" in str(failed.value.failures)
+    del failed  # (its traceback holds the writer)
+    monkeypatch.setattr(Storage, "write", real)
+    assert markers._Heartbeat._running, "the failed save's heartbeat is expected to beat until abandoned"
+    if writer == "new":
+        del first
+        gc.collect()
+        assert not markers._Heartbeat._running
+    dcp.save(_state(2.0), storage_writer=first if writer == "same" else zarrckpt.ZarrWriter(url), no_dist=True)
+    assert not markers._Heartbeat._running and _loads(url, 2.0)

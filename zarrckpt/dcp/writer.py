@@ -10,6 +10,7 @@ through the planner's hooks as the ``torch.save`` bytes DCP uses in memory
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -33,6 +34,7 @@ from torch.futures import Future
 
 from zarrckpt.engine import commit as protocol
 from zarrckpt.engine.dist import Group
+from zarrckpt.engine.markers import abandon
 from zarrckpt.engine.writer import committed_manifest, write_metadata, write_rank
 from zarrckpt.errors import InvalidKeyError, ZarrckptError
 from zarrckpt.format import dtypes, integrity, pickling, values
@@ -77,8 +79,10 @@ class ZarrWriter(StorageWriter):
         self.chunk_bytes = chunk_bytes
         self.allow_pickle = allow_pickle
         self._save_id = ""
+        self._unfinished: weakref.finalize[Any, Any] | None = None  # abandons a prepared save not committed
 
     def reset(self, checkpoint_id: URL | None = None) -> None:
+        self._abandon_unfinished()
         if checkpoint_id is not None:
             self.storage = Storage(checkpoint_id, self.storage_options)
         self._save_id = ""
@@ -88,7 +92,14 @@ class ZarrWriter(StorageWriter):
         """True for a URL fsspec can open."""
         return _opens(checkpoint_id)
 
+    def _abandon_unfinished(self) -> None:
+        """A save of this writer failed after its prepare (DCP says nothing of it): abandon it now."""
+        if self._unfinished is not None:
+            self._unfinished()
+            self._unfinished = None
+
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._abandon_unfinished()  # (DCP resets a writer only when given a checkpoint_id)
         if kwargs.get("use_collectives") is False and Group().size > 1:
             raise ZarrckptError(
                 "ZarrWriter needs use_collectives=True with several ranks: one rank prepares and commits "
@@ -111,6 +122,10 @@ class ZarrWriter(StorageWriter):
         zplan = build_save_plan([_parts(plan, _meta_tensor)[0].describe() for plan in plans], self.chunk_bytes)
         check_names(list(zplan.arrays.values()), self.storage.name_limits, self.storage.url)
         self._save_id = protocol.prepare(self.storage, self.overwrite)
+        # DCP tells a writer nothing when a save fails after this: the save is abandoned (its
+        # heartbeat stopped, so that the next save may take it over) at the next reset, or when
+        # the writer is collected, unless finish commits it
+        self._unfinished = weakref.finalize(self, abandon, self.storage, self._save_id)
         return [dataclasses.replace(p, storage_data=(zplan, rank)) for rank, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -194,6 +209,9 @@ class ZarrWriter(StorageWriter):
             self._save_id, arrays, values_, len(results), crcs, library=library_name() + " (dcp)", dcp=dcp
         )
         protocol.commit(self.storage, manifest)
+        if self._unfinished is not None:
+            self._unfinished.detach()
+            self._unfinished = None
 
 
 def _properties(props: TensorProperties) -> dict[str, Any]:
