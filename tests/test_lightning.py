@@ -22,7 +22,7 @@ L = pytest.importorskip("lightning")  # `pip install zarrckpt[lightning]` (make 
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.plugins.io import TorchCheckpointIO  # noqa: E402
 
-from zarrckpt.integrations.lightning import ZarrCheckpointIO, last_checkpoint  # noqa: E402
+from zarrckpt.integrations.lightning import ZarrCheckpointIO, ZarrModelCheckpoint, last_checkpoint  # noqa: E402
 from zarrckpt.testing import free_port  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore")  # Lightning's tips and its CPU-only notes
@@ -157,6 +157,53 @@ def test_on_s3(s3_url: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPat
     got, ckpt = _fit_and_resume(url, ZarrCheckpointIO(options))
     assert ckpt["global_step"] == 6 and torch.equal(ckpt["state_dict"]["layer.weight"], got.layer.weight.detach())
     assert last_checkpoint(f"{url}/ckpts", storage_options=options) == f"{url}/ckpts/last.ckpt"
+
+
+class Counting(Regression):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trained = 0
+
+    def training_step(self, batch: Any, index: int) -> torch.Tensor:
+        self.trained += 1
+        return super().training_step(batch, index)
+
+
+def test_ckpt_path_last_on_s3_with_zarr_model_checkpoint(
+    s3_url: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``fit(ckpt_path="last")`` on an ``s3://`` root: Lightning's own ``ModelCheckpoint`` finds no last
+    checkpoint there (an object store gives a prefix no modification time) and trains from scratch;
+    ``ZarrModelCheckpoint`` finds the newest committed ``last.ckpt`` and the fit resumes from it."""
+    url, options = s3_url
+    for name, value in (("ENDPOINT_URL", "endpoint_url"), ("ACCESS_KEY_ID", "key"), ("SECRET_ACCESS_KEY", "secret")):
+        monkeypatch.setenv(f"AWS_{name}", options[value])
+
+    def fit(steps: int, callback: type[ModelCheckpoint], **extra: Any) -> tuple[Any, Counting]:
+        trainer = L.Trainer(
+            max_steps=steps,
+            default_root_dir=url,
+            plugins=[ZarrCheckpointIO(options)],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[callback(dirpath=f"{url}/ckpts", save_last=True, every_n_train_steps=2, **extra)],
+        )
+        model = Counting()
+        trainer.fit(model, _data(), ckpt_path="last")
+        return trainer, model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first, model = fit(4, ZarrModelCheckpoint, storage_options=options)  # nothing to resume yet
+        assert model.trained == 4 and first.ckpt_path is None
+        plain, model = fit(6, ModelCheckpoint)
+        assert plain.ckpt_path is None and model.trained == 6, "Lightning's own lookup found it after all"
+        resumed, model = fit(8, ZarrModelCheckpoint, storage_options=options)
+    # the plain run, seeing last.ckpt as taken, saved last-v1.ckpt (step 6): the newest, so the one resumed
+    assert resumed.ckpt_path == f"{url}/ckpts/last-v1.ckpt/zarr.json" and model.trained == 2
+    newest = last_checkpoint(f"{url}/ckpts", storage_options=options)
+    assert resumed.global_step == 8 and ZarrCheckpointIO(options).load_checkpoint(newest)["global_step"] == 8
 
 
 @pytest.mark.slow

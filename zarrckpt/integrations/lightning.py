@@ -24,11 +24,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 import zarrckpt
 
-__all__ = ["ZarrCheckpointIO", "ZarrModelParallelStrategy", "last_checkpoint"]
+__all__ = ["ZarrCheckpointIO", "ZarrModelCheckpoint", "ZarrModelParallelStrategy", "last_checkpoint"]
+ROOT_DOCUMENT = "zarr.json"  # a checkpoint's root document, written by its commit (docs/FORMAT.md)
 
 _SEGMENT = re.compile(r"^(?!__)[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$")  # dotted names ("layer.weight") too
 Path = list[Any]  # dict keys and list indices from the checkpoint's root to a tensor
@@ -155,6 +157,36 @@ class ZarrModelParallelStrategy(ModelParallelStrategy):
         self.barrier("zarrckpt remove_checkpoint")
 
 
+class ZarrModelCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` with which ``fit(..., ckpt_path="last")`` finds the newest committed
+    ``last*.ckpt`` on any store. Lightning's own lookup lists the directory through fsspec and
+    compares the entries' modification times, which an object store gives no prefix: on ``s3://`` /
+    ``gs://`` it finds nothing, warns and trains from scratch. This one names each committed last
+    checkpoint by its root document (``.../last.ckpt/zarr.json``, written when the save committed),
+    which ``ZarrCheckpointIO`` and ``ZarrModelParallelStrategy`` load as the checkpoint.
+
+    Args:
+        storage_options: for listing the checkpoints (as given to ``ZarrCheckpointIO``); Lightning
+            reads the modification times with the environment's credentials.
+        *args, **kwargs: as ``ModelCheckpoint``.
+    """
+
+    def __init__(self, *args: Any, storage_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.storage_options = storage_options
+
+    def _find_last_checkpoints(self, trainer: Any) -> set[str]:
+        if self.dirpath is None:
+            return set()
+        root = str(self.dirpath).rstrip("/")
+        found = zarrckpt.list_checkpoints(root, storage_options=self.storage_options)
+        last = [name for name, state in found.items() if state == "committed" and _LAST.match(name)]
+        return {f"{root}/{name}/{ROOT_DOCUMENT}" for name in last}
+
+
+_LAST = re.compile(r"^last(-v?\d+)?\.ckpt$")
+
+
 def _save(
     checkpoint: dict[str, Any], url: str, options: Any, allow_pickle: bool, group: dist.ProcessGroup | None
 ) -> None:
@@ -181,6 +213,7 @@ def _load(
     """The Lightning checkpoint dict saved at ``url``. Tensors whose place is also a tensor's in
     ``into`` (a DTensor of the model's layout now) are loaded into that one; the others into new
     CPU tensors, moved as ``map_location`` says."""
+    url = url.rstrip("/").removesuffix(f"/{ROOT_DOCUMENT}")  # a checkpoint named by its root document
     try:
         ckpt = zarrckpt.open(url, storage_options=options)
     except zarrckpt.CheckpointNotFoundError as e:
@@ -247,7 +280,7 @@ def last_checkpoint(dirpath: str, *, storage_options: dict[str, Any] | None = No
     found = [
         (name, state)
         for name, state in zarrckpt.list_checkpoints(root, storage_options=storage_options).items()
-        if state == "committed" and re.match(r"^last(-v?\d+)?\.ckpt$", name)
+        if state == "committed" and _LAST.match(name)
     ]
     if not found:
         return None
