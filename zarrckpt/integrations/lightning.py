@@ -4,7 +4,8 @@ checkpoint as a zarrckpt checkpoint (``pip install zarrckpt[lightning]``).
 
 ``ZarrCheckpointIO`` serves the strategies that hand the whole checkpoint to their ``CheckpointIO`` on
 rank 0; ``ZarrModelParallelStrategy`` is Lightning's ``ModelParallelStrategy`` whose every rank writes
-its own shards of the model and optimizer states, and which loads on any number of ranks.
+its own shards of the model and optimizer states, and which loads on any number of ranks;
+``ZarrModelCheckpoint`` makes ``fit(ckpt_path="last")`` find the newest committed one on object stores.
 
 A Lightning checkpoint is a nested dict of tensors (the model's ``state_dict``, the optimizers'
 states) and bookkeeping (loops, callbacks, schedulers, hyper-parameters), whose keys can be anything
