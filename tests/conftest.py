@@ -81,6 +81,19 @@ SERVERS = {"s3", "s3_server", "gcs_server", "rgw_server"}
 SERVER_IDS = {"s3", "gcs", "rgw", "moto"}  # parameter ids of tests that start a server themselves
 
 
+@pytest.fixture(autouse=True)
+def _no_heartbeat_outlives_its_test():
+    """Stop the heartbeats a test started and left beating (a save prepared by hand to stand for one
+    that died, a save that failed on purpose): they would write markers for the rest of the worker
+    process and show up in later tests' request logs and heartbeat checks."""
+    from zarrckpt.engine import markers
+
+    before = set(markers._Heartbeat._running)
+    yield
+    for url, name, save_id in set(markers._Heartbeat._running) - before:
+        markers._Heartbeat.stop(url, save_id, name)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test on a server (moto, the GCS emulator, Ceph RGW) is ``slow``, like the multi-process
     ones (marked where they are defined): ``make test-fast`` leaves them out, ``make test`` runs all."""
