@@ -18,14 +18,12 @@ own ``save_state`` / ``load_state`` (DCP's ``FileSystemWriter``) run as they wou
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from docexamples import run_example
 
 import zarrckpt
 from zarrckpt.testing import spawn
@@ -427,13 +425,6 @@ def test_on_s3(s3_url: tuple[str, dict[str, Any]], alone: Any) -> None:
 @pytest.mark.slow
 def test_the_documented_example_runs_as_a_script(tmp_path: Path) -> None:
     """docs/integrations-accelerate.md's example, as a script: 2 processes save, 1 resumes."""
-    page = (Path(__file__).resolve().parent.parent / "docs" / "integrations-accelerate.md").read_text()
-    (code,) = [b for b in re.findall(r"^```python\n(.*?)^```$", page, re.S | re.M) if "accelerate-example" in b]
-    (tmp_path / "example.py").write_text(code)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    done = subprocess.run(
-        [sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_example("integrations-accelerate.md", "accelerate-example", tmp_path)
     assert "resumed at step 6: saved by 2 processes, loaded by 1, trained to 12" in done.stdout, done.stdout[-2000:]
     assert zarrckpt.committed_steps(tmp_path / "runs" / "checkpoints") == [4, 5]  # iterations 0..5, total_limit 2

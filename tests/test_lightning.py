@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from docexamples import run_example
 
 import zarrckpt
 
@@ -209,15 +210,7 @@ def test_ckpt_path_last_on_s3_with_zarr_model_checkpoint(
 @pytest.mark.slow
 def test_the_documented_example_runs_as_a_script(tmp_path: Path) -> None:
     """docs/integrations.md's example, as a script: fit 4 steps, resume from last.ckpt, train to 6."""
-    import re
-    import subprocess
-    import sys
-
-    page = (Path(__file__).resolve().parent.parent / "docs" / "integrations.md").read_text()
-    (code,) = [b for b in re.findall(r"^```python\n(.*?)^```$", page, re.S | re.M) if "lightning-example" in b]
-    (tmp_path / "example.py").write_text(code)
-    done = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_example("integrations.md", "lightning-example", tmp_path)
     assert done.stdout.strip().endswith("resumed at step 4, trained to 6"), done.stdout[-2000:]
     assert zarrckpt.list_checkpoints(tmp_path / "runs" / "ckpts")["last.ckpt"] == "committed"
 

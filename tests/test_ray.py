@@ -9,16 +9,13 @@ is there run against Ray's API with the worker's context stood in for; bad input
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from docexamples import example, run_example
 
 import zarrckpt
 
@@ -38,9 +35,7 @@ FAST_RAY = {  # Ray Train's controller polls its workers every 2 s by default, a
 
 
 def example_code() -> str:
-    page = (ROOT / "docs" / "integrations-ray.md").read_text()
-    (code,) = [b for b in re.findall(r"^```python\n(.*?)^```$", page, re.S | re.M) if "ray-example" in b]
-    return code
+    return example("integrations-ray.md", "ray-example")
 
 
 def tensors_equal(a: zarrckpt.Checkpoint, b: zarrckpt.Checkpoint) -> None:
@@ -71,22 +66,16 @@ def uninterrupted(code: str, steps: int, url: Path) -> None:
 
 @pytest.mark.slow
 def test_the_documented_example_runs_as_a_script(tmp_path: Path) -> None:
-    code = example_code()
-    (tmp_path / "example.py").write_text(code)
     run = tmp_path / "ray_results" / "demo"
     zarrckpt.save({"step": -1, "stale": torch.ones(3)}, run / "step_0000000006")  # committed, never reported
-    env = {**os.environ, **FAST_RAY}
-    done = subprocess.run(
-        [sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True, timeout=280, env=env
-    )
-    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-5000:])
+    done = run_example("integrations-ray.md", "ray-example", tmp_path, timeout=280, env=FAST_RAY)
     assert f"checkpoint: {run / 'step_0000000006'}" in done.stdout, done.stdout[-2000:]
     # Ray kept its last 2 (num_to_keep=2): step 2 deleted once step 6 was registered, across the restart
     assert zarrckpt.list_checkpoints(run) == dict.fromkeys(["step_0000000004", "step_0000000006"], "committed")
     resumed = zarrckpt.open(run / "step_0000000006")
     assert resumed.saved_world_size == 1 and "stale" not in resumed  # the leftover was replaced
     assert zarrckpt.open(run / "step_0000000004").saved_world_size == 2
-    uninterrupted(code, 6, tmp_path / "uninterrupted")
+    uninterrupted(example_code(), 6, tmp_path / "uninterrupted")
     reference = zarrckpt.open(tmp_path / "uninterrupted")
     tensors_equal(reference, resumed)
     for kind in ("weight", "bias"):  # weights, both Adam moments and the per-parameter step counters

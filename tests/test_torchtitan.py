@@ -18,14 +18,12 @@ size can be compared bit for bit with the run it continues.
 from __future__ import annotations
 
 import json
-import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from docexamples import run_example
 
 import zarrckpt
 
@@ -414,11 +412,7 @@ def test_on_s3(s3_url: tuple[str, dict[str, Any]]) -> None:
 @pytest.mark.slow
 def test_the_documented_example_runs_as_a_script(tmp_path: Path) -> None:
     """docs/integrations-torchtitan.md's example, as a script."""
-    page = (Path(__file__).resolve().parent.parent / "docs" / "integrations-torchtitan.md").read_text()
-    (code,) = [b for b in re.findall(r"^```python\n(.*?)^```$", page, re.S | re.M) if "torchtitan-example" in b]
-    (tmp_path / "example.py").write_text(code)
-    done = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_example("integrations-torchtitan.md", "torchtitan-example", tmp_path)
     assert done.stdout.strip().splitlines()[-1] == "resumed at step 4 on 1 rank, trained to 6", done.stdout[-2000:]
     assert json.dumps(zarrckpt.list_checkpoints(tmp_path / "outputs" / "checkpoint"), sort_keys=True) == json.dumps(
         {"step-4": "committed", "step-6": "committed"}
