@@ -98,9 +98,12 @@ def same(a: Any, b: Any, roots: tuple[str, str] = ("", ""), where: str = "") -> 
 
 
 @pytest.mark.slow
-def test_fit_save_resume_like_torch_checkpoint_io(tmp_path: Path) -> None:
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
+def test_fit_save_resume_like_torch_checkpoint_io(tmp_path: Path, background: bool) -> None:
+    """The same fit, save, resume through Lightning's ``TorchCheckpointIO`` and through zarrckpt (saving
+    in the background too: its removals wait for its saves, so top-k keeps exactly what Lightning keeps)."""
     want, want_ckpt = _fit_and_resume(str(tmp_path / "torch"), TorchCheckpointIO())
-    got, got_ckpt = _fit_and_resume(str(tmp_path / "zarr"), ZarrCheckpointIO())
+    got, got_ckpt = _fit_and_resume(str(tmp_path / "zarr"), ZarrCheckpointIO(async_save=background))
     assert torch.equal(want.layer.weight, got.layer.weight) and torch.equal(want.layer.bias, got.layer.bias)
     same(want_ckpt, got_ckpt, (str(tmp_path / "torch"), str(tmp_path / "zarr")))
     assert got_ckpt["global_step"] == 6 and isinstance(got_ckpt["optimizer_states"], list)

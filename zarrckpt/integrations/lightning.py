@@ -46,12 +46,21 @@ class ZarrCheckpointIO(CheckpointIO):
             storage_options=...)`` overrides them for one save.
         allow_pickle: store bookkeeping values of other types (your own classes in
             ``hyper_parameters``) pickled; loading them then runs code from the checkpoint.
+        async_save: return once the tensors are copied to host memory and write them in the
+            background (:func:`zarrckpt.async_save`); the next save, a load, a removal and the end
+            of the fit wait for it, and a failed save raises there. Use it rather than wrapping
+            this plug-in in Lightning's ``AsyncCheckpointIO``, whose removals do not wait for its
+            own saves (``ModelCheckpoint``'s top-k then keeps checkpoints it meant to delete).
     """
 
-    def __init__(self, storage_options: dict[str, Any] | None = None, *, allow_pickle: bool = False) -> None:
+    def __init__(
+        self, storage_options: dict[str, Any] | None = None, *, allow_pickle: bool = False, async_save: bool = False
+    ) -> None:
         super().__init__()
         self.storage_options = storage_options
         self.allow_pickle = allow_pickle
+        self.async_save = async_save
+        self._pending: zarrckpt.AsyncSave | None = None
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Save ``checkpoint`` at ``path``, replacing a checkpoint already there (as Lightning does
@@ -60,7 +69,18 @@ class ZarrCheckpointIO(CheckpointIO):
         Lightning calls it on one rank (rank 0 under DDP): this process saves alone, never waiting
         for the other ranks of a process group."""
         options = storage_options if storage_options is not None else self.storage_options
-        _save(checkpoint, str(path), options, self.allow_pickle, _this_process_alone())
+        self._wait()
+        self._pending = _save(checkpoint, str(path), options, self.allow_pickle, _this_process_alone(), self.async_save)
+
+    def _wait(self) -> None:
+        """Wait for the save in the background, if any (raising its failure)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def teardown(self) -> None:
+        """The end of a fit: wait for the last save."""
+        self._wait()
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
@@ -72,10 +92,12 @@ class ZarrCheckpointIO(CheckpointIO):
         Raises:
             FileNotFoundError: nothing is stored at ``path`` (Lightning's contract).
         """
+        self._wait()
         return _load(str(path), self.storage_options, self.allow_pickle, _this_process_alone(), {}, map_location)
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the checkpoint at ``path`` (no checkpoint there: nothing to do, as Lightning expects)."""
+        self._wait()
         parent, _, name = str(path).rstrip("/").rpartition("/")
         if name in zarrckpt.list_checkpoints(parent or ".", storage_options=self.storage_options):
             zarrckpt.delete(str(path), storage_options=self.storage_options)
@@ -189,9 +211,15 @@ _LAST = re.compile(r"^last(-v?\d+)?\.ckpt$")
 
 
 def _save(
-    checkpoint: dict[str, Any], url: str, options: Any, allow_pickle: bool, group: dist.ProcessGroup | None
-) -> None:
-    """Save a Lightning checkpoint dict: its tensors as arrays named by their place, the rest one value."""
+    checkpoint: dict[str, Any],
+    url: str,
+    options: Any,
+    allow_pickle: bool,
+    group: dist.ProcessGroup | None,
+    background: bool = False,
+) -> zarrckpt.AsyncSave | None:
+    """Save a Lightning checkpoint dict: its tensors as arrays named by their place, the rest one
+    value (in the ``background``: the save in flight, its tensors already copied)."""
     tensors: dict[str, torch.Tensor] = {}
     places: list[tuple[Path, str]] = []
     skeleton = _split(checkpoint, [], tensors, places)
@@ -200,7 +228,11 @@ def _save(
     for key, tensor in tensors.items():  # "tensors.<its path>" or "unnamed.<n>"
         space, _, name = key.partition(".")
         state.setdefault(space, {})[name] = tensor
-    zarrckpt.save(state, url, storage_options=options, overwrite=True, allow_pickle=allow_pickle, process_group=group)
+    how = {"storage_options": options, "overwrite": True, "allow_pickle": allow_pickle, "process_group": group}
+    if background:
+        return zarrckpt.async_save(state, url, **how)
+    zarrckpt.save(state, url, **how)
+    return None
 
 
 def _load(
