@@ -324,3 +324,11 @@ def test_fill_values_round_as_numpy_does(value: float, name: str) -> None:
         assert fill.from_json(name, fill.to_json(name, expected)) == expected
     else:  # only NaNs other than the type's canonical one cannot be constants
         assert np.isnan(np.frombuffer(expected, dtype=fill.value_dtype(name))[0])
+
+
+def test_a_fill_value_beyond_float64_is_no_value() -> None:
+    """A JSON integer too large for a float64 (crafted metadata) is no fill value of a float type:
+    None, which the manifest's parser turns into InvalidCheckpointError (it raised OverflowError)."""
+    for name in ("float16", "float32", "float64", "bfloat16", "complex64"):
+        value: object = [10**400, 0] if name == "complex64" else 10**400
+        assert fill.from_json(name, value) is None
