@@ -275,3 +275,31 @@ def test_ddp_saves_from_rank_0_alone(tmp_path: Path) -> None:
     assert report["global_step"] == 4 and ckpt.metadata["lightning"][0]["global_step"] == 4
     for name, tensor in report["state"]["model"].items():
         assert torch.equal(tensor, ckpt[f"tensors.state_dict.{name}"][...]), name
+
+
+def test_a_background_save_is_committed_or_raises_when_fit_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``async_save=True``: the end of the fit (Lightning's teardown of the plug-in) waits for the last
+    save, so the checkpoint is committed when ``fit`` returns; a background save that fails makes
+    the fit raise instead of ending as if it had saved."""
+    from zarrckpt.storage.store import Storage
+
+    io = ZarrCheckpointIO(async_save=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _trainer(str(tmp_path / "ok"), io, 2).fit(Regression(), _data())
+    assert io._pending is None
+    assert zarrckpt.list_checkpoints(tmp_path / "ok" / "ckpts")["last.ckpt"] == "committed"
+
+    real = Storage.write
+
+    def refuse(self: Storage, path: str, parts: Any, **kwargs: Any) -> None:
+        if "/c/" in path:
+            raise zarrckpt.StorageError(f"writing {path} refused (injected)")
+        real(self, path, parts, **kwargs)
+
+    monkeypatch.setattr(Storage, "write", refuse)
+    with warnings.catch_warnings(), pytest.raises(zarrckpt.ZarrckptError, match="injected"):
+        warnings.simplefilter("ignore")
+        _trainer(str(tmp_path / "failing"), ZarrCheckpointIO(async_save=True), 2).fit(Regression(), _data())
