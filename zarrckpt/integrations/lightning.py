@@ -290,19 +290,21 @@ def _find(tree: Any, path: Path) -> torch.Tensor | None:
     return tree if isinstance(tree, torch.Tensor) else None
 
 
-_solo: dict[int, dist.ProcessGroup] = {}
+_solo: list[Any] = [None, None]  # [the default group it was made in, the group of this process alone]
 
 
 def _this_process_alone() -> dist.ProcessGroup | None:
     """A process group of this process alone where ``torch.distributed`` runs several (None: there is
     no group to leave out). Lightning calls ``CheckpointIO`` on rank 0 only; a save over the default
-    group would wait for the other ranks forever. Made once per process, without the other ranks."""
+    group would wait for the other ranks forever. Made without the other ranks, once per default
+    group (again after the default group is destroyed and made anew)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
-    rank = dist.get_rank()
-    if rank not in _solo:
-        _solo[rank] = dist.new_group([rank], backend="gloo", use_local_synchronization=True)
-    return _solo[rank]
+    world = dist.group.WORLD
+    if _solo[0] is not world:
+        _solo[:] = [world, dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)]
+    group: dist.ProcessGroup = _solo[1]
+    return group
 
 
 def last_checkpoint(dirpath: str, *, storage_options: dict[str, Any] | None = None) -> str | None:
