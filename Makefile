@@ -42,6 +42,7 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 bench: $(STAMP)
+	$(BIN)/pip install -q -e '.[bench]' torch==2.13.0  # s3torchconnector: a baseline of the S3 rows
 	$(BIN)/python benchmarks/run.py --out benchmarks/results/latest.md
 
 clean:

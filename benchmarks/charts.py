@@ -11,7 +11,15 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from tables import GB, LIB_NAMES, MIB, Target, median
 
-COLORS = {"zarrckpt": "#1f77b4", "dcp": "#ff7f0e", "tensorstore": "#2ca02c", "raw": "#7f7f7f", "raw8": "#bcbd22"}
+COLORS = {
+    "zarrckpt": "#1f77b4",
+    "dcp": "#ff7f0e",
+    "s3tc": "#9467bd",
+    "tensorstore": "#2ca02c",
+    "raw": "#7f7f7f",
+    "raw8": "#bcbd22",
+}
+WIDTH = 0.13  # one bar per library in COLORS, centred on its group
 
 
 def throughput(runs: list[dict[str, Any]], info: dict[str, Any], path: Path) -> bool:
@@ -29,13 +37,13 @@ def throughput(runs: list[dict[str, Any]], info: dict[str, Any], path: Path) -> 
     if not groups:
         return False
     fig, ax = plt.subplots(figsize=(11, 4.5))
-    width = 0.16
+    width = WIDTH
     for i, lib in enumerate(libs):
         xs, ys = [], []
         for j, (_, op, nbytes) in enumerate(groups):
             s = data[(op, lib)]
             if s:
-                xs.append(j + (i - 2) * width)
+                xs.append(j + (i - (len(libs) - 1) / 2) * width)
                 ys.append(nbytes / s / GB)
         if xs:
             bars = ax.bar(xs, ys, width, label=LIB_NAMES[lib], color=COLORS[lib])
@@ -78,9 +86,13 @@ def memory(runs: list[dict[str, Any]], path: Path) -> bool:
     if not ops:
         return False
     fig, ax = plt.subplots(figsize=(9, 4))
-    width = 0.16
+    width = WIDTH
     for i, lib in enumerate(libs):
-        pts = [(j + (i - 2) * width, data[(op, lib)] / MIB) for j, op in enumerate(ops) if data[(op, lib)] is not None]
+        pts = [
+            (j + (i - (len(libs) - 1) / 2) * width, data[(op, lib)] / MIB)
+            for j, op in enumerate(ops)
+            if data[(op, lib)] is not None
+        ]
         if pts:
             bars = ax.bar([p[0] for p in pts], [p[1] for p in pts], width, label=LIB_NAMES[lib], color=COLORS[lib])
             ax.bar_label(bars, fmt="%.0f", fontsize=7)

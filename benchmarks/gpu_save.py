@@ -43,7 +43,7 @@ import torch  # noqa: E402
 from common import peak_rss_bytes, reset_peak_rss  # noqa: E402
 
 import zarrckpt  # noqa: E402
-from zarrckpt.asyncsave import release_staging  # noqa: E402
+from zarrckpt import release_staging  # noqa: E402
 from zarrckpt.testing import spawn  # noqa: E402
 
 MIB = 2**20

@@ -11,9 +11,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from report_peers import MANY_TITLE, peer_lines, peer_miss_notes, peer_targets, section_many
 from report_s3 import LAZY_TITLE, S3_TITLE, s3_targets, section_lazy, section_s3
 from report_s3 import MISS_NOTES as S3_NOTES
-from tables import LIB_HEADER, LIB_NAMES, MIB, Target, median, ratio
+from tables import LIB_HEADER, LIB_NAMES, MIB, RAW_SHARE, Target, median, ratio, raw_limit
 from tables import fmt as _s
 from tables import lib_rows as _lib_rows
 from tables import table as _table
@@ -24,6 +25,7 @@ SECTIONS = {
     "lazy": (LAZY_TITLE,),
     "async": ("## 5. Async save: time training is blocked",),
     "rss": ("## 6. Peak RSS during save and load",),
+    "many": (MANY_TITLE,),
 }
 
 # Causes of misses found by profiling (cProfile of rank 0, all threads) when the suite was written;
@@ -66,8 +68,8 @@ MISS_NOTES: dict[str, str] = {
     "async save, staging='background', first call: blocked / sync save": _BACKGROUND,
     "async save, staging='background', later calls: blocked / sync save": _BACKGROUND,
     "save, local: zarrckpt speed / DCP": (
-        "not seen at 2 GiB; at small sizes (`--quick`) the save is bound by file creation and collectives "
-        "(zarrckpt writes 334 files, DCP 5)."
+        "the goal is 1.5x since issue 27 (>= 1.5x DCP on every save; it was 1.2x). At small sizes (`--quick`) "
+        "the save is bound by file creation and collectives (zarrckpt writes 334 files, DCP 5)."
     ),
     "save, local: zarrckpt speed / raw write (faster variant)": (
         "not seen at 2 GiB; at small sizes (`--quick`) zarrckpt's 334 file creations dominate."
@@ -88,13 +90,13 @@ def targets(runs: list[dict[str, Any]], lazy: dict[str, Any] | None, info: dict[
         return ratio(m(f"{op}/dcp"), m(f"{op}/zarrckpt"))
 
     sync = m("save/zarrckpt")
-    raw = [t for t in (m("save/raw"), m("save/raw8")) if t is not None]
+    raw = raw_limit(runs, "save")
     amp = ratio(m("reshard/zarrckpt", "rchar"), info["state_bytes"]) if m("reshard/zarrckpt") else None
     return [
-        Target("save, local: zarrckpt speed / DCP", speedup("save"), 1.2, True, "x", "save/zarrckpt"),
+        Target("save, local: zarrckpt speed / DCP", speedup("save"), 1.5, True, "x", "save/zarrckpt"),
         Target(
             "save, local: zarrckpt speed / raw write (faster variant)",
-            ratio(min(raw), sync) if raw else None,
+            ratio(raw, sync),
             0.70,
             True,
             "%",
@@ -135,13 +137,20 @@ def targets(runs: list[dict[str, Any]], lazy: dict[str, Any] | None, info: dict[
             "async_repeat_call/zarrckpt-background",
         ),
         *s3_targets(runs, lazy),
+        *peer_targets(runs, info),
     ]
 
 
 def section_local(runs: list[dict[str, Any]], info: dict[str, Any]) -> list[str]:
     nbytes = info["state_bytes"]
     out = [SECTIONS["local"][0], ""]
-    out += _table(LIB_HEADER, _lib_rows(runs, "save", list(LIB_NAMES), nbytes))
+    raw = raw_limit(runs, "save")
+    header = [*LIB_HEADER, RAW_SHARE] if raw is not None else LIB_HEADER
+    out += _table(header, _lib_rows(runs, "save", ["zarrckpt", "tensorstore", "dcp", "raw", "raw8"], nbytes, raw))
+    if raw is not None:
+        out += ["", f"`{RAW_SHARE}` = the faster raw write's median time / the library's (1 = as fast as raw)."]
+    if "tensorstore" in info.get("peers", {}):
+        out += ["", *peer_lines({"peers": {"tensorstore": info["peers"]["tensorstore"]}}, "sections 1 and 2")]
     files = next((r["files"] for r in reversed(runs) if "files" in r), {})
     if files:
         out += ["", "Files written: " + ", ".join(f"{k} {v[0]} ({v[1]:,} bytes)" for k, v in files.items()) + "."]
@@ -153,8 +162,12 @@ def section_local(runs: list[dict[str, Any]], info: dict[str, Any]) -> list[str]
             f"shard {big['shard']}, inner chunk {big['chunk']}."
         )
     out += ["", SECTIONS["local"][1], ""]
-    out += _table(LIB_HEADER, _lib_rows(runs, "reshard", ["zarrckpt", "dcp"], nbytes))
+    out += _table(LIB_HEADER, _lib_rows(runs, "reshard", ["zarrckpt", "dcp", "tensorstore"], nbytes))
     out += [
+        "",
+        "TensorStore reads the arrays its save in section 1 wrote (zarrckpt's shard / chunk shapes): each of the "
+        "3 ranks opens every array and copies its own rows straight into its target shard (a `ts.array` view of "
+        "the tensor's memory); no raw read baseline.",
         "",
         "Read amplification = bytes the 3 ranks read from storage / bytes their target shards need "
         f"({nbytes:,}); bytes read = sum over ranks of the `rchar` delta of `/proc/self/io` (bytes passed to "
@@ -163,7 +176,7 @@ def section_local(runs: list[dict[str, Any]], info: dict[str, Any]) -> list[str]
         "",
     ]
     rows = []
-    for lib in ("zarrckpt", "dcp"):
+    for lib in ("zarrckpt", "dcp", "tensorstore"):
         rchar = median(runs, f"reshard/{lib}", "rchar")
         if rchar is not None:
             disk = median(runs, f"reshard/{lib}", "read_bytes") or 0
@@ -227,6 +240,7 @@ def section_rss(runs: list[dict[str, Any]], info: dict[str, Any]) -> list[str]:
         "rgw_reshard",
         "async_first_call",
         "async_repeat_call",
+        *(f"many{w}_{op}" for w in info.get("many", {}).get("ranks", []) for op in ("save", "load")),
     ):
         for lib in LIB_NAMES:
             peak, extra = median(runs, f"{op}/{lib}", "rss_peak"), median(runs, f"{op}/{lib}", "rss_extra")
@@ -253,10 +267,11 @@ def render(runs: list[dict[str, Any]], lazy: dict[str, Any] | None, info: dict[s
         )
     out += _table(["target", "measured", "goal", "verdict"], rows)
     missed = [t for t in goals if t.ok is False]
+    notes = {**MISS_NOTES, **peer_miss_notes(info)}
     if missed:
         out += ["", "### Misses", ""]
         for t in missed:
-            out.append(f"- **{t.name}** ({t.fmt(t.measured or 0)}): {MISS_NOTES.get(t.name, NO_NOTE)}")
+            out.append(f"- **{t.name}** ({t.fmt(t.measured or 0)}): {notes.get(t.name, NO_NOTE)}")
             prof = Path(info["profile"]) / f"{(t.profile or '').replace('/', '_')}.pstats" if info["profile"] else None
             if prof is not None and prof.exists():
                 from common import top_functions
@@ -269,10 +284,11 @@ def render(runs: list[dict[str, Any]], lazy: dict[str, Any] | None, info: dict[s
         ("lazy", lambda: section_lazy(lazy, info)),
         ("async", lambda: section_async(runs, info)),
         ("rss", lambda: section_rss(runs, info)),
+        ("many", lambda: section_many(runs, info)),
     ]
     for part, fn in body:
         out.append("")
-        if part in ran or (part == "rss" and ran & {"local", "s3", "async"}):
+        if part in ran or (part == "rss" and ran & {"local", "s3", "async", "many"}):
             out += fn()
         else:
             for title in SECTIONS[part]:

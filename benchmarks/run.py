@@ -1,10 +1,10 @@
-"""The benchmark suite: zarrckpt side by side with DCP (and TensorStore, a raw write) on the same data.
+"""The benchmark suite: zarrckpt side by side with DCP (and TensorStore, s3torchconnector, a raw write).
 
 Usage::
 
     python benchmarks/run.py                 # full run (make bench): 2 GiB local, 256 MiB S3, 5 reps
     python benchmarks/run.py --quick         # smoke run: small sizes, 1 repetition
-    python benchmarks/run.py --only lazy     # some scenarios only: local, s3, lazy, async
+    python benchmarks/run.py --only lazy     # some scenarios only: local, s3, lazy, async, many
     python benchmarks/run.py --rgw off       # S3 on moto only (default: RGW too, where Ceph is installed)
 
 Writes ``benchmarks/results/latest.md`` (targets with PASS / MISS, one section per scenario)
@@ -12,12 +12,14 @@ and PNG charts next to it. Scenarios (see benchmarks/README.md):
 
 1. save, 4 gloo ranks, local disk: zarrckpt, ``dcp.save`` + ``FileSystemWriter``, TensorStore
    zarr3 with zarrckpt's layout, a raw fsync'd write of the same bytes;
-2. resharding load 4 -> 3 ranks from local disk, with read amplification;
+2. resharding load 4 -> 3 ranks from local disk, with read amplification (TensorStore too);
 3. the same two on ``s3://`` against moto (started here) and, where Ceph is installed, a Ceph
-   RADOS Gateway (``benchmarks/rgw/start-rgw.sh``, started here); DCP through ``FsspecWriter/Reader``;
+   RADOS Gateway (``benchmarks/rgw/start-rgw.sh``, started here); DCP through ``FsspecWriter/Reader``
+   and through s3torchconnector (on RGW via ``etagproxy.py``); TensorStore's s3 kvstore (moto);
 4. lazy read of one expert slice on S3 (both servers), requests and bytes counted at the server;
 5. async save: time the caller is blocked vs the synchronous save, and DCP's ``async_save``;
-6. peak RSS per rank of every save and load.
+6. peak RSS per rank of every save and load;
+7. many small tensors (``scenarios_peers.py``): save and load on 1 and 4 ranks, zarrckpt vs DCP.
 
 Each repetition spawns fresh rank processes (one spawn of 4 for the saves, one of 3 for the
 loads); the order of the libraries rotates between repetitions; medians are reported.
@@ -44,6 +46,7 @@ sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 sys.path.insert(0, str(HERE))
 
 import scenarios  # noqa: E402  (after the sys.path setup)
+import scenarios_peers  # noqa: E402
 import torch  # noqa: E402
 from common import CpuSampler, generate_rows, state_nbytes, summarize_profiles  # noqa: E402
 from report import render, targets  # noqa: E402
@@ -53,7 +56,7 @@ import zarrckpt  # noqa: E402
 from zarrckpt.testing import remove_tree, spawn  # noqa: E402
 
 SAVE_WORLD, LOAD_WORLD = 4, 3
-PARTS = ("local", "s3", "lazy", "async")
+PARTS = ("local", "s3", "lazy", "async", "many")
 
 
 SAMPLER = CpuSampler()
@@ -95,6 +98,9 @@ def one_rep(
         "tensorstore": not args.no_tensorstore,
         "result": str(root / "result.json"),
         "layout": layout,
+        "s3_libs": args.s3_libs,
+        "many_tensors": args.many_tensors,
+        "many_big_mib": args.many_big_mib,
     }
     results: dict[str, Any] = {}
     try:
@@ -110,6 +116,8 @@ def one_rep(
             results |= run_spawn(LOAD_WORLD, scenarios.load_phase, {**cfg, "parts": load_parts})
             if "s3" in only:
                 count(results, s3, url, "reshard", ("GET", "HEAD"))
+        for world in args.many_ranks if "many" in only else []:  # scenario 7
+            results |= run_spawn(world, scenarios_peers.many_phase, cfg)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         for store in s3:
@@ -128,7 +136,9 @@ def count(results: dict[str, Any], s3: list[Store], url: dict[str, str], op: str
     ``results["<server>_<op>/<library>/s3"]``."""
     for store in s3:
         if store.log is not None:
-            for lib in scenarios.LIBS:
+            for lib in scenarios.S3_LIBS:
+                if f"{store.name}_{op}/{lib}" not in results:  # not run on this server
+                    continue
                 results[f"{store.name}_{op}/{lib}/s3"] = store.log.summary(f"{url[store.name]}/{lib}", methods)
 
 
@@ -209,6 +219,15 @@ def lazy_scenario(args: argparse.Namespace, store: Store) -> dict[str, Any]:
     return out
 
 
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "not installed"
+
+
 def environment(args: argparse.Namespace, argv: list[str]) -> list[str]:
     from importlib.metadata import version
 
@@ -220,7 +239,8 @@ def environment(args: argparse.Namespace, argv: list[str]) -> list[str]:
     return [
         f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC; `python benchmarks/run.py {' '.join(argv)}`".rstrip(),
         f"torch {torch.__version__}, zarrckpt {zarrckpt.__version__}, tensorstore {version('tensorstore')}, "
-        f"moto {version('moto')}, Python {platform.python_version()}; {os.cpu_count()} CPUs; "
+        f"moto {version('moto')}, s3torchconnector {_version('s3torchconnector')}, "
+        f"Python {platform.python_version()}; {os.cpu_count()} CPUs; "
         f"gloo, 1 torch thread per rank; local storage: {storage} ({fstype})",
         f"load average (1/5/15 min) at the start: {load()}",
         f"medians of {args.reps} repetition(s); time = max over ranks between a barrier before and after; "
@@ -260,7 +280,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=HERE / "results" / "latest.md", help="report (charts go next to it)")
     p.add_argument("--tmp", default=None, help="parent directory of the local checkpoints (default: system temp)")
     p.add_argument("--evict-cache", action="store_true", help="fsync + POSIX_FADV_DONTNEED before local loads")
-    p.add_argument("--no-tensorstore", action="store_true", help="leave TensorStore out of the local save")
+    p.add_argument("--no-tensorstore", action="store_true", help="leave TensorStore out (local and S3)")
+    p.add_argument("--no-s3tc", action="store_true", help="leave s3torchconnector out of the S3 scenarios")
+    p.add_argument("--many-tensors", type=int, default=20_000, help="small tensors in scenario 7 (default 20000)")
+    p.add_argument("--many-big-mib", type=float, default=64, help="its one large tensor, MiB (default 64)")
+    p.add_argument("--many-ranks", default="1,4", help="world sizes of scenario 7 (default 1,4)")
     p.add_argument("--no-charts", action="store_true", help="skip the PNG charts")
     p.add_argument("--json", type=Path, default=None, help="also write every measurement to this JSON file")
     p.add_argument("--profile", type=Path, default=None, help="profile rank 0 in an extra, untimed repetition")
@@ -277,13 +301,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.gib = min(args.gib, 0.05)
         args.s3_mib = min(args.s3_mib, 16)
+        args.many_tensors = min(args.many_tensors, 2_000)
         args.reps = 1
+    args.many_ranks = [int(x) for x in args.many_ranks.split(",") if x]
+    peers = scenarios_peers.peer_status()
+    if args.no_s3tc:
+        peers[scenarios_peers.S3TC] = "left out (`--no-s3tc`)"
+    if args.no_tensorstore:
+        peers["tensorstore"] = "left out (`--no-tensorstore`)"
+    args.s3_libs = [*scenarios.LIBS, *(lib for lib in scenarios.S3_LIBS[2:] if peers.get(lib) is None)]
     info: dict[str, Any] = {
         "about": environment(args, argv),
         "only": args.only,
         "state_bytes": state_nbytes(args.gib),
         "s3_state_bytes": state_nbytes(args.s3_mib / 1024),
         "profile": str(args.profile) if args.profile else None,
+        "peers": {lib: why for lib, why in peers.items() if why},  # why a peer library did not run
+        "many": {"tensors": args.many_tensors, "big_mib": args.many_big_mib, "ranks": args.many_ranks},
         "gpu": GPU_NOTE.format("" if not torch.cuda.is_available() else " used by this run (CPU only)"),
     }
     start = time.perf_counter()
@@ -293,7 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     with SAMPLER, stores(needs_s3, args.rgw, args.s3_options) as (s3, note):
         SAMPLER.watched = [pid for store in s3 for pid in store.pids]
         info["s3_note"] = note
-        info["stores"] = {store.name: {"title": store.title, "counted": store.counted} for store in s3}
+        info["stores"] = {
+            store.name: {"title": store.title, "counted": store.counted, "skip": store.skip} for store in s3
+        }
         if args.profile:
             args.profile.mkdir(parents=True, exist_ok=True)
             one_rep(args, 0, s3, str(args.profile))

@@ -19,17 +19,25 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from common import build_specs_state, build_state, disk_usage, evict_page_cache, leaves, measure, verify
+from scenarios_peers import (
+    S3TC,
+    file_kvstore,
+    s3_kvstore,
+    s3tc_loader,
+    s3tc_saver,
+    tensorstore_reader,
+    tensorstore_writer,
+)
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 import zarrckpt
-from zarrckpt import asyncsave
 
 SAVERS = ("zarrckpt", "tensorstore", "dcp", "raw", "raw8")  # local save; repetition r starts at SAVERS[r % 5]
 LIBS = ("zarrckpt", "dcp")
+S3_LIBS = (*LIBS, S3TC, "tensorstore")  # on S3: DCP through s3fs, and through s3torchconnector
+RESHARD_LIBS = (*LIBS, "tensorstore")  # local resharding load
 BACKGROUND = "zarrckpt-background"  # async_save(..., staging="background")
 ASYNC_LIBS = (*LIBS, BACKGROUND)
 
@@ -59,6 +67,34 @@ def loader(lib: str, state: dict[str, Any], url: str, opts: dict[str, Any] | Non
     if opts is None:
         return lambda: dcp.load(state, storage_reader=FileSystemReader(url))
     return lambda: dcp.load(state, storage_reader=FsspecReader(url, **opts))
+
+
+def s3_libs(cfg: dict[str, Any], store: dict[str, Any]) -> list[str]:
+    """The libraries measured on ``store`` (the peers the driver found runnable, less those that cannot
+    run on that server), in the order of repetition ``cfg["rep"]``: zarrckpt, DCP and s3torchconnector
+    alternate; TensorStore comes last (it copies the layout of zarrckpt's checkpoint)."""
+    wanted = [lib for lib in cfg.get("s3_libs", LIBS) if lib not in store.get("skip", {})]
+    libs = [lib for lib in wanted if lib != "tensorstore"]
+    libs = libs if cfg["rep"] % 2 == 0 else libs[::-1]
+    return libs + (["tensorstore"] if "tensorstore" in wanted else [])
+
+
+def s3_saver(lib: str, state: dict[str, Any], url: str, store: dict[str, Any]) -> Callable[[], None]:
+    """``save`` with ``lib`` to ``url`` on ``store`` (``cfg["stores"]``): zarrckpt, DCP + s3fs, a peer."""
+    if lib == S3TC:
+        return s3tc_saver(state, url, store)
+    if lib == "tensorstore":
+        layout = zarrckpt.open(f"{url.rsplit('/', 1)[0]}/zarrckpt", storage_options=store["opts"]).tensors()
+        return tensorstore_writer(state, s3_kvstore(url, store), layout)
+    return saver(lib, state, url, store["opts"])
+
+
+def s3_loader(lib: str, state: dict[str, Any], url: str, store: dict[str, Any]) -> Callable[[], None]:
+    if lib == S3TC:
+        return s3tc_loader(state, url, store)
+    if lib == "tensorstore":
+        return tensorstore_reader(state, s3_kvstore(url, store))
+    return loader(lib, state, url, store["opts"])
 
 
 BLOCK = 4 << 20  # raw writes go in blocks of this size (as ``dd bs=4M``; zarrckpt writes 4 MiB chunks too)
@@ -101,59 +137,6 @@ def raw_parallel_writer(state: dict[str, Any], root: Path, threads: int = 8) -> 
             list(pool.map(one, enumerate(leaves(state))))
 
     return write
-
-
-def tensorstore_writer(state: dict[str, Any], root: Path, layout: list[dict[str, Any]]) -> Callable[[], None]:
-    """TensorStore's zarr3 driver writes the same arrays with zarrckpt's shard / inner-chunk shapes
-    and codecs (bytes + crc32c, index at the start): every rank writes its own region (one shard
-    per tensor), and the array ``zarr.json`` documents are spread round-robin over the ranks.
-    ``layout``: ``zarrckpt.open(url).tensors()`` of a zarrckpt checkpoint of the same state."""
-    import tensorstore as ts
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    rows = {row["key"]: row for row in layout}
-    flat = _flat(state)
-
-    def spec(row: dict[str, Any]) -> dict[str, Any]:
-        inner = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
-        sharding = {"chunk_shape": row["chunk"], "codecs": inner, "index_codecs": inner, "index_location": "start"}
-        meta = {
-            "shape": row["shape"],
-            "data_type": row["dtype"],
-            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": row["shard"]}},
-            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
-            "fill_value": 0.0,
-            "codecs": [{"name": "sharding_indexed", "configuration": sharding}],
-        }
-        path = str(root / row["key"].replace(".", "/")) + "/"
-        return {"driver": "zarr3", "kvstore": {"driver": "file", "path": path}, "metadata": meta}
-
-    def write() -> None:
-        pending = []
-        for i, (key, value) in enumerate(sorted(flat.items())):
-            opened = ts.open(spec(rows[key]), create=True) if i % world == rank else None
-            arr = ts.open(spec(rows[key]), assume_metadata=True).result()
-            local = value.to_local()
-            offset = _offset(value)
-            pending.append(arr[offset : offset + local.shape[0]].write(local.numpy()))
-            if opened is not None:
-                pending.append(opened)
-        for fut in pending:
-            fut.result()
-
-    return write
-
-
-def _flat(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in state.items():
-        out |= _flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v}
-    return out
-
-
-def _offset(value: DTensor) -> int:
-    _, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
-    return int(offset[0])
 
 
 _DCP_ASYNC_GROUP: list[Any] = []
@@ -210,15 +193,14 @@ class Phase:
         """Every library and path once on a tiny state (untimed): imports, pools, first collectives."""
         state, _ = build_specs_state([(("w",), (64, 8))], self.mesh, fill=True)
         where = self.root / f"warmup-{self.name}"
-        targets: list[tuple[str, dict[str, Any] | None]] = []
         if local:
-            targets.append((str(where), None))
-        if s3:
-            targets += [(f"{store['url']}/warmup-{self.name}", store["opts"]) for store in self.cfg["stores"]]
-        for base, opts in targets:
             for lib in LIBS:
-                saver(lib, state, f"{base}/{lib}", opts)()
-                loader(lib, state, f"{base}/{lib}", opts)()
+                saver(lib, state, str(where / lib), None)()
+                loader(lib, state, str(where / lib), None)()
+        for store in self.cfg["stores"] if s3 else []:
+            for lib in s3_libs(self.cfg, store):
+                s3_saver(lib, state, f"{store['url']}/warmup-{self.name}/{lib}", store)()
+                s3_loader(lib, state, f"{store['url']}/warmup-{self.name}/{lib}", store)()
         if asynchronous:
             for lib in ASYNC_LIBS:
                 holder: list[Future[Any]] = []
@@ -227,7 +209,9 @@ class Phase:
         if local and self.cfg.get("tensorstore", True):
             raw_writer(state, where / "raw")()
             raw_parallel_writer(state, where / "raw8")()
-            tensorstore_writer(state, where / "ts", zarrckpt.open(str(where / "zarrckpt")).tensors())()
+            layout = zarrckpt.open(str(where / "zarrckpt")).tensors()
+            tensorstore_writer(state, file_kvstore(str(where / "ts")), layout)()
+            tensorstore_reader(state, file_kvstore(str(where / "ts")))()
         self.remove(where)
         if s3 and self.rank == 0:
             from zarrckpt.testing import remove_tree
@@ -260,7 +244,7 @@ def save_phase(rank: int, world: int, cfg: dict[str, Any]) -> None:
                     fn = raw_parallel_writer(source, path)
                 elif lib == "tensorstore":
                     layout = layout or zarrckpt.open(str(ph.root / "zarrckpt")).tensors()
-                    fn = tensorstore_writer(source, path, layout)
+                    fn = tensorstore_writer(source, file_kvstore(str(path)), layout)
                 else:
                     fn = saver(lib, source, str(path), None)
                 if rank == 0:
@@ -270,14 +254,14 @@ def save_phase(rank: int, world: int, cfg: dict[str, Any]) -> None:
                 ph.results["order"] = order
                 ph.results["files"] = {lib: disk_usage(ph.root / lib) for lib in savers}
                 ph.results["layout"] = zarrckpt.open(str(ph.root / "zarrckpt")).tensors()
-            ph.remove(ph.root / "raw", ph.root / "raw8", ph.root / "tensorstore")
+            ph.remove(ph.root / "raw", ph.root / "raw8")  # TensorStore's arrays stay for the resharding load
         if "async" in parts:
             for call in ("first", "repeat"):
                 for lib in ph.order(ASYNC_LIBS):
                     holder: list[Future[Any]] = []
                     path = ph.root / f"async-{lib}"
                     if call == "first" and lib != "dcp":
-                        asyncsave.release_staging()  # zarrckpt's first call at these shapes in this process
+                        zarrckpt.release_staging()  # zarrckpt's first call at these shapes in this process
                     blocked = ph.run(f"async_{call}_call/{lib}", async_saver(lib, source, str(path), holder))
                     staged = getattr(holder[0], "wait_staged", lambda: None)
                     ready = ph.run(f"async_{call}_staged/{lib}", staged)
@@ -295,8 +279,8 @@ def save_phase(rank: int, world: int, cfg: dict[str, Any]) -> None:
     if "s3" in parts:
         source, _ = build_state(cfg["s3_gib"], ph.mesh, fill=True)
         for store in cfg["stores"]:  # moto ("s3"), then the RADOS Gateway ("rgw") where there is one
-            for lib in ph.order(LIBS):
-                ph.run(f"{store['name']}_save/{lib}", saver(lib, source, f"{store['url']}/{lib}", store["opts"]))
+            for lib in s3_libs(cfg, store):
+                ph.run(f"{store['name']}_save/{lib}", s3_saver(lib, source, f"{store['url']}/{lib}", store))
         del source
     ph.finish()
 
@@ -308,18 +292,21 @@ def load_phase(rank: int, world: int, cfg: dict[str, Any]) -> None:
     ph.warm_up("local" in parts, "s3" in parts, False)
     if "local" in parts:
         target, checksums = build_state(cfg["gib"], ph.mesh, fill=False)
+        libs = RESHARD_LIBS if cfg.get("tensorstore", True) else LIBS
         if cfg.get("evict") and rank == 0:
-            for lib in LIBS:
+            for lib in libs:
                 evict_page_cache(ph.root / lib)
-        for lib in ph.order(LIBS):
-            ph.run(f"reshard/{lib}", loader(lib, target, str(ph.root / lib), None))
+        for lib in ph.order(libs):
+            path = ph.root / lib
+            fn = tensorstore_reader(target, file_kvstore(str(path))) if lib == "tensorstore" else None
+            ph.run(f"reshard/{lib}", fn or loader(lib, target, str(path), None))
             verify(target, checksums, f"{lib} resharding load")
         del target
     if "s3" in parts:
         target, checksums = build_state(cfg["s3_gib"], ph.mesh, fill=False)
         for store in cfg["stores"]:
-            for lib in ph.order(LIBS):
-                ph.run(f"{store['name']}_reshard/{lib}", loader(lib, target, f"{store['url']}/{lib}", store["opts"]))
+            for lib in s3_libs(cfg, store):
+                ph.run(f"{store['name']}_reshard/{lib}", s3_loader(lib, target, f"{store['url']}/{lib}", store))
                 verify(target, checksums, f"{lib} resharding load from {store['name']}")
         del target
     ph.finish()

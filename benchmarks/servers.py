@@ -10,10 +10,20 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from etagproxy import EtagProxy
+
 from zarrckpt.testing import RequestLog, s3_server
 from zarrckpt.testing.rgw import INSTALL, RgwServer, rgw_available
 
 BUCKET = "zarrckpt-bench"
+# peers that cannot run on the gateway, and why (measured with benchmarks/etagproxy.py in front of it)
+RGW_SKIP = {
+    "tensorstore": (
+        "radosgw 16.2 answers 412 to TensorStore's conditional rewrites of a shard (`If-Match` with the quoted "
+        "ETag; it matches only the unquoted one), so ranks writing parts of one shard retry forever (4 writers "
+        "of one [64, 8] array: still retrying after 20 s); a proxy cannot unquote the header, it is signed (403)"
+    )
+}
 
 
 @dataclass
@@ -27,9 +37,12 @@ class Store:
     log: RequestLog | None  # requests answered, counted at the server
     pids: list[int] = field(default_factory=list)  # its processes (empty: moto, inside this process)
     counted: str = ""  # how requests are counted, for the report
+    peer_endpoint: str = ""  # where s3torchconnector goes (on the gateway: an ETag-filling proxy in front)
+    skip: dict[str, str] = field(default_factory=dict)  # peer library -> why it cannot run on this server
 
     def cfg(self) -> dict[str, Any]:
-        return {"name": self.name, "url": self.url, "opts": self.opts}
+        endpoint = self.peer_endpoint or self.opts["endpoint_url"]
+        return {"name": self.name, "url": self.url, "opts": self.opts, "peer_endpoint": endpoint, "skip": self.skip}
 
 
 def _merge(opts: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -73,6 +86,7 @@ def stores(want: bool, rgw: str, extra_opts: str = "") -> Iterator[tuple[list[St
                 note += f" To run it: `{INSTALL}` (as root), then `make bench`."
         else:
             server = stack.enter_context(RgwServer(BUCKET))
+            proxy = stack.enter_context(EtagProxy(server.endpoint))  # for s3torchconnector (etagproxy.py)
             out.append(
                 Store(
                     "rgw",
@@ -82,6 +96,8 @@ def stores(want: bool, rgw: str, extra_opts: str = "") -> Iterator[tuple[list[St
                     server.log,
                     server.pids,
                     "at the gateway: its ops log (one record per request, read from its unix socket)",
+                    proxy.endpoint,
+                    RGW_SKIP,
                 )
             )
             note = (

@@ -16,7 +16,7 @@ class Target:
     measured: float | None
     threshold: float
     higher_is_better: bool
-    unit: str  # "x" (a ratio), "%" or "n" (a count)
+    unit: str  # "x" (a ratio), "%", "n" (a count) or "s" (seconds)
     profile: str | None = None  # the profiled operation to show when missed
 
     @property
@@ -35,6 +35,8 @@ class Target:
     def fmt(self, value: float) -> str:
         if self.unit == "n":  # a count
             return f"{value:.0f}"
+        if self.unit == "s":  # seconds
+            return f"{value:.2f} s"
         return f"{value:.0%}" if self.unit == "%" else f"{value:.2f}x"
 
 
@@ -64,11 +66,22 @@ LIB_NAMES = {
     "tensorstore": "TensorStore zarr3",
     "raw": "raw: 1 file per rank, sequential",
     "raw8": "raw: 1 file per shard, 8 threads",
+    "s3tc": "s3torchconnector (DCP + S3StorageWriter / Reader)",
 }
 LIB_HEADER = ["library", "median s", "GB/s", "time / zarrckpt's", "machine CPU busy", "every repetition (s)"]
+RAW_SHARE = "share of the raw limit"  # the raw write's median time / this library's (1 = as fast as raw)
 
 
-def lib_rows(runs: list[dict[str, Any]], op: str, libs: list[str], nbytes: int) -> list[list[str]]:
+def raw_limit(runs: list[dict[str, Any]], op: str) -> float | None:
+    """The faster raw write's median time for ``op`` (None where no raw baseline ran)."""
+    times = [t for t in (median(runs, f"{op}/raw"), median(runs, f"{op}/raw8")) if t is not None]
+    return min(times) if times else None
+
+
+def lib_rows(
+    runs: list[dict[str, Any]], op: str, libs: list[str], nbytes: int, raw_s: float | None = None
+) -> list[list[str]]:
+    """One row per library that ran ``op``; with ``raw_s`` (the raw limit), a last column: its share."""
     rows = []
     ref_s = median(runs, f"{op}/zarrckpt")
     for lib in libs:
@@ -85,6 +98,7 @@ def lib_rows(runs: list[dict[str, Any]], op: str, libs: list[str], nbytes: int) 
                 fmt(ratio(s, ref_s)),
                 fmt(busy, "{:.0%}"),
                 ", ".join(f"{x:.2f}" for x in per),
+                *([fmt(ratio(raw_s, s), "{:.0%}")] if raw_s is not None else []),
             ]
         )
     return rows

@@ -20,6 +20,7 @@ TITLES = [
     "## 4. Lazy read of one expert slice on S3",
     "## 5. Async save",
     "## 6. Peak RSS",
+    "## 7. Many small tensors, local disk",
     "## GPU",
 ]
 
@@ -46,7 +47,7 @@ def test_quick_lazy_scenario_runs(tmp_path):
     text = out.read_text()
     for title in TITLES:
         assert title in text, f"{title!r} missing from the report"
-    assert text.count("_not run in this invocation") == 5  # sections 1, 2, 3, 5, 6
+    assert text.count("_not run in this invocation") == 6  # sections 1, 2, 3, 5, 6, 7
     target = next(line for line in text.splitlines() if line.startswith("| lazy expert slice"))
     assert target.rstrip(" |").endswith(("PASS", "MISS")), target
     assert text.count("| zarrckpt | open + [i] |") == text.count("| dcp | dcp.load of the key |")
@@ -74,8 +75,9 @@ def test_report_renders_every_section(tmp_path):
         "rgw_reshard",
         "async_first_call",
         "async_repeat_call",
+        *(f"many{w}_{op}" for w in (1, 4) for op in ("save", "load")),  # scenario 7
     ]
-    libs = ["zarrckpt", "dcp", "tensorstore", "raw", "raw8"]
+    libs = ["zarrckpt", "dcp", "tensorstore", "raw", "raw8", "s3tc"]
     meas = {"s": 1.0, "call_s": 0.1, "rss_peak": 2**30, "rss_extra": 2**20, "rchar": 1.05e9, "read_bytes": 0.0}
     run: dict = {f"{op}/{lib}": dict(meas) for op in ops for lib in libs}
     async_libs = [*libs, "zarrckpt-background"]  # async_save(..., staging="background")
@@ -87,8 +89,11 @@ def test_report_renders_every_section(tmp_path):
     run |= {f"{op}/zarrckpt-background": dict(meas) for op in ("async_first_call", "async_repeat_call")}
     hits = {"requests": 10, "bytes_in": 10**9, "bytes_out": 10**9, "PUT": 9, "GET": 1}
     saves = ("s3_save", "s3_reshard", "rgw_save", "rgw_reshard")
-    run |= {f"{op}/{lib}/s3": hits for op in saves for lib in ("zarrckpt", "dcp")}
+    run |= {f"{op}/{lib}/s3": hits for op in saves for lib in ("zarrckpt", "dcp", "s3tc", "tensorstore")}
     run["files"] = {"zarrckpt": (334, 10**9, 10**9)}
+    for w in (1, 4):
+        run[f"many{w}_state"] = {"tensors": 20_001, "bytes": 7 * 10**8}
+        run[f"many{w}_files"] = {"zarrckpt": (40_003, 7 * 10**8, 7 * 10**8), "dcp": (w + 1, 7 * 10**8, 7 * 10**8)}
     one = {"requests": 3, "bytes": 270_000, "kinds": {"GET": 3}, "s": 0.1}
     lazy = {
         "key": "model.layers.0.moe.experts.w1",
@@ -104,11 +109,14 @@ def test_report_renders_every_section(tmp_path):
     lazy["rgw"] = dict(lazy)
     info = {
         "about": ["made up"],
-        "only": ["local", "s3", "lazy", "async"],
+        "only": ["local", "s3", "lazy", "async", "many"],
         "state_bytes": 10**9,
         "s3_state_bytes": 10**9,
         "profile": None,
         "gpu": "no GPU",
+        "many": {"tensors": 20_000, "big_mib": 64, "ranks": [1, 4]},
+        "stores": {"s3": {"skip": {}}, "rgw": {"skip": {"tensorstore": "made-up reason"}}},
+        "peers": {},
     }
     goals = report.targets([run], lazy, info)
     assert all(t.ok is not None for t in goals)
@@ -120,6 +128,10 @@ def test_report_renders_every_section(tmp_path):
     side = next(line for line in text.splitlines() if line.startswith("| operation | library | moto: median s"))
     assert "RGW: median s" in side and "RGW: requests" in side
     assert text.count("| PASS |") + text.count("| MISS |") == len(goals)
+    for peer in ("| s3torchconnector |", "| TensorStore |", "| save: zarrckpt |", "| load: DCP |"):
+        assert peer in text, peer
+    assert "TensorStore zarr3: not run on RGW: made-up reason." in text
+    assert any(t.name == "many tensors, 1 rank: save, zarrckpt time" for t in goals)
 
 
 def test_clients_report_decides_by_the_measured_ratio():
