@@ -61,7 +61,8 @@ def save(
         overwrite: replace a committed checkpoint (or the leftovers of a failed save) at ``url``.
             The old checkpoint is un-committed and deleted *before* the new one is written: if
             this save then fails, both are lost. Without it an existing checkpoint is an error.
-        chunk_bytes: the target size of an inner chunk (the unit of a read and of a checksum).
+        chunk_bytes: the largest inner chunk (the unit of a read and of a checksum); a shard under 8x this
+            is cut into about 8 inner chunks of at least 256 KiB, so that a load into another layout wastes little.
         small_tensor_bytes: parts smaller than this (ranks' blocks of a tensor) are joined into
             objects of at least this size (a smaller tensor: one object), each written by one of
             its holders, which the others send their parts (one exchange per save); 0 writes
