@@ -62,6 +62,65 @@ class Group:
         torch_dist.gather(buf, bufs, group=self.pg, group_dst=0)
         return [] if bufs is None else _decode(bufs, lengths)
 
+    def all_gather_fixed(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data``, in rank order; every rank passes the same number of bytes (one collective)."""
+        if not self.active:
+            return [data]
+        buf = self._padded(data, len(data))
+        bufs = [torch.empty_like(buf) for _ in range(self.size)]
+        torch_dist.all_gather(bufs, buf, group=self.pg)
+        return [bytes(b.cpu().numpy()) for b in bufs]
+
+    def broadcast_from(self, root: int, data: bytes) -> bytes:
+        """Group rank ``root``'s ``data`` on every rank (a length, then the bytes)."""
+        if not self.active:
+            return data
+        src = torch_dist.get_global_rank(self.pg, root) if self.pg is not None else root
+        length = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        torch_dist.broadcast(length, src, group=self.pg)
+        buf = self._padded(data if self.rank == root else b"", int(length.item()))
+        torch_dist.broadcast(buf, src, group=self.pg)
+        return bytes(buf.cpu().numpy())
+
+    def all_reduce_min(self, values: np.ndarray) -> np.ndarray:
+        """The elementwise minimum over ranks of an int64 vector."""
+        if not self.active:
+            return values
+        t = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(self.device)
+        torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MIN, group=self.pg)
+        return np.asarray(t.cpu().numpy())
+
+    def gather_to0(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data`` on rank 0 (``[]`` elsewhere); padded to the longest, whose length
+        comes from a MAX all-reduce, so the other ranks receive 8 bytes."""
+        if not self.active:
+            return [data]
+        longest = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        torch_dist.all_reduce(longest, op=torch_dist.ReduceOp.MAX, group=self.pg)
+        buf = self._padded(len(data).to_bytes(8, "little") + data, 8 + int(longest.item()))
+        bufs = [torch.empty_like(buf) for _ in range(self.size)] if self.rank == 0 else None
+        torch_dist.gather(buf, bufs, group=self.pg, group_dst=0)
+        out = [bytes(b.cpu().numpy()) for b in bufs or []]
+        return [b[8 : 8 + int.from_bytes(b[:8], "little")] for b in out]
+
+    def scatter_from0(self, parts: list[bytes]) -> bytes:
+        """Rank 0's ``parts[r]`` on rank r (what the others pass is ignored); padded to the longest."""
+        if not self.active:
+            return parts[0]
+        longest = max(map(len, parts)) if self.rank == 0 else 0
+        size = int.from_bytes(self.broadcast_from(0, longest.to_bytes(8, "little")), "little") + 8
+        bufs = [self._padded(len(p).to_bytes(8, "little") + p, size) for p in parts] if self.rank == 0 else None
+        out = torch.empty(size, dtype=torch.uint8, device=self.device)
+        torch_dist.scatter(out, bufs, group=self.pg, group_src=0)
+        raw = bytes(out.cpu().numpy())
+        return raw[8 : 8 + int.from_bytes(raw[:8], "little")]
+
+    def to_group_rank(self, global_rank: int) -> int:
+        """The rank in this group of a global rank (a DeviceMesh holds global ranks)."""
+        if not self.active or self.pg is None:
+            return global_rank
+        return int(torch_dist.get_group_rank(self.pg, global_rank))
+
     def _padded(self, raw: bytes, size: int) -> torch.Tensor:
         """``raw`` in a uint8 tensor of ``size`` bytes on this group's device (zero-padded)."""
         buf = torch.zeros(size, dtype=torch.uint8, device=self.device)

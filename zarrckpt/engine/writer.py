@@ -29,13 +29,29 @@ log = logging.getLogger("zarrckpt")
 def plan_save(
     group: Group, local: LocalState, chunk_bytes: int, check_replicas: bool, small_tensor_bytes: int
 ) -> ZarrSavePlan:
-    """Every rank: gather all ranks' descriptions (one collective), build the same plan, check
-    that replicated blocks hold the same bytes (one more, only when some are replicated), and
-    hand each small tensor's writer the parts it lacks (one exchange, only when there are such)."""
-    views = group.all_gather_json(local.describe().to_json())
-    plan = build_save_plan([RankDescription.from_json(v) for v in views], chunk_bytes, small_tensor_bytes)
-    if check_replicas:
-        replicas.check(group, plan, local)
+    """Every rank: its plan from the ranks' layouts (:mod:`zarrckpt.plan.compact`: a digest
+    all-gather, one broadcast per class of ranks, one MIN all-reduce, a gather to and a scatter from
+    rank 0; bytes per rank that do not grow with the job), or, where that cannot be used, from all
+    ranks' gathered descriptions; the same plan either way. Then check that replicated blocks hold
+    the same bytes (a MIN all-reduce of their digests, only when some are replicated), and hand
+    each small tensor's writer the parts it lacks (one exchange, only when there are such)."""
+    from zarrckpt.plan import compact
+
+    planned = None
+    if group.active and not compact.FORCE_GATHER:
+        planned = compact.plan_compact(group, local, chunk_bytes, small_tensor_bytes, group.to_group_rank)
+    if planned is None:
+        views = group.all_gather_json(local.describe().to_json())
+        plan = build_save_plan([RankDescription.from_json(v) for v in views], chunk_bytes, small_tensor_bytes)
+        if check_replicas:
+            replicas.check(group, plan, local)
+    else:
+        plan, held = planned
+        if check_replicas and plan.replicated:
+            blocks = compact.replica_blocks(held, plan)
+            low = group.all_reduce_min(compact.replica_vector(blocks, replicas.digests(plan, local)))
+            if (low[: len(blocks)] != -low[len(blocks) :]).any():
+                replicas.check(group, plan, local)  # the replicas differ: gather their digests for the message
     gather_small(group, plan, local)
     return plan
 

@@ -16,6 +16,7 @@ from zarrckpt.format import dtypes, fill
 from zarrckpt.format.keys import flat_leaves
 from zarrckpt.format.layout import Box, Shape
 from zarrckpt.format.values import encode
+from zarrckpt.plan.meshlayout import REPLICATE, MeshLayout
 from zarrckpt.plan.rankdesc import RankDescription, TensorSpec
 from zarrckpt.types import ArrayKind
 
@@ -34,6 +35,7 @@ class LocalTensor:
     kind: ArrayKind = ArrayKind.TENSOR
     topology: dict[str, Any] = field(default_factory=dict)
     python_type: str = ""  # bytes values: "bytearray" or "BytesIO" when not plain bytes
+    layout: MeshLayout | None = None  # a DTensor's: every rank's box derives from it (zarrckpt.plan.compact)
 
     def spec(self) -> TensorSpec:
         return TensorSpec(self.shape, self.dtype, self.kind, self.box, self.topology, self.python_type, self.constant())
@@ -185,6 +187,31 @@ def _collect_leaf(state: LocalState, key: str, value: Any, allow_pickle: bool) -
         state.add(LocalTensor(key, data, value.shape, Box.full(value.shape), name, ArrayKind.NDARRAY))
     elif is_tensor_target(value):
         for data, shape, box, topology in tensor_parts(value):
-            state.add(LocalTensor(key, data, shape, box, dtypes.zarr_name(data.dtype), ArrayKind.TENSOR, topology))
+            layout = mesh_layout(value, box) if isinstance(value, DTensor) else None
+            name = dtypes.zarr_name(data.dtype)
+            state.add(LocalTensor(key, data, shape, box, name, ArrayKind.TENSOR, topology, layout=layout))
     else:
         state.values[key] = encode(value, key, allow_pickle)
+
+
+def mesh_layout(value: DTensor, box: Box) -> MeshLayout | None:
+    """The layout of a DTensor whose placements are ``Shard`` and ``Replicate`` only and whose box
+    on this rank is the one the layout implies; else None (its box is then sent as it is)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    placements = []
+    for p in value.placements:
+        if isinstance(p, Shard) and not isinstance(p, _StridedShard):
+            placements.append(p.dim if p.dim >= 0 else p.dim + value.dim())
+        elif isinstance(p, Replicate):
+            placements.append(REPLICATE)
+        else:
+            return None
+    mesh = value.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+    layout = MeshLayout(tuple(value.shape), tuple(mesh.shape), ranks, tuple(placements))
+    return layout if layout.box_at(coordinate) == box else None

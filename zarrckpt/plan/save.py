@@ -46,6 +46,7 @@ class ZarrSavePlan:
     world_size: int
     replicated: frozenset[str] = frozenset()  # keys of which some block is held by several ranks
     gathers: Mapping[str, Mapping[Shape, Gather]] = field(default_factory=dict)  # key -> small shards joined
+    docs: tuple[tuple[str, bytes], ...] | None = None  # this rank's zarr.json share, where it was handed one
 
     def shards_of(self, rank: int) -> list[tuple[ArrayMeta, Shape]]:
         """The shards ``rank`` writes: (array, shard grid index) pairs."""
@@ -57,7 +58,10 @@ class ZarrSavePlan:
         return sum(math.prod(cell.sizes) * m.itemsize for m, cell in cells)
 
     def metadata_of(self, rank: int) -> list[tuple[str, bytes]]:
-        """The ``zarr.json`` documents (groups, then arrays) ``rank`` writes: spread round-robin."""
+        """The ``zarr.json`` documents (groups, then arrays) ``rank`` writes: spread round-robin (a
+        plan that holds only some arrays was handed its rank's share, ``docs``)."""
+        if self.docs is not None:
+            return list(self.docs)
         return metadata_docs(list(self.arrays.values()), rank, self.world_size)
 
 
@@ -67,6 +71,18 @@ def metadata_docs(arrays: list[ArrayMeta], rank: int = 0, world_size: int = 1) -
     return [
         (f"{path}/zarr.json", json.dumps(group_json() if a is None else a.to_json(), allow_nan=False).encode())
         for path, a in nodes[rank::world_size]
+    ]
+
+
+def metadata_shares(arrays: list[ArrayMeta], world_size: int) -> list[list[tuple[str, bytes]]]:
+    """Every rank's :func:`metadata_docs` share at once (the node list built once)."""
+    nodes = [(p, None) for p in group_paths(arrays)] + [(a.path, a) for a in arrays]
+    return [
+        [
+            (f"{path}/zarr.json", json.dumps(group_json() if a is None else a.to_json(), allow_nan=False).encode())
+            for path, a in nodes[rank::world_size]
+        ]
+        for rank in range(world_size)
     ]
 
 
@@ -103,17 +119,31 @@ def build_save_plan(
         return _build(descriptions, chunk_bytes, small_tensor_bytes)
 
 
+Held = dict[str, tuple[list[int], list[Any]]]  # key -> (the holder of each part or copy, in rank order; the parts)
+
+
 def _build(descriptions: Sequence[RankDescription], chunk_bytes: int, small_tensor_bytes: int) -> ZarrSavePlan:
-    problems: list[str] = []
-    tensors: dict[str, tuple[list[int], list[TensorSpec]]] = {}  # key -> (holder of each part, the parts)
-    values: dict[str, tuple[list[int], list[Any]]] = {}
+    tensors: Held = {}  # key -> (holder of each part, the parts)
+    values: Held = {}
     for rank, desc in enumerate(descriptions):
         for key, parts in desc.tensors.items():
             for i in parts:
                 _hold(tensors, key, rank, desc.specs[i])
         for key, v in desc.values.items():
             _hold(values, key, rank, v)
+    return plan_held(tensors, values, len(descriptions), chunk_bytes, small_tensor_bytes)
 
+
+def plan_held(tensors: Held, values: Held, world_size: int, chunk_bytes: int, small_tensor_bytes: int) -> ZarrSavePlan:
+    """:func:`build_save_plan` from who holds what: ``tensors[key]`` lists each holder rank (rank
+    order) and its :class:`TensorSpec`, ``values[key]`` each holder and its value. Equal inputs give
+    equal plans however they were gathered (:mod:`zarrckpt.plan.compact` derives them from layouts)."""
+    with gc_paused():
+        return _plan(tensors, values, world_size, chunk_bytes, small_tensor_bytes)
+
+
+def _plan(tensors: Held, values: Held, world_size: int, chunk_bytes: int, small_tensor_bytes: int) -> ZarrSavePlan:
+    problems: list[str] = []
     _drop_empty_prefixes(values, tensors.keys() | values.keys())
     validate_keys(sorted(tensors.keys() | values.keys()))
     for key in sorted(tensors.keys() & values.keys()):
@@ -139,7 +169,7 @@ def _build(descriptions: Sequence[RankDescription], chunk_bytes: int, small_tens
             problems += found
             if found or len(problems) > 50:
                 continue
-            grid = grids[same] = _grid(ranks, specs, len(descriptions), chunk_bytes)
+            grid = grids[same] = _grid(ranks, specs, world_size, chunk_bytes)
         elif len(problems) > 50:
             continue
         first = specs[0]
@@ -181,7 +211,7 @@ def _build(descriptions: Sequence[RankDescription], chunk_bytes: int, small_tens
             + "\n  ".join(problems[:50])
         )
     values_ = {k: v[1][0] for k, v in sorted(values.items())}
-    return ZarrSavePlan(arrays, owners, values_, len(descriptions), frozenset(replicated), gathers)
+    return ZarrSavePlan(arrays, owners, values_, world_size, frozenset(replicated), gathers)
 
 
 def _constant(dtype: str, specs: list[TensorSpec]) -> bytes | None:
@@ -222,7 +252,7 @@ def _grid(ranks: list[int], specs: list[TensorSpec], world_size: int, chunk_byte
     return _Grid(shape, shard, chunk, owner_of_cells(shape, shard, claims), topology, replicated)
 
 
-def _drop_empty_prefixes(values: dict[str, tuple[list[int], list[Any]]], keys: set[str]) -> None:
+def _drop_empty_prefixes(values: Held, keys: set[str]) -> None:
     """An empty dict on some ranks where others hold keys under it (a full state dict kept by rank 0
     only, ``{}`` elsewhere) contributes nothing."""
     empty = [k for k, (_, copies) in values.items() if all(c == {} for c in copies)]
@@ -235,7 +265,7 @@ def _drop_empty_prefixes(values: dict[str, tuple[list[int], list[Any]]], keys: s
             del values[key]
 
 
-def _hold(held: dict[str, tuple[list[int], list[Any]]], key: str, rank: int, item: Any) -> None:
+def _hold(held: Held, key: str, rank: int, item: Any) -> None:
     entry = held.get(key)
     if entry is None:
         held[key] = ([rank], [item])

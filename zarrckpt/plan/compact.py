@@ -1,0 +1,320 @@
+"""Save planning whose per-rank traffic does not grow with the job: layouts, not boxes (issue 28).
+
+Instead of every rank all-gathering every rank's description (``O(world)`` bytes per rank), ranks
+are grouped into *classes*: ranks whose DTensors have the same layouts (:mod:`.meshlayout`: global
+shape, mesh, placements), e.g. the ranks of one pipeline stage. The collectives:
+
+A. all-gather of a 16-byte digest of each rank's layout document (``16 x world`` bytes): the classes;
+B. each class's lowest rank broadcasts its whole document (layouts, plain tensors, values);
+C. one MIN all-reduce of one flag per item of those documents: the items *every* member of a class
+   holds identically (a step counter, the hyperparameters) are the class's common items; every
+   rank derives every member's DTensor boxes from the layouts, locally;
+D. what is left on a rank (per-rank RNG keys and data-loader positions, ``LocalShard`` lists,
+   parts whose box no layout gives) is gathered to the coordinator only;
+E. the coordinator builds the whole plan (the same :func:`zarrckpt.plan.save.plan_held` as
+   ``build_save_plan``, on the same holders) and scatters each rank its ``zarr.json`` share and the
+   arrays of its per-rank parts it writes.
+Every rank plans the class items itself, so every plan is the one ``build_save_plan`` gives from all
+descriptions. Where that could differ (a per-rank part of a key classes also hold, per-rank parts
+that are replicated or joined as small shards) or there are over ``MAX_CLASSES`` classes, it
+answers None and the caller gathers descriptions as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+import numpy as np
+
+from zarrckpt import errors
+from zarrckpt.errors import ZarrckptError
+from zarrckpt.format.array import ArrayMeta
+from zarrckpt.format.keys import key_to_path
+from zarrckpt.format.layout import Box
+from zarrckpt.plan.localstate import LocalState
+from zarrckpt.plan.meshlayout import MeshLayout
+from zarrckpt.plan.rankdesc import TensorSpec
+from zarrckpt.plan.save import Held, ZarrSavePlan, metadata_shares, plan_held
+
+MAX_CLASSES = 256
+FORCE_GATHER = False  # tests: plan by gathering every description (the planner before issue 28)
+
+
+class Collectives(Protocol):
+    """What the protocol needs of a process group (:class:`zarrckpt.engine.dist.Group`)."""
+
+    rank: int
+    size: int
+
+    def all_gather_fixed(self, data: bytes) -> list[bytes]: ...  # every rank's equal-length ``data``
+    def broadcast_from(self, root: int, data: bytes) -> bytes: ...  # ``root``'s data
+    def all_reduce_min(self, values: np.ndarray) -> np.ndarray: ...  # int64, elementwise
+    def gather_to0(self, data: bytes) -> list[bytes]: ...  # every rank's data on rank 0, [] elsewhere
+    def scatter_from0(self, parts: list[bytes]) -> bytes: ...  # rank 0's parts[r] on rank r
+
+
+def canon(obj: Any) -> str:
+    """For comparing: keys sorted (equal JSON is equal, as ``build_save_plan`` compares values)."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def wire(obj: Any) -> bytes:
+    """For sending: key order kept (a value's, a topology's), as ``Group.all_gather_json`` sends it."""
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+
+
+@dataclass(frozen=True)
+class Split:
+    """One rank's description, split: DTensor layouts (rank-free) and everything else, as items."""
+
+    layouts: dict[str, Any]  # key -> {"spec": spec JSON without its box, "mesh": MeshLayout JSON}
+    plain: list[list[Any]]  # ["t", key, spec JSON] per other tensor part, ["v", key, value] per value
+
+    def digest(self) -> bytes:
+        return hashlib.sha256(canon(self.layouts).encode()).digest()[:16]
+
+    def doc(self) -> bytes:
+        return wire({"layouts": self.layouts, "plain": self.plain})
+
+
+def split(local: LocalState, to_group: Callable[[int], int] = lambda r: r) -> Split:
+    """``local``'s description as :class:`Split` (mesh ranks mapped to group ranks by ``to_group``)."""
+    layouts: dict[str, Any] = {}
+    plain: list[list[Any]] = []
+    for key, parts in local.tensors.items():
+        layout = parts[0].layout if len(parts) == 1 else None
+        for part in parts:
+            spec = part.spec().to_json()
+            if layout is None:
+                plain.append(["t", key, spec])
+                continue
+            del spec["box"]
+            mesh = replace(layout, ranks=tuple(to_group(r) for r in layout.ranks))
+            layouts[key] = {"spec": spec, "mesh": mesh.to_json()}
+    plain += [["v", k, v] for k, v in local.values.items()]
+    return Split(layouts, plain)
+
+
+def classes_of(digests: list[bytes]) -> list[list[int]]:
+    """The ranks of each distinct digest, classes in the order of their lowest rank."""
+    found: dict[bytes, list[int]] = {}
+    for rank, d in enumerate(digests):
+        found.setdefault(d, []).append(rank)
+    return list(found.values())
+
+
+@dataclass
+class ClassDoc:
+    members: list[int]
+    layouts: dict[str, Any]
+    common: list[list[Any]]
+    _held: dict[str, tuple[list[int], list[Any]]] = field(default_factory=dict)
+
+    def held(self) -> dict[str, tuple[list[int], list[Any]]]:
+        """key -> (holder per part, parts) for this class's tensors and values (lists shared between
+        keys of the same layout)."""
+        if self._held:
+            return self._held
+        by_entry: dict[str, tuple[list[int], list[Any]]] = {}
+        for key, entry in self.layouts.items():
+            c = wire(entry).decode()
+            if c not in by_entry:
+                spec = TensorSpec.from_json({**entry["spec"], "box": [[], []]})
+                boxes = dict(MeshLayout.from_json(spec.shape, entry["mesh"]).holders())
+                by_entry[c] = (self.members, [_with_box(spec, boxes[m]) for m in self.members])
+            self._held[key] = by_entry[c]
+        parts: dict[str, list[Any]] = {}
+        specs: dict[str, TensorSpec] = {}  # equal items: one spec object (keys with equal holders share a grid)
+        for kind, key, item in self.common:
+            if kind == "t":
+                c = wire(item).decode()
+                item = specs[c] if c in specs else specs.setdefault(c, TensorSpec.from_json(item))
+            parts.setdefault(kind + ":" + key, []).append(item)
+        shared: dict[tuple[int, ...], tuple[list[int], list[Any]]] = {}
+        for name, items in parts.items():
+            kind, key = name.split(":", 1)
+            if kind == "t":
+                ids = tuple(map(id, items))
+                if ids not in shared:
+                    shared[ids] = ([m for m in self.members for _ in items], [x for _ in self.members for x in items])
+                self._held[key] = shared[ids]
+            else:
+                self._held["v:" + key] = (
+                    [m for m in self.members for _ in items],
+                    [x for _ in self.members for x in items],
+                )
+        return self._held
+
+
+def my_flags(mine: Split, leader: list[list[Any]]) -> np.ndarray:
+    """1 per item of the leader's ``plain`` that this rank holds too; 0 for every item of a key of
+    which this rank holds other parts as well (a key is common to a class whole or not at all)."""
+    have = Counter(canon(item) for item in mine.plain)
+    flags = np.zeros(len(leader), dtype=np.int64)
+    for i, item in enumerate(leader):
+        c = canon(item)
+        if have[c] > 0:
+            flags[i], have[c] = 1, have[c] - 1
+    extra = {(item[0], item[1]) for item in mine.plain if have[canon(item)] > 0}
+    flags[[i for i, item in enumerate(leader) if (item[0], item[1]) in extra]] = 0
+    return flags
+
+
+def own_items(mine: Split, doc: ClassDoc) -> list[list[Any]]:
+    """This rank's items that are not its class's common items (they go to rank 0 only)."""
+    common = {(item[0], item[1]) for item in doc.common}
+    return [item for item in mine.plain if (item[0], item[1]) not in common]
+
+
+def _with_box(spec: TensorSpec, box: Box) -> TensorSpec:
+    return replace(spec, box=box)
+
+
+def class_docs(classes: list[list[int]], docs: list[bytes], flags: np.ndarray) -> list[ClassDoc]:
+    """Each class's document with only the items all its members hold (``flags``: the MIN-reduced flags)."""
+    out, at = [], 0
+    for members, raw in zip(classes, docs, strict=True):
+        doc = json.loads(raw)
+        n = len(doc["plain"])
+        partly = {(item[0], item[1]) for item, f in zip(doc["plain"], flags[at : at + n], strict=True) if f != 1}
+        common = [item for item in doc["plain"] if (item[0], item[1]) not in partly]
+        out.append(ClassDoc(members, doc["layouts"], common))
+        at += n
+    return out
+
+
+def held_tables(docs: list[ClassDoc], privates: list[list[list[Any]]] | None) -> tuple[Held, Held]:
+    """``(tensors, values)`` as :func:`plan_held` takes them, from the classes (and every rank's own items)."""
+    blocks: dict[str, list[tuple[list[int], list[Any]]]] = {}
+    for doc in docs:
+        for key, held in doc.held().items():
+            blocks.setdefault(key, []).append(held)
+    for rank, items in enumerate(privates or []):
+        mine: dict[str, list[Any]] = {}
+        for kind, key, item in items:
+            mine.setdefault(key if kind == "t" else "v:" + key, []).append(
+                TensorSpec.from_json(item) if kind == "t" else item
+            )
+        for name, got in mine.items():
+            blocks.setdefault(name, []).append(([rank] * len(got), got))
+    tensors: Held = {}
+    values: Held = {}
+    for name, parts in blocks.items():
+        if len(parts) == 1:
+            ranks, items = parts[0]
+        else:
+            merged = sorted(((r, i) for rs, xs in parts for r, i in zip(rs, xs, strict=True)), key=lambda p: p[0])
+            ranks, items = [r for r, _ in merged], [i for _, i in merged]
+        (values if name.startswith("v:") else tensors)[name.removeprefix("v:")] = (ranks, items)
+    return tensors, values
+
+
+def coordinate(
+    docs: list[ClassDoc], privates: list[list[list[Any]]], world: int, chunk_bytes: int, small_tensor_bytes: int
+) -> tuple[ZarrSavePlan | None, list[bytes]]:
+    """Rank 0: the whole plan, and each rank's payload (its zarr.json share and the arrays of its
+    own items it writes); ``(None, fallback payloads)`` where the class plans could differ from it."""
+    try:
+        tensors, values = held_tables(docs, privates)
+        plan = plan_held(tensors, values, world, chunk_bytes, small_tensor_bytes)
+    except ZarrckptError as e:
+        return None, [wire({"error": [type(e).__name__, str(e)]})] * world
+    own = {key for items in privates for kind, key, _ in items if kind == "t"}
+    shared = {key for doc in docs for key in doc.held() if not key.startswith("v:")}
+    if own & shared or own & (set(plan.gathers) | plan.replicated):
+        return None, [b'{"fallback":true}'] * world
+    shares = metadata_shares(list(plan.arrays.values()), world)
+    arrays: list[dict[str, Any]] = [{} for _ in range(world)]
+    owners: list[dict[str, list[list[int]]]] = [{} for _ in range(world)]
+    for key in sorted(own & set(plan.arrays)):
+        for idx, rank in plan.owners[key].items():
+            arrays[rank][key] = plan.arrays[key].to_json()
+            owners[rank].setdefault(key, []).append(list(idx))
+    payloads = [
+        wire({"docs": [[p, d.decode()] for p, d in shares[r]], "arrays": arrays[r], "owners": owners[r]})
+        for r in range(world)
+    ]
+    return plan, payloads
+
+
+def local_plan(
+    docs: list[ClassDoc], payload: bytes, rank: int, world: int, chunk_bytes: int, small_tensor_bytes: int
+) -> ZarrSavePlan | None:
+    """A rank other than 0: the plan of the class tensors (all of them, as every rank derives them),
+    with the coordinator's ``payload`` merged in; None where it said to fall back. Raises the
+    coordinator's error."""
+    got = json.loads(payload)
+    if "error" in got:
+        kind = getattr(errors, got["error"][0], None)
+        raise (kind if isinstance(kind, type) and issubclass(kind, ZarrckptError) else ZarrckptError)(got["error"][1])
+    if got.get("fallback"):
+        return None
+    tensors, _ = held_tables(docs, None)
+    plan = plan_held(tensors, {}, world, chunk_bytes, small_tensor_bytes)
+    arrays = dict(plan.arrays)
+    owners = dict(plan.owners)
+    for key, doc in got["arrays"].items():
+        arrays[key] = ArrayMeta.from_json(key_to_path(key), doc)
+        owners[key] = {tuple(idx): rank for idx in got["owners"][key]}
+    return replace(plan, arrays=arrays, owners=owners, docs=tuple((p, d.encode()) for p, d in got["docs"]), values={})
+
+
+def replica_blocks(tensors: Held, plan: ZarrSavePlan) -> list[tuple[str, tuple[int, ...]]]:
+    """Every replicated block of the plan, (key, offsets), in one order every rank derives alike."""
+    return [
+        (key, offsets)
+        for key in sorted(plan.replicated)
+        for offsets in sorted({spec.box.offsets for spec in tensors[key][1]})
+    ]
+
+
+def replica_vector(blocks: list[tuple[str, tuple[int, ...]]], digests: dict[str, list[list[Any]]]) -> np.ndarray:
+    """This rank's crc32c of each block it holds as ``[crc..., -crc...]`` (others 2**40): after a MIN
+    all-reduce, block i's replicas agree when ``out[i] == -out[n + i]``."""
+    index = {b: i for i, b in enumerate(blocks)}
+    out = np.full(2 * len(blocks), 2**40, dtype=np.int64)
+    for key, held in digests.items():
+        for offsets, crc in held:
+            i = index[(key, tuple(offsets))]
+            out[i], out[len(blocks) + i] = crc, -crc
+    return out
+
+
+def plan_compact(
+    coll: Collectives,
+    local: LocalState,
+    chunk_bytes: int,
+    small_tensor_bytes: int,
+    to_group: Callable[[int], int] = lambda r: r,
+) -> tuple[ZarrSavePlan, Held] | None:
+    """This rank's plan by the protocol above (collective), with the class tensors' holders (for
+    the replica check); None: plan by gathering every description instead (every rank alike)."""
+    mine = split(local, to_group)
+    classes = classes_of(coll.all_gather_fixed(mine.digest()))
+    if len(classes) > MAX_CLASSES:
+        return None
+    docs = [coll.broadcast_from(m[0], mine.doc() if coll.rank == m[0] else b"") for m in classes]
+    leaders = [json.loads(d)["plain"] for d in docs]
+    at = [0]
+    for items in leaders:
+        at.append(at[-1] + len(items))
+    flags = np.ones(at[-1], dtype=np.int64)
+    ci = next(i for i, m in enumerate(classes) if coll.rank in m)
+    flags[at[ci] : at[ci + 1]] = my_flags(mine, leaders[ci])
+    cdocs = class_docs(classes, docs, coll.all_reduce_min(flags))
+    privates = [json.loads(raw) for raw in coll.gather_to0(wire(own_items(mine, cdocs[ci])))]
+    if coll.rank == 0:
+        plan, payloads = coordinate(cdocs, privates, coll.size, chunk_bytes, small_tensor_bytes)
+        coll.scatter_from0(payloads)
+        if plan is None:  # raises the error, or answers None (fall back), as on the other ranks
+            local_plan(cdocs, payloads[0], 0, coll.size, chunk_bytes, small_tensor_bytes)
+    else:
+        plan = local_plan(cdocs, coll.scatter_from0([]), coll.rank, coll.size, chunk_bytes, small_tensor_bytes)
+    if plan is None:
+        return None
+    return plan, held_tables(cdocs, None)[0]
