@@ -103,7 +103,10 @@ def save(
     local = group.run_together(lambda: collect(resolved, allow_pickle), "collecting the state dict")
     plan = plan_save(group, local, chunk_bytes, check_replicas, small_tensor_bytes)
     storage = Storage(url, storage_options, verify_writes=verify_after_save)
-    check_names(list(plan.arrays.values()), storage.name_limits, storage.url)  # before anything is written
+    # before anything is written; on every rank when any refuses (a rank's plan holds only the arrays it
+    # writes and those of its class of ranks, zarrckpt.plan.compact)
+    names = list(plan.arrays.values())
+    group.run_together(lambda: check_names(names, storage.name_limits, storage.url), "checking object names")
     bar = watch(storage, progress, f"save {storage.url}", plan.bytes_of(group.rank), group.rank)
     save_id = group.run_together(lambda: protocol.prepare(storage, overwrite) if group.rank == 0 else "", "preparing")
     written: integrity.Written = {}

@@ -178,7 +178,10 @@ def async_save(
         local = group.run_together(lambda: collect(resolved, allow_pickle), "collecting the state dict")
         plan = plan_save(group, local, chunk_bytes, check_replicas, small_tensor_bytes)
         storage = Storage(url, storage_options, verify_writes=verify_after_save)
-        check_names(list(plan.arrays.values()), storage.name_limits, storage.url)  # raises here, at the call
+        # before anything is written; on every rank when any refuses (a rank's plan holds only the arrays it
+        # writes and those of its class of ranks, zarrckpt.plan.compact)
+        names = list(plan.arrays.values())
+        group.run_together(lambda: check_names(names, storage.name_limits, storage.url), "checking object names")
         background = side_group(process_group) if group.active else group
         handoff = _Handoff(staging_budget_bytes)
         expected = None
