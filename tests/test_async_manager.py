@@ -225,3 +225,25 @@ def test_manager_construction_pays_for_the_first_async_save(tmp_path: Path) -> N
     (a collective of a second or more at scale, which would block the training loop there)."""
     spawn(2, _first_save_makes_no_group, str(tmp_path / "run"))
     _assert_loads(str(tmp_path / "run" / "step_0000000001"), 3.0)
+
+
+FIRST_CALLS = """
+import sys, torch
+from zarrckpt import async_save, load
+state = {"w": torch.arange(6.0), "step": 1}
+async_save(state, sys.argv[1], staging="background").result()
+load(state, sys.argv[1])
+print(sorted(m for m in ("torch.distributed.tensor", "sympy") if m in sys.modules))
+"""
+
+
+def test_plain_tensors_never_import_dtensor(tmp_path: Path) -> None:
+    """A state of plain tensors has no DTensor to look for: the first save does not import its module
+    (most of a second, sympy included, blocking the caller of the first async_save)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", FIRST_CALLS, str(tmp_path / "ck")], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
