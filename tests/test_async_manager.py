@@ -199,3 +199,51 @@ def test_staging_failure_commits_nothing(tmp_path: Path, monkeypatch: pytest.Mon
     future.result(timeout=60)
     with pytest.raises(zarrckpt.IncompleteCheckpointError):
         zarrckpt.load(_state(0.0), str(tmp_path / "ck"))
+
+
+def _first_save_makes_no_group(rank: int, world: int, root: str) -> None:
+    import torch.distributed as dist
+
+    made = []
+    real = dist.new_group
+    dist.new_group = lambda *a, **k: made.append(1) or real(*a, **k)  # a spy: counts, then does the real thing
+    try:
+        manager = zarrckpt.CheckpointManager(root, interval=1, keep_last=2)
+        assert len(made) == 1, made  # the background saves' process group: made here, collectively
+        future = manager.save(1, _state(3.0))
+        assert future is not None
+        future.result()
+        manager.close()
+        assert len(made) == 1, made  # the first save made none
+    finally:
+        dist.new_group = real
+
+
+@pytest.mark.slow
+def test_manager_construction_pays_for_the_first_async_save(tmp_path: Path) -> None:
+    """The process group of background saves is made when the manager is, not in the first save
+    (a collective of a second or more at scale, which would block the training loop there)."""
+    spawn(2, _first_save_makes_no_group, str(tmp_path / "run"))
+    _assert_loads(str(tmp_path / "run" / "step_0000000001"), 3.0)
+
+
+FIRST_CALLS = """
+import sys, torch
+from zarrckpt import async_save, load
+state = {"w": torch.arange(6.0), "step": 1}
+async_save(state, sys.argv[1], staging="background").result()
+load(state, sys.argv[1])
+print(sorted(m for m in ("torch.distributed.tensor", "sympy") if m in sys.modules))
+"""
+
+
+def test_plain_tensors_never_import_dtensor(tmp_path: Path) -> None:
+    """A state of plain tensors has no DTensor to look for: the first save does not import its module
+    (most of a second, sympy included, blocking the caller of the first async_save)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", FIRST_CALLS, str(tmp_path / "ck")], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

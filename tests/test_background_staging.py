@@ -150,3 +150,49 @@ def test_without_the_check_that_bug_commits_the_changed_tensor(
 def test_bad_staging_mode_is_refused(tmp_path: Path) -> None:
     with pytest.raises(zarrckpt.ZarrckptError, match="staging must be 'caller' or 'background'"):
         zarrckpt.async_save(_state(1.0), tmp_path / "ck", staging="later")  # type: ignore[arg-type]
+
+
+def _small_and_big() -> dict[str, torch.Tensor]:
+    return {f"norm{i}": torch.arange(64.0) + i for i in range(3)} | {"big": RAMP.clone()}
+
+
+def _small_sharded(rank: int, world: int, url: str, check: bool) -> None:
+    """Shard(0) norm-like tensors over 2 ranks: their shards are joined (one writer receives the other's part)."""
+    import os
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    if check:
+        os.environ["ZARRCKPT_CHECK_STAGING"] = "1"
+    mesh = init_device_mesh("cpu", (world,))
+    state = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in _small_and_big().items()}
+    threads: list[str] = []
+    real = asyncsave.gather_small
+
+    def spy(*args: Any) -> None:  # records where the exchange runs, then runs it
+        threads.append(threading.current_thread().name)
+        real(*args)
+
+    asyncsave.gather_small = spy  # type: ignore[assignment]
+    try:
+        future = zarrckpt.async_save(state, url, staging="background")
+        assert not threads or threads[0] != threading.current_thread().name
+        future.wait_staged()
+        future.result()
+    finally:
+        asyncsave.gather_small = real  # type: ignore[assignment]
+    assert threads and threads[0].startswith("zarrckpt-async"), threads  # the writing thread, not the caller
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("check", [False, True], ids=["plain", "check-staging"])
+def test_background_staging_exchanges_small_tensors_off_the_callers_thread(tmp_path: Path, check: bool) -> None:
+    from zarrckpt.testing import spawn
+
+    spawn(2, _small_sharded, str(tmp_path / "ck"), check)
+    want = _small_and_big()
+    got = {k: torch.zeros_like(v) for k, v in want.items()}
+    zarrckpt.load(got, tmp_path / "ck")
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert zarrckpt.open(tmp_path / "ck")["norm0"].meta.shard_shape == (64,)  # joined: one shard, one writer

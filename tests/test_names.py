@@ -17,8 +17,28 @@ from zarrckpt.format.array import ArrayMeta
 from zarrckpt.plan.names import check_names, longest_names
 from zarrckpt.storage.caps import NameLimits
 from zarrckpt.storage.store import Storage
+from zarrckpt.testing import spawn
 
 LONG = "x" * 300
+
+
+def _one_rank_holds_a_long_name(rank: int, world: int, url: str, how: str) -> None:
+    key = f"rank{rank}" + ("" if rank < 2 else LONG)
+    state = {"model": {"w": torch.arange(3.0)}, "rng": {key: torch.arange(2.0) + rank}}  # (not constant: written)
+    with pytest.raises(zarrckpt.ZarrckptError, match="is 305 bytes" if rank in (0, 2) else "failed on rank 0"):
+        if how == "save":
+            zarrckpt.save(state, url)
+        else:
+            zarrckpt.async_save(state, url).result()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["save", "async_save"])
+def test_a_name_one_rank_holds_is_refused_on_every_rank(tmp_path: Path, how: str) -> None:
+    """Rank 2's own key is too long: only rank 0 (which plans every array) and rank 2 see it, and
+    rank 1 raises too instead of waiting for them in the next collective."""
+    spawn(3, _one_rank_holds_a_long_name, str(tmp_path / "ck"), how)
+    assert not (tmp_path / "ck").exists()
 
 
 @pytest.mark.parametrize("how", ["save", "async_save", "dcp"])

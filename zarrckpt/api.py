@@ -61,7 +61,8 @@ def save(
         overwrite: replace a committed checkpoint (or the leftovers of a failed save) at ``url``.
             The old checkpoint is un-committed and deleted *before* the new one is written: if
             this save then fails, both are lost. Without it an existing checkpoint is an error.
-        chunk_bytes: the target size of an inner chunk (the unit of a read and of a checksum).
+        chunk_bytes: the largest inner chunk (the unit of a read and of a checksum); a shard under 8x this
+            is cut into about 8 inner chunks of at least 256 KiB, so that a load into another layout wastes little.
         small_tensor_bytes: parts smaller than this (ranks' blocks of a tensor) are joined into
             objects of at least this size (a smaller tensor: one object), each written by one of
             its holders, which the others send their parts (one exchange per save); 0 writes
@@ -102,7 +103,10 @@ def save(
     local = group.run_together(lambda: collect(resolved, allow_pickle), "collecting the state dict")
     plan = plan_save(group, local, chunk_bytes, check_replicas, small_tensor_bytes)
     storage = Storage(url, storage_options, verify_writes=verify_after_save)
-    check_names(list(plan.arrays.values()), storage.name_limits, storage.url)  # before anything is written
+    # before anything is written; on every rank when any refuses (a rank's plan holds only the arrays it
+    # writes and those of its class of ranks, zarrckpt.plan.compact)
+    names = list(plan.arrays.values())
+    group.run_together(lambda: check_names(names, storage.name_limits, storage.url), "checking object names")
     bar = watch(storage, progress, f"save {storage.url}", plan.bytes_of(group.rank), group.rank)
     save_id = group.run_together(lambda: protocol.prepare(storage, overwrite) if group.rank == 0 else "", "preparing")
     written: integrity.Written = {}

@@ -5,7 +5,8 @@ errors raise right away). Then every local tensor is copied to host memory (pinn
 lives on a GPU): on the caller's thread by default (``staging="caller"``: the call returns once
 the copies are done), or on a staging thread (``staging="background"``: the call returns right
 after planning, and the training loop must call ``wait_staged()`` before it changes the state,
-i.e. before ``optimizer.step()``). A background thread prepares the location, writes each
+i.e. before ``optimizer.step()``; the writing thread first sends the parts of small joined
+tensors to their writers, then the copy starts). A background thread prepares the location, writes each
 tensor's shards as soon as it is staged, and commits. With a staging budget, staged-but-unwritten
 bytes never exceed it: staging waits for the writer to free room.
 
@@ -39,6 +40,7 @@ from zarrckpt.display import Meter, ProgressOption, watch
 from zarrckpt.engine import commit as protocol
 from zarrckpt.engine import markers
 from zarrckpt.engine.dist import Group, side_group
+from zarrckpt.engine.exchange import gather_small
 from zarrckpt.engine.writer import commit_save, plan_save, write_rank
 from zarrckpt.errors import ZarrckptError
 from zarrckpt.format import dtypes, integrity
@@ -154,7 +156,8 @@ def async_save(
         overwrite: as for :func:`zarrckpt.save`.
         chunk_bytes: as for :func:`zarrckpt.save`.
         small_tensor_bytes: as for :func:`zarrckpt.save` (the parts of small tensors are sent to
-            their writers before the call returns, whatever ``staging``).
+            their writers before the call returns with ``staging="caller"``; with ``"background"``,
+            by the writing thread before the copy, so before ``wait_staged()`` returns).
         check_replicas: as for :func:`zarrckpt.save`.
         allow_pickle: as for :func:`zarrckpt.save`.
         verify_after_save: as for :func:`zarrckpt.save`.
@@ -176,16 +179,22 @@ def async_save(
         group = Group(process_group)
         resolved, _ = stateful.resolve(state_dict)
         local = group.run_together(lambda: collect(resolved, allow_pickle), "collecting the state dict")
-        plan = plan_save(group, local, chunk_bytes, check_replicas, small_tensor_bytes)
+        # staging in the background: the small-tensor exchange runs on the writer thread too, before the copy
+        later = staging == "background"
+        plan = plan_save(group, local, chunk_bytes, check_replicas, small_tensor_bytes, exchange=not later)
         storage = Storage(url, storage_options, verify_writes=verify_after_save)
-        check_names(list(plan.arrays.values()), storage.name_limits, storage.url)  # raises here, at the call
+        # before anything is written; on every rank when any refuses (a rank's plan holds only the arrays it
+        # writes and those of its class of ranks, zarrckpt.plan.compact)
+        names = list(plan.arrays.values())
+        group.run_together(lambda: check_names(names, storage.name_limits, storage.url), "checking object names")
         background = side_group(process_group) if group.active else group
         handoff = _Handoff(staging_budget_bytes)
-        expected = None
+        expected: dict[int, tuple[LocalTensor, int]] | None = None
         if os.environ.get("ZARRCKPT_CHECK_STAGING", "") not in ("", "0"):
-            expected = {id(t): _digest(t.data) for t in local.parts()}
+            expected = {id(t): (t, _digest(t.data)) for t in local.parts()}  # (t: its id is not reused)
         bar = watch(storage, progress, f"save {storage.url}", plan.bytes_of(group.rank), group.rank)
-        job = _Job(storage, plan, background, overwrite, handoff, bar)
+        exchanged = threading.Event()
+        job = _Job(storage, plan, background, overwrite, handoff, bar, (local, exchanged) if later else None)
         future = AsyncSave()
         _background.writer.submit(future._run, job.run)
         _background.last = future
@@ -193,7 +202,7 @@ def async_save(
             _stage(future.staged, handoff, local, expected)
             future.staged.result()  # the copy's error raises here, on the caller's thread
         else:
-            _background.stager.submit(_stage, future.staged, handoff, local, expected)
+            _background.stager.submit(_stage, future.staged, handoff, local, expected, exchanged)
         return future
 
 
@@ -285,17 +294,27 @@ class _Handoff:
             self._cond.notify_all()
 
 
-def _stage(staged: Future[StagingStats], handoff: _Handoff, local: LocalState, expected: dict[int, int] | None) -> None:
+def _stage(
+    staged: Future[StagingStats],
+    handoff: _Handoff,
+    local: LocalState,
+    expected: dict[int, tuple[LocalTensor, int]] | None,
+    after: threading.Event | None = None,
+) -> None:
     """Copy each local tensor to host memory within the budget (on the caller's or the staging
-    thread); ``staged`` gets the statistics or the error, and so does the writer."""
+    thread), once ``after`` is set (the writer's small-tensor exchange, which changes ``local``);
+    ``staged`` gets the statistics or the error, and so does the writer."""
     start = time.perf_counter()
     copied = 0
     try:
+        if after is not None:
+            after.wait()
         for tensor in local.parts():
             if not handoff.room_for(tensor.data.nbytes):
                 break  # the writer failed: its error is the save's
             host = _to_host(tensor.data)
-            if expected is not None and _digest(host) != expected[id(tensor)]:
+            held, want = (None, 0) if expected is None else expected.get(id(tensor), (None, 0))
+            if held is tensor and _digest(host) != want:  # (a joined small tensor is a copy: not checked)
                 _recycle(host)
                 raise ZarrckptError(
                     f"async_save: {tensor.key!r} changed before it was staged (ZARRCKPT_CHECK_STAGING): the state "
@@ -323,11 +342,14 @@ class _Job:
     overwrite: bool
     handoff: _Handoff
     bar: Meter  # progress (inactive unless asked for)
+    exchange: tuple[LocalState, threading.Event] | None = None  # the small-tensor exchange to run first, and its end
     written: integrity.Written = field(default_factory=dict)  # chunk checksums, for the manifest
 
     def run(self) -> None:
         save_id = ""
         try:
+            if self.exchange is not None:
+                self._exchange(*self.exchange)
             save_id = self.group.run_together(self._prepare, "preparing")
             self.group.run_together(self._write_all, "writing shards")
             commit_save(self.storage, self.group, self.plan, save_id, self.written)
@@ -338,6 +360,16 @@ class _Job:
             self.bar.abort()
             raise
         self.bar.finish()
+
+    def _exchange(self, local: LocalState, done: threading.Event) -> None:
+        """Hand each small tensor's writer its parts; the stager waits for it (and stops if it failed)."""
+        try:
+            gather_small(self.group, self.plan, local)
+        except BaseException:
+            self.handoff.abandon()
+            raise
+        finally:
+            done.set()
 
     def _prepare(self) -> str:
         return protocol.prepare(self.storage, self.overwrite) if self.group.rank == 0 else ""

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from zarrckpt.api import load, save
 from zarrckpt.asyncsave import AsyncSave, Staging, async_save
 from zarrckpt.display import ProgressOption
-from zarrckpt.engine.dist import Group
+from zarrckpt.engine.dist import Group, side_group
 from zarrckpt.errors import CheckpointSaveError, ZarrckptError
 from zarrckpt.lifecycle import (
     DEFAULT_GRACE_SECONDS,
@@ -33,6 +33,7 @@ from zarrckpt.lifecycle import (
     scan,
 )
 from zarrckpt.preemption import SignalWatch
+from zarrckpt.storage.store import Storage
 from zarrckpt.types import URL
 
 if TYPE_CHECKING:
@@ -122,6 +123,9 @@ class CheckpointManager:
         self._lock = threading.Lock()
         self._watch = SignalWatch(save_on) if save_on else None
         self.preempted: signal.Signals | None = None  # the signal a final save answered (see save_on)
+        if async_save:  # paid here, not in the first save: its process group (collective) and storage client
+            side_group(process_group)
+            Storage(self.root, storage_options)  # imports the client's modules (s3fs, ...); no request
 
     def url(self, step: int) -> str:
         return f"{self.root}/step_{step:010d}"

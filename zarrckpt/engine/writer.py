@@ -27,14 +27,21 @@ log = logging.getLogger("zarrckpt")
 
 
 def plan_save(
-    group: Group, local: LocalState, chunk_bytes: int, check_replicas: bool, small_tensor_bytes: int
+    group: Group,
+    local: LocalState,
+    chunk_bytes: int,
+    check_replicas: bool,
+    small_tensor_bytes: int,
+    *,
+    exchange: bool = True,
 ) -> ZarrSavePlan:
     """Every rank: its plan from the ranks' layouts (:mod:`zarrckpt.plan.compact`: a digest
     all-gather, one broadcast per class of ranks, one MIN all-reduce, a gather to and a scatter from
     rank 0; bytes per rank that do not grow with the job), or, where that cannot be used, from all
     ranks' gathered descriptions; the same plan either way. Then check that replicated blocks hold
     the same bytes (a MIN all-reduce of their digests, only when some are replicated), and hand
-    each small tensor's writer the parts it lacks (one exchange, only when there are such)."""
+    each small tensor's writer the parts it lacks (one exchange, only when there are such; not with
+    ``exchange=False``: the caller runs :func:`zarrckpt.engine.exchange.gather_small` itself)."""
     from zarrckpt.plan import compact
 
     planned = None
@@ -52,7 +59,8 @@ def plan_save(
             low = group.all_reduce_min(compact.replica_vector(blocks, replicas.digests(plan, local)))
             if (low[: len(blocks)] != -low[len(blocks) :]).any():
                 replicas.check(group, plan, local)  # the replicas differ: gather their digests for the message
-    gather_small(group, plan, local)
+    if exchange:
+        gather_small(group, plan, local)
     return plan
 
 

@@ -150,10 +150,20 @@ def shard_shape_for(shape: Shape, boxes: Sequence[Box]) -> Shape:
 
 
 STACKED_SLICE_BYTES = 64 * 1024  # a stacked (>= 3-d) array's slices this large are chunks of their own
+CHUNKS_PER_SHARD = 8  # a shard is cut into about this many inner chunks when it is at most 8x the target ...
+MIN_SPLIT_BYTES = 256 * 1024  # ... down to inner chunks of this size (smaller shards stay one chunk)
+
+
+def chunk_target(shard_bytes: int, target_bytes: int) -> int:
+    """The inner-chunk size aimed at for a shard of ``shard_bytes``: ``target_bytes``, or less so
+    that a shard of a few targets is still cut into about :data:`CHUNKS_PER_SHARD` inner chunks
+    (not below :data:`MIN_SPLIT_BYTES`). A load into another layout reads whole inner chunks, so a
+    reshard boundary inside a shard wastes one inner chunk: an eighth of the shard, not all of it."""
+    return min(target_bytes, max(MIN_SPLIT_BYTES, shard_bytes // CHUNKS_PER_SHARD))
 
 
 def inner_chunk_shape(shard: Shape, itemsize: int, target_bytes: int) -> Shape:
-    """Split ``shard`` into inner chunks of about ``target_bytes``.
+    """Split ``shard`` into inner chunks of about ``target_bytes`` (at most; :func:`chunk_target`).
 
     Outer dimensions are split first (so one expert / one row block stays contiguous) and every
     chunk extent divides the shard extent, as Zarr's sharding codec requires. When a dimension
@@ -165,6 +175,7 @@ def inner_chunk_shape(shard: Shape, itemsize: int, target_bytes: int) -> Shape:
     reading one expert reads whole chunks, each checked by its crc32c, in one request.
     """
     chunk = list(shard)
+    target_bytes = chunk_target(math.prod(shard) * itemsize, target_bytes)
     if len(chunk) >= 3 and math.prod(chunk[1:]) * itemsize >= STACKED_SLICE_BYTES:
         chunk[0] = 1
     for d in range(len(chunk)):

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import io
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor, Partial
 
 from zarrckpt.errors import UnsupportedValueError
 from zarrckpt.format import dtypes, fill
@@ -19,6 +19,9 @@ from zarrckpt.format.values import encode
 from zarrckpt.plan.meshlayout import REPLICATE, MeshLayout
 from zarrckpt.plan.rankdesc import RankDescription, TensorSpec
 from zarrckpt.types import ArrayKind
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 BYTES_TYPES = (bytes, bytearray, io.BytesIO)  # stored as 1-D uint8 arrays, restored as the target's type
 
@@ -98,8 +101,13 @@ def tensor_box(value: torch.Tensor | LocalShard) -> tuple[torch.Tensor, Shape, B
     if isinstance(value, LocalShard):
         shape, offsets = tuple(value.global_shape), tuple(value.offsets)
         return value.data, shape, Box(offsets, tuple(value.data.shape)), {"placements": ["LocalShard"]}
-    if not isinstance(value, DTensor):
-        return value, tuple(value.shape), Box.full(value.shape), {}
+    if is_dtensor(value):
+        return _dtensor_box(value)
+    return value, tuple(value.shape), Box.full(value.shape), {}
+
+
+def _dtensor_box(value: DTensor) -> tuple[torch.Tensor, Shape, Box, dict[str, Any]]:
+    from torch.distributed.tensor import Partial
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if any(isinstance(p, Partial) for p in value.placements):
@@ -120,6 +128,13 @@ def tensor_box(value: torch.Tensor | LocalShard) -> tuple[torch.Tensor, Shape, B
 Part = tuple[torch.Tensor, Shape, Box, dict[str, Any]]  # (local data, global shape, its box, topology)
 
 
+def is_dtensor(value: Any) -> TypeGuard[DTensor]:
+    """Whether ``value`` is a DTensor, without importing DTensor's module where nothing did (it
+    imports sympy: most of a second, which a state of plain tensors would pay in its first save)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
+
+
 def is_local_shards(value: Any) -> bool:
     """A list or tuple of :class:`LocalShard`: several blocks of one global tensor on this rank."""
     return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(v, LocalShard) for v in value)
@@ -134,9 +149,8 @@ def is_tensor_target(value: Any) -> bool:
 def tensor_parts(value: torch.Tensor | LocalShard | Sequence[LocalShard]) -> list[Part]:
     """The parts of a global tensor this rank holds: one for a tensor, DTensor or LocalShard;
     each local shard of a ShardedTensor or each entry of a list of LocalShards (possibly none)."""
-    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
-
-    if isinstance(value, ShardedTensor):
+    sharded = sys.modules.get("torch.distributed._shard.sharded_tensor.api")  # (none exists before it is imported)
+    if sharded is not None and isinstance(value, sharded.ShardedTensor):
         shape = tuple(value.size())
         return [
             (s.tensor, shape, Box(tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes)), {})
@@ -153,9 +167,8 @@ def tensor_parts(value: torch.Tensor | LocalShard | Sequence[LocalShard]) -> lis
 
 def tensor_info(value: torch.Tensor | LocalShard | Sequence[LocalShard]) -> tuple[Shape, torch.dtype]:
     """The global shape and the dtype of a tensor target (whatever this rank holds of it)."""
-    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
-
-    if isinstance(value, ShardedTensor):
+    sharded = sys.modules.get("torch.distributed._shard.sharded_tensor.api")
+    if sharded is not None and isinstance(value, sharded.ShardedTensor):
         return tuple(value.size()), value.metadata().tensor_properties.dtype
     if isinstance(value, torch.Tensor):
         return tuple(value.shape), value.dtype
@@ -187,7 +200,7 @@ def _collect_leaf(state: LocalState, key: str, value: Any, allow_pickle: bool) -
         state.add(LocalTensor(key, data, value.shape, Box.full(value.shape), name, ArrayKind.NDARRAY))
     elif is_tensor_target(value):
         for data, shape, box, topology in tensor_parts(value):
-            layout = mesh_layout(value, box) if isinstance(value, DTensor) else None
+            layout = mesh_layout(value, box) if is_dtensor(value) else None
             name = dtypes.zarr_name(data.dtype)
             state.add(LocalTensor(key, data, shape, box, name, ArrayKind.TENSOR, topology, layout=layout))
     else:
