@@ -28,7 +28,7 @@ from zarrckpt.storage.caps import LOCAL_FILES, OBJECT_STORE
 from zarrckpt.storage.store import Storage
 from zarrckpt.testing import RequestLog
 
-ROWS, COLS = 1024, 1024  # per shard: 4 MiB of float32, one 4 MiB inner chunk (the default chunk_bytes)
+ROWS, COLS = 1024, 1024  # per shard: 4 MiB of float32, in 8 inner chunks of 128 rows (512 KiB)
 
 
 @pytest.fixture(params=["local", "s3", "rgw", "gcs"])
@@ -94,16 +94,20 @@ def test_lazy_reads_detect_a_shard_from_an_older_checkpoint(where: tuple[str, di
 def test_a_far_element_is_still_one_get_with_its_chunks_crc32c(
     s3_url: tuple[str, dict[str, Any]], s3_requests: RequestLog
 ) -> None:
-    """The price of the check on object stores: bytes, not requests. Row 1624 col 3 lies 1.6 MiB
+    """The price of the check on object stores: bytes, not requests. Row 1624 col 3 lies 160 KiB
     before its chunk's crc32c: one ranged GET from it through the crc32c."""
     url, opts = s3_url
     zarrckpt.save(_halves(1.0), url, storage_options=opts)
     view = zarrckpt.open(url, storage_options=opts)["w"]
+    rows = view.meta.chunk_shape[0]
+    assert view.meta.chunk_shape == (128, COLS)  # 8 inner chunks per shard
     s3_requests.clear()
     assert float(view[1624, 3]) == 1624 * COLS + 3
-    head = 16 + 4  # one inner chunk per shard: one index entry and its crc32c
-    start = head + (1624 - ROWS) * COLS * 4 + 3 * 4
-    end = head + ROWS * COLS * 4 + 4  # through the chunk's crc32c
+    head = 8 * 16 + 4  # the shard index: an entry per inner chunk, and its crc32c
+    chunk = (1624 - ROWS) // rows  # the inner chunk holding row 1624; each before it: elements + crc32c
+    base = head + chunk * (rows * COLS * 4 + 4)
+    start = base + ((1624 - ROWS) % rows) * COLS * 4 + 3 * 4
+    end = base + rows * COLS * 4 + 4  # through the chunk's crc32c
     gets = [(r.kind, r.range) for r in s3_requests.requests(url)]
     assert gets == [("GET", f"bytes={start}-{end - 1}")]
 
