@@ -1,4 +1,4 @@
-"""The scale model's shortcut for the layout-based planner (benchmarks/scale_model.py, issue 28) at 64 ranks.
+"""The scale model's shortcut for the layout-based planner (benchmarks/scale_compact.py, issue 28) at 64 ranks.
 
 At 16,384 ranks the scale model simulates only each stage's first rank in full and builds the other
 ranks' splits from it plus their per-rank leaves; here every rank is simulated in full and the
@@ -8,6 +8,7 @@ splits must be the same, and the plan ``zarrckpt.plan.compact`` builds from them
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import numpy as np
@@ -16,10 +17,12 @@ from test_scale_plan import DIMS, SAVE, sm
 from zarrckpt.plan import compact
 from zarrckpt.plan.save import DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_TENSOR_BYTES, build_save_plan
 
+sc = importlib.import_module("scale_compact")  # benchmarks/: on sys.path once test_scale_plan loaded the scale model
+
 
 def test_shortcut_splits_are_the_full_ones() -> None:
-    full = sm.simulated_splits(DIMS, SAVE, range(SAVE.world))
-    short = sm.simulated_splits(DIMS, SAVE, [0, SAVE.dp])
+    full = sc.simulated_splits(DIMS, SAVE, range(SAVE.world))
+    short = sc.simulated_splits(DIMS, SAVE, [0, SAVE.dp])
     assert [s.layouts for s in short] == [s.layouts for s in full]
     # the same items (their order differs; a rank's items are matched as a multiset, each key's parts in order)
     assert [sorted(map(compact.canon, s.plain)) for s in short] == [sorted(map(compact.canon, s.plain)) for s in full]
@@ -27,7 +30,7 @@ def test_shortcut_splits_are_the_full_ones() -> None:
 
 
 def test_coordinator_plan_is_the_gathered_one() -> None:
-    splits = sm.simulated_splits(DIMS, SAVE, range(SAVE.world))
+    splits = sc.simulated_splits(DIMS, SAVE, range(SAVE.world))
     classes = compact.classes_of([s.digest() for s in splits])
     docs = [splits[m[0]].doc() for m in classes]
     leaders = [json.loads(d)["plain"] for d in docs]

@@ -1,0 +1,209 @@
+"""The scale model for the layout-based planner (``zarrckpt.plan.compact``, issue 28) at 1,024, 4,096 and
+16,384 simulated ranks: ``python benchmarks/scale_model.py --compact-scales 1024,4096,16384``."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scale_model import STEP, Dims, Layout, Timing, fake_rank, manifest_of, measure, rank_state, save_counts
+
+from zarrckpt.plan.localstate import collect
+from zarrckpt.plan.save import DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_TENSOR_BYTES, build_save_plan
+
+# -- issue 28: planning from layouts at 1,024 / 4,096 / 16,384 ranks ----------------------------------------
+
+SCALES = {
+    1024: Layout(pp=8, dp=128, ep_mp=64, ep_dp=2),
+    4096: Layout(pp=8, dp=512, ep_mp=64, ep_dp=8),
+    16384: Layout(pp=16, dp=1024, ep_mp=128, ep_dp=8),
+}
+
+
+@dataclass
+class CompactScale:
+    """One scale's figures for the layout-based planner (``zarrckpt.plan.compact``)."""
+
+    world: int
+    classes: int
+    gen_s: float
+    typical: Timing  # one rank other than 0: split, flags, class docs, local plan (its own share)
+    coordinator: Timing  # rank 0: the same plus the whole plan and every rank's payload
+    manifest_t: Timing
+    received: dict[str, int]  # per non-coordinator rank, by step
+    coordinator_received: int
+    manifest_bytes: int
+    arrays: int
+    shard_objects: int
+    puts: int
+    fallback: bool
+    gather_received: int  # what today's all-gather of descriptions would deliver per rank
+    dcp_plan_bytes: int  # DCP: a typical rank's pickled local SavePlan (gathered to the coordinator, scattered back)
+
+
+def rank_state_light(dims: Dims, layout: Layout, rank: int) -> dict[str, Any]:
+    """The per-rank leaves of :func:`rank_state` only (the rest is its stage leader's)."""
+    dp_rank = rank % layout.dp
+    rng = torch.Generator().manual_seed(rank).get_state().numpy().tobytes()
+    return {
+        "dataloader": {f"dp_{dp_rank:04d}": {"epoch": 0, "sample_index": STEP * 16 + dp_rank, "shard": dp_rank % 97}},
+        "rng": {f"rank_{rank:04d}": {"cpu": rng, "cuda": bytes(16)}},
+    }
+
+
+def simulated_splits(dims: Dims, layout: Layout, full_ranks: Sequence[int]) -> list[Any]:
+    """Every rank's ``compact.split``: ``full_ranks`` (each stage's first rank among them) simulated in
+    full, the others their stage leader's layouts and common items plus their own per-rank leaves."""
+    from zarrckpt.plan import compact
+
+    world = layout.world
+    full: dict[int, compact.Split] = {}
+    for rank in full_ranks:
+        with fake_rank(rank, world):
+            full[rank] = compact.split(collect(rank_state(dims, layout, rank)))
+    splits: list[compact.Split] = []
+    for rank in range(world):
+        if rank in full:
+            splits.append(full[rank])
+            continue
+        lead = full[rank - rank % layout.dp]
+        own = compact.split(collect(rank_state_light(dims, layout, rank))).plain
+        shared = [it for it in lead.plain if not it[1].startswith(("rng.", "dataloader."))]
+        splits.append(compact.Split(lead.layouts, shared + own))
+    return splits
+
+
+def compact_scale(dims: Dims, layout: Layout, reps: int) -> CompactScale:
+    """Simulate the layout-based planner at ``layout.world`` ranks. The leader of each stage and the
+    last rank are simulated in full (meta DTensors under the fake process group, ``collect``,
+    ``compact.split``); every other rank's split is its stage leader's layouts and common items plus
+    its own per-rank leaves (collected and split for real): by construction of :func:`rank_state`,
+    what a full simulation gives (``tests/test_plan_scale_compact.py`` checks it at 64 ranks)."""
+    from zarrckpt.plan import compact
+
+    world = layout.world
+    start = time.perf_counter()
+    splits = simulated_splits(dims, layout, sorted({s * layout.dp for s in range(layout.pp)} | {world - 1}))
+    gen_s = time.perf_counter() - start
+    digests = [s.digest() for s in splits]
+    classes = compact.classes_of(digests)
+    docs = [splits[m[0]].doc() for m in classes]
+    leaders = [json.loads(d)["plain"] for d in docs]
+    flags = np.ones(sum(map(len, leaders)), dtype=np.int64)
+    at = 0
+    for members, items in zip(classes, leaders, strict=True):
+        seg = flags[at : at + len(items)]
+        for rank in (
+            (members[0], members[-1]) if len(members) > 1 else members
+        ):  # the stage's ranks differ only in per-rank leaves
+            seg[:] = np.minimum(seg, compact.my_flags(splits[rank], items))
+        at += len(items)
+    cdocs = compact.class_docs(classes, docs, flags)
+    ci_of = {r: i for i, m in enumerate(classes) for r in m}
+    privates = [json.loads(compact.wire(compact.own_items(splits[r], cdocs[ci_of[r]]))) for r in range(world)]
+    args = (DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_TENSOR_BYTES)
+    last = world - 1
+
+    def fresh() -> list[compact.ClassDoc]:
+        return compact.class_docs(classes, docs, flags)
+
+    def coordinator() -> tuple[Any, list[bytes]]:
+        compact.my_flags(splits[0], leaders[0])
+        return compact.coordinate(fresh(), privates, world, *args)
+
+    coord_t, (plan, payloads) = measure(coordinator, reps)
+
+    def typical() -> Any:
+        mine = splits[last]
+        compact.my_flags(mine, leaders[ci_of[last]])
+        got = compact.local_plan(fresh(), payloads[last], last, world, *args)
+        return got.shards_of(last), got.metadata_of(last)
+
+    typical_t, _ = measure(typical, reps)
+    fallback = plan is None
+    if plan is None:
+        plan = build_save_plan([])  # never at these layouts
+    manifest_t, manifest = measure(lambda: manifest_of(plan), 1)
+    counts = save_counts(plan, manifest)
+    blocks = compact.replica_blocks(compact.held_tables(fresh(), None)[0], plan)
+    received = {
+        "A. all-gather of 16-byte layout digests": 16 * world,
+        "B. one broadcast per class (the classes' documents)": sum(len(d) + 8 for d in docs),
+        "C. MIN all-reduce of one flag per class item (int64)": 8 * len(flags),
+        "D. gather of per-rank items to rank 0 (its longest length)": 8,
+        "E. scatter from rank 0 (zarr.json share, own arrays; padded to the longest)": 16 + max(map(len, payloads)),
+        "F. replica check: MIN all-reduce of 2 digests per replicated block": 16 * len(blocks),
+    }
+    longest = max(len(compact.wire(p)) for p in privates)
+    desc = json.dumps(collect_desc(dims, layout, last), separators=(",", ":"))
+    return CompactScale(
+        world=world,
+        classes=len(classes),
+        gen_s=gen_s,
+        typical=typical_t,
+        coordinator=coord_t,
+        manifest_t=manifest_t,
+        received=received,
+        coordinator_received=sum(received.values()) + (8 + longest) * world,
+        manifest_bytes=len(manifest),
+        arrays=counts.arrays,
+        shard_objects=counts.shard_objects,
+        puts=counts.puts,
+        fallback=fallback,
+        gather_received=len(desc) * world,
+        dcp_plan_bytes=dcp_plan_bytes(dims, layout, last),
+    )
+
+
+def collect_desc(dims: Dims, layout: Layout, rank: int) -> Any:
+    with fake_rank(rank, layout.world):
+        return collect(rank_state(dims, layout, rank)).describe().to_json()
+
+
+def dcp_plan_bytes(dims: Dims, layout: Layout, rank: int) -> int:
+    """DCP's local save plan of ``rank`` (``DefaultSavePlanner``), pickled as ``gather_object`` sends it."""
+    import pickle
+
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dict  # noqa: F401
+
+    with fake_rank(rank, layout.world):
+        state = rank_state(dims, layout, rank)
+        flat = {k: v for k, v in _flat_tensors(state).items()}
+        planner = DefaultSavePlanner()
+        planner.set_up_planner(flat, is_coordinator=rank == 0)
+        return len(pickle.dumps(planner.create_local_plan()))
+
+
+def _flat_tensors(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in state.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flat_tensors(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def compact_main(reps: int, scales: Sequence[int], out: Path) -> None:
+    from scale_report import render_compact, splice
+
+    results = []
+    for world in scales:
+        t = time.perf_counter()
+        results.append(compact_scale(Dims(), SCALES[world], reps))
+        print(f"{world} ranks: {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
+    section = render_compact(results)
+    out.write_text(splice(out.read_text() if out.exists() else "", section))
+    print(section)
