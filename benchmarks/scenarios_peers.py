@@ -17,6 +17,7 @@ import os
 import random
 import shutil
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -245,6 +246,30 @@ def many_raw_writer(state: dict[str, Any], root: Path) -> Callable[[], None]:
     return write
 
 
+def many_raw_files_writer(state: dict[str, Any], root: Path) -> Callable[[], None]:
+    """The per-object floor of one Zarr array per tensor: the same share of the bytes as
+    :func:`many_raw_writer`, but each tensor in a directory of its own as two files (its data, and
+    700 bytes standing for its ``zarr.json``), each fsync'd, 8 in flight (zarrckpt's local writes)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = [t for i, t in enumerate(_locals(state["model"])) if i % world == rank] + [state["big"].to_local()]
+    doc = b" " * 700
+
+    def one(item: tuple[int, torch.Tensor]) -> None:
+        folder = root / f"{rank}-{item[0]}"
+        folder.mkdir(parents=True)
+        for name, data in (("c", item[1].numpy().data.cast("B")), ("zarr.json", doc)):
+            with open(folder / name, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+
+    def write() -> None:
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(one, enumerate(mine)))
+
+    return write
+
+
 def many_phase(rank: int, world: int, cfg: dict[str, Any]) -> None:
     """Scenario 7 on ``world`` ranks: save the many-tensors state with each library (and the raw
     write), then load each checkpoint into a zeroed state of the same layout and check every tensor
@@ -261,6 +286,8 @@ def many_phase(rank: int, world: int, cfg: dict[str, Any]) -> None:
             return lambda: zarrckpt.save(state, str(path))
         if lib == "raw":
             return many_raw_writer(state, path)
+        if lib == "raw-files":
+            return many_raw_files_writer(state, path)
         return lambda: dcp.save(state, storage_writer=FileSystemWriter(str(path)))
 
     def load(lib: str, state: dict[str, Any], path: Path) -> Callable[[], None]:
@@ -273,7 +300,7 @@ def many_phase(rank: int, world: int, cfg: dict[str, Any]) -> None:
         save(lib, tiny, root / f"warm-{lib}")()
         load(lib, tiny, root / f"warm-{lib}")()
     source = many_state(cfg["many_tensors"], cfg["many_big_mib"], mesh)
-    for lib in (*libs, "raw"):
+    for lib in (*libs, "raw", "raw-files"):
         if rank == 0:
             os.sync()
         results[f"many{world}_save/{lib}"] = measure(save(lib, source, root / lib))
@@ -292,7 +319,7 @@ def many_phase(rank: int, world: int, cfg: dict[str, Any]) -> None:
             t.zero_()
     dist.barrier()
     if rank == 0:
-        results[f"many{world}_files"] = {lib: disk_usage(root / lib) for lib in (*MANY_LIBS, "raw")}
+        results[f"many{world}_files"] = {lib: disk_usage(root / lib) for lib in (*MANY_LIBS, "raw", "raw-files")}
         small = sum(t.numel() * 4 for t in _locals(target["model"]))
         results[f"many{world}_state"] = {"tensors": len(expected), "bytes": small + target["big"].numel() * 4}
         Path(cfg["result"]).write_text(json.dumps(results))

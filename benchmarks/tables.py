@@ -66,6 +66,7 @@ LIB_NAMES = {
     "tensorstore": "TensorStore zarr3",
     "raw": "raw: 1 file per rank, sequential",
     "raw8": "raw: 1 file per shard, 8 threads",
+    "raw-files": "raw: 2 files per tensor (data + 700 B), 8 threads",
     "s3tc": "s3torchconnector (DCP + S3StorageWriter / Reader)",
 }
 LIB_HEADER = ["library", "median s", "GB/s", "time / zarrckpt's", "machine CPU busy", "every repetition (s)"]
