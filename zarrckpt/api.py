@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, MutableMapping, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from zarrckpt.display import ProgressOption, watch
@@ -101,12 +102,9 @@ def save(
     start = time.perf_counter()
     resolved, _ = stateful.resolve(state_dict)
     local = group.run_together(lambda: collect(resolved, allow_pickle), "collecting the state dict")
-    plan = plan_save(group, local, chunk_bytes, check_replicas, small_tensor_bytes)
     storage = Storage(url, storage_options, verify_writes=verify_after_save)
-    # before anything is written; on every rank when any refuses (a rank's plan holds only the arrays it
-    # writes and those of its class of ranks, zarrckpt.plan.compact)
-    names = list(plan.arrays.values())
-    group.run_together(lambda: check_names(names, storage.name_limits, storage.url), "checking object names")
+    names = partial(check_names, limits=storage.name_limits, where=storage.url)  # before anything is written
+    plan = plan_save(group, local, chunk_bytes, check_replicas, small_tensor_bytes, check=names)
     bar = watch(storage, progress, f"save {storage.url}", plan.bytes_of(group.rank), group.rank)
     save_id = group.run_together(lambda: protocol.prepare(storage, overwrite) if group.rank == 0 else "", "preparing")
     written: integrity.Written = {}

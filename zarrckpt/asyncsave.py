@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
 import crc32c
@@ -181,12 +182,9 @@ def async_save(
         local = group.run_together(lambda: collect(resolved, allow_pickle), "collecting the state dict")
         # staging in the background: the small-tensor exchange runs on the writer thread too, before the copy
         later = staging == "background"
-        plan = plan_save(group, local, chunk_bytes, check_replicas, small_tensor_bytes, exchange=not later)
         storage = Storage(url, storage_options, verify_writes=verify_after_save)
-        # before anything is written; on every rank when any refuses (a rank's plan holds only the arrays it
-        # writes and those of its class of ranks, zarrckpt.plan.compact)
-        names = list(plan.arrays.values())
-        group.run_together(lambda: check_names(names, storage.name_limits, storage.url), "checking object names")
+        names = partial(check_names, limits=storage.name_limits, where=storage.url)  # raises here, at the call
+        plan = plan_save(group, local, chunk_bytes, check_replicas, small_tensor_bytes, exchange=not later, check=names)
         background = side_group(process_group) if group.active else group
         handoff = _Handoff(staging_budget_bytes)
         expected: dict[int, tuple[LocalTensor, int]] | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from zarrckpt.engine import commit as protocol
@@ -34,6 +34,7 @@ def plan_save(
     small_tensor_bytes: int,
     *,
     exchange: bool = True,
+    check: Callable[[list[ArrayMeta]], None] | None = None,
 ) -> ZarrSavePlan:
     """Every rank: its plan from the ranks' layouts (:mod:`zarrckpt.plan.compact`: a digest
     all-gather, one broadcast per class of ranks, one MIN all-reduce, a gather to and a scatter from
@@ -41,15 +42,20 @@ def plan_save(
     ranks' gathered descriptions; the same plan either way. Then check that replicated blocks hold
     the same bytes (a MIN all-reduce of their digests, only when some are replicated), and hand
     each small tensor's writer the parts it lacks (one exchange, only when there are such; not with
-    ``exchange=False``: the caller runs :func:`zarrckpt.engine.exchange.gather_small` itself)."""
+    ``exchange=False``: the caller runs :func:`zarrckpt.engine.exchange.gather_small` itself).
+
+    ``check`` (the object-name check) sees every array of the plan before anything else: on rank 0,
+    whose error every rank raises, or on every rank where each has the whole plan."""
     from zarrckpt.plan import compact
 
     planned = None
     if group.active and not compact.FORCE_GATHER:
-        planned = compact.plan_compact(group, local, chunk_bytes, small_tensor_bytes, group.to_group_rank)
+        planned = compact.plan_compact(group, local, chunk_bytes, small_tensor_bytes, group.to_group_rank, check)
     if planned is None:
         views = group.all_gather_json(local.describe().to_json())
         plan = build_save_plan([RankDescription.from_json(v) for v in views], chunk_bytes, small_tensor_bytes)
+        if check is not None:
+            check(list(plan.arrays.values()))
         if check_replicas:
             replicas.check(group, plan, local)
     else:

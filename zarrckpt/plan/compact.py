@@ -42,6 +42,7 @@ from zarrckpt.plan.rankdesc import TensorSpec
 from zarrckpt.plan.save import Held, ZarrSavePlan, metadata_shares, plan_held
 
 MAX_CLASSES = 256
+Check = Callable[[list[ArrayMeta]], None]  # a check of every array of the plan (object names), run by rank 0
 FORCE_GATHER = False  # tests: plan by gathering every description (the planner before issue 28)
 
 
@@ -215,13 +216,22 @@ def held_tables(docs: list[ClassDoc], privates: list[list[list[Any]]] | None) ->
 
 
 def coordinate(
-    docs: list[ClassDoc], privates: list[list[list[Any]]], world: int, chunk_bytes: int, small_tensor_bytes: int
+    docs: list[ClassDoc],
+    privates: list[list[list[Any]]],
+    world: int,
+    chunk_bytes: int,
+    small_tensor_bytes: int,
+    check: Check | None = None,
 ) -> tuple[ZarrSavePlan | None, list[bytes]]:
-    """Rank 0: the whole plan, and each rank's payload (its zarr.json share and the arrays of its
-    own items it writes); ``(None, fallback payloads)`` where the class plans could differ from it."""
+    """Rank 0: the whole plan (its arrays passed through ``check``), and each rank's payload (its
+    zarr.json share and the arrays of its own items it writes); ``(None, fallback payloads)`` where
+    the class plans could differ from it; an error payload for every rank where planning or
+    ``check`` raised."""
     try:
         tensors, values = held_tables(docs, privates)
         plan = plan_held(tensors, values, world, chunk_bytes, small_tensor_bytes)
+        if check is not None:
+            check(list(plan.arrays.values()))
     except ZarrckptError as e:
         return None, [wire({"error": [type(e).__name__, str(e)]})] * world
     own = {key for items in privates for kind, key, _ in items if kind == "t"}
@@ -291,6 +301,7 @@ def plan_compact(
     chunk_bytes: int,
     small_tensor_bytes: int,
     to_group: Callable[[int], int] = lambda r: r,
+    check: Check | None = None,
 ) -> tuple[ZarrSavePlan, Held] | None:
     """This rank's plan by the protocol above (collective), with the class tensors' holders (for
     the replica check); None: plan by gathering every description instead (every rank alike)."""
@@ -309,7 +320,7 @@ def plan_compact(
     cdocs = class_docs(classes, docs, coll.all_reduce_min(flags))
     privates = [json.loads(raw) for raw in coll.gather_to0(wire(own_items(mine, cdocs[ci])))]
     if coll.rank == 0:
-        plan, payloads = coordinate(cdocs, privates, coll.size, chunk_bytes, small_tensor_bytes)
+        plan, payloads = coordinate(cdocs, privates, coll.size, chunk_bytes, small_tensor_bytes, check)
         coll.scatter_from0(payloads)
         if plan is None:  # raises the error, or answers None (fall back), as on the other ranks
             local_plan(cdocs, payloads[0], 0, coll.size, chunk_bytes, small_tensor_bytes)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import sys
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeGuard
@@ -221,10 +222,29 @@ def mesh_layout(value: DTensor, box: Box) -> MeshLayout | None:
             placements.append(REPLICATE)
         else:
             return None
-    mesh = value.device_mesh
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:
+    facts = _mesh_facts(value.device_mesh)
+    if facts is None:
         return None
-    ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
-    layout = MeshLayout(tuple(value.shape), tuple(mesh.shape), ranks, tuple(placements))
+    shape, ranks, coordinate = facts
+    layout = MeshLayout(tuple(value.shape), shape, ranks, tuple(placements))
     return layout if layout.box_at(coordinate) == box else None
+
+
+_MESHES: dict[int, tuple[weakref.ref[Any], tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None]] = {}
+
+
+def _mesh_facts(mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None:
+    """(shape, ranks in mesh order, this rank's coordinate) of a DeviceMesh, or None when this rank
+    is not in it; remembered per mesh (``DeviceMesh.mesh`` builds a tensor each time: a fifth of
+    collecting an FSDP state's 54 DTensors)."""
+    entry = _MESHES.get(id(mesh))
+    if entry is not None and entry[0]() is mesh:
+        return entry[1]
+    coordinate = mesh.get_coordinate()
+    facts = None
+    if coordinate is not None:
+        facts = (tuple(mesh.shape), tuple(int(r) for r in mesh.mesh.flatten().tolist()), tuple(coordinate))
+    if len(_MESHES) > 64:
+        _MESHES.clear()
+    _MESHES[id(mesh)] = (weakref.ref(mesh), facts)
+    return facts
