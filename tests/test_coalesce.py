@@ -179,3 +179,28 @@ def test_assembling_refuses_pieces_of_the_wrong_size() -> None:
         _assemble(0, plan, LocalState({key: [part]}, {}), [b"", bytes(4)])
     with pytest.raises(ZarrckptError, match=r"ranks \[1\] sent more bytes"):
         _assemble(0, plan, LocalState({key: [part]}, {}), [b"", bytes(324)])
+
+
+def test_replicated_tensors_are_written_by_all_their_holders_in_turn() -> None:
+    """A DDP state (every tensor whole on every rank) was written by rank 0 alone; now each tensor's
+    writer is taken in turn among its holders, and an HSDP-like tensor (two replicas of a 2-way
+    split) spreads each shard over its own replicas."""
+    full = [(f"w{i}", (64, 8)) for i in range(8)]
+    descs = [
+        RankDescription.of([(k, TensorSpec(s, "float32", ArrayKind.TENSOR, Box.full(s), {})) for k, s in full], {})
+        for _ in range(WORLD)
+    ]
+    plan = build_save_plan(descs, small_tensor_bytes=0)
+    writers = [plan.owners[k][(0, 0)] for k, _ in full]
+    assert writers == [0, 1, 2, 3, 0, 1, 2, 3], writers
+    assert all(len(plan.shards_of(r)) == 2 for r in range(WORLD))
+    halves = [Box((0, 0), (32, 8)), Box((32, 0), (32, 8))]  # ranks 0 and 2 hold the top half, 1 and 3 the bottom
+    descs = [
+        RankDescription.of(
+            [(k, TensorSpec((64, 8), "float32", ArrayKind.TENSOR, halves[r % 2], {})) for k in ("h1", "h2")], {}
+        )
+        for r in range(WORLD)
+    ]
+    owners = build_save_plan(descs, small_tensor_bytes=0).owners
+    assert owners["h1"] == {(0, 0): 0, (1, 0): 1}  # the first replicated tensor: each shard's first holder
+    assert owners["h2"] == {(0, 0): 2, (1, 0): 3}  # the next one: each shard's second holder

@@ -232,8 +232,20 @@ def cells_in(box: Box, cell: Shape) -> Iterator[Shape]:
     yield from itertools.product(*ranges)
 
 
+def holders_of_cells(cell: Shape, claims: Sequence[Claim]) -> dict[Shape, tuple[int, ...]]:
+    """Every grid cell some claim contains, and the ranks whose claims contain it (ascending)."""
+    holders: dict[Shape, list[int]] = {}
+    for c in sorted(claims, key=lambda c: c.rank):
+        for idx in cells_in(c.box, cell):
+            held = holders.setdefault(idx, [])
+            if not held or held[-1] != c.rank:
+                held.append(c.rank)
+    return {idx: tuple(held) for idx, held in holders.items()}
+
+
 def owner_of_cells(shape: Shape, cell: Shape, claims: Sequence[Claim]) -> dict[Shape, int]:
-    """Assign each grid cell to the lowest rank whose claimed box contains it."""
+    """Assign each grid cell to the lowest rank whose claimed box contains it (the plan spreads replicated
+    cells over :func:`holders_of_cells` instead)."""
     owner: dict[Shape, int] = {}
     for c in sorted(claims, key=lambda c: c.rank):
         for idx in cells_in(c.box, cell):

@@ -20,6 +20,7 @@ from zarrckpt.format.layout import (
     Shape,
     cell_box,
     coverage_problems,
+    holders_of_cells,
     inner_chunk_shape,
     owner_of_cells,
     shard_shape_for,
@@ -96,6 +97,7 @@ class _Grid:
     owners: dict[Shape, int]
     topology: dict[str, Any]
     replicated: bool
+    holders: dict[Shape, tuple[int, ...]] = field(default_factory=dict)  # replicated: each cell's holders
 
 
 def build_save_plan(
@@ -160,6 +162,7 @@ def _plan(tensors: Held, values: Held, world_size: int, chunk_bytes: int, small_
     grids: dict[tuple[tuple[int, ...], tuple[int, ...]], _Grid] = {}
     gathers: dict[str, dict[Shape, Gather]] = {}
     turn = 0  # small shards' writers are taken in turn over the save
+    spread = 0  # so are replicated tensors' writers, among each shard's holders (all of them write a DDP state)
     for key in sorted(tensors):
         ranks, specs = tensors[key]
         same = (tuple(ranks), tuple(map(id, specs)))
@@ -191,6 +194,8 @@ def _plan(tensors: Held, values: Held, world_size: int, chunk_bytes: int, small_
         owners[key] = grid.owners if constant is None else {}  # a constant array: metadata only
         if grid.replicated and constant is None:  # equal constants are equal replicas
             replicated.add(key)
+            owners[key] = {idx: held[spread % len(held)] for idx, held in grid.holders.items()}
+            spread += 1
         itemsize = storage_dtype(first.dtype).itemsize
         if constant is None and len(grid.owners) > 1 and small_tensor_bytes:
             coarse = coarse_shard(grid.shape, grid.shard, itemsize, small_tensor_bytes)
@@ -249,7 +254,8 @@ def _grid(ranks: list[int], specs: list[TensorSpec], world_size: int, chunk_byte
     topology.update(world_size=world_size, holders=len(set(ranks)))
     chunk = inner_chunk_shape(shard, itemsize, chunk_bytes)
     replicated = len({c.box for c in claims}) < len(claims)
-    return _Grid(shape, shard, chunk, owner_of_cells(shape, shard, claims), topology, replicated)
+    holders = holders_of_cells(shard, claims) if replicated else {}
+    return _Grid(shape, shard, chunk, owner_of_cells(shape, shard, claims), topology, replicated, holders)
 
 
 def _drop_empty_prefixes(values: Held, keys: set[str]) -> None:
