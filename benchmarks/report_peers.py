@@ -12,14 +12,13 @@ MANY_TITLE = "## 7. Many small tensors, local disk"
 MANY_BUDGET_S = 5.0  # zarrckpt's save and load of the many-tensors state on 1 rank
 
 _MANY_SAVE = (
-    "an array per tensor is two objects (a shard and its `zarr.json`; 41,255 files for 20,001 tensors here, DCP "
-    "2): the per-object floor, the same share of bytes written as two fsync'd files per tensor 8 at a time (the "
+    "an array per tensor is two objects (a shard and its `zarr.json`; the file counts are in section 7): "
+    "the per-object floor, the same share of bytes written as two fsync'd files per tensor 8 at a time (the "
     "`raw: 2 files per tensor` row), alone takes longer than DCP on this disk, so an array per tensor cannot meet "
     "the DCP target here. Above that floor: per-tensor CPU (measured on 1 rank, 20,000 tensors, outside the "
     "suite: describing the state 1.4 s, planning 0.6 s, the `zarr.json` documents 0.6 s, encoding the shards "
     "0.4 s, the manifest and its commit record 2.1 s), each file published through a temporary name and a "
-    "link, and on 4 ranks the lowest rank writing every replicated tensor alone (spreading replicated writers "
-    "over their holders is the next step)."
+    "link."
 )
 _MANY_LOAD = (
     "per-tensor CPU: parsing the 17 MB manifest (its JSON ~1.2 s, 20,000 array documents ~1.3 s), planning the "
