@@ -199,11 +199,11 @@ def _flat_tensors(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def compact_main(reps: int, scales: Sequence[int], out: Path) -> None:
     from scale_report import render_compact, splice
 
-    results = []
+    results, section = [], ""
     for world in scales:
         t = time.perf_counter()
         results.append(compact_scale(Dims(), SCALES[world], reps))
         print(f"{world} ranks: {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
-    section = render_compact(results)
-    out.write_text(splice(out.read_text() if out.exists() else "", section))
+        section = render_compact(results)  # after each scale: a long run stopped later keeps what it measured
+        out.write_text(splice(out.read_text() if out.exists() else "", section))
     print(section)
