@@ -196,3 +196,36 @@ def test_background_staging_exchanges_small_tensors_off_the_callers_thread(tmp_p
     zarrckpt.load(got, tmp_path / "ck")
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert zarrckpt.open(tmp_path / "ck")["norm0"].meta.shard_shape == (64,)  # joined: one shard, one writer
+
+
+def _exchange_fails(rank: int, world: int, url: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from zarrckpt.engine import exchange
+
+    mesh = init_device_mesh("cpu", (world,))
+    state = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in _small_and_big().items()}
+    real = exchange._outgoing
+
+    def broken(*args: Any) -> list[bytes]:
+        if rank == 1:
+            raise zarrckpt.ZarrckptError("a part went missing")  # what a rank lacking its part raises
+        return real(*args)
+
+    exchange._outgoing = broken  # type: ignore[assignment]
+    try:
+        future = zarrckpt.async_save(state, url, staging="background")
+        future.wait_staged(timeout=60)  # the copy does not wait forever for an exchange that failed
+        with pytest.raises(zarrckpt.ZarrckptError, match=r"a part went missing|failed on rank 1"):
+            future.result(timeout=60)
+    finally:
+        exchange._outgoing = real  # type: ignore[assignment]
+
+
+@pytest.mark.slow
+def test_a_failed_background_exchange_fails_the_save_on_every_rank(tmp_path: Path) -> None:
+    from zarrckpt.testing import spawn
+
+    spawn(2, _exchange_fails, str(tmp_path / "ck"))
+    assert zarrckpt.list_checkpoints(tmp_path).get("ck") != "committed"  # nothing committed
