@@ -121,28 +121,27 @@ def compact_scale(dims: Dims, layout: Layout, reps: int) -> CompactScale:
         compact.my_flags(splits[0], leaders[0])
         return compact.coordinate(fresh(), privates, world, *args)
 
-    coord_t, (plan, payloads) = measure(coordinator, reps)
+    coord_t, (planned, payloads) = measure(coordinator, reps)
 
     def typical() -> Any:
         mine = splits[last]
         compact.my_flags(mine, leaders[ci_of[last]])
         got = compact.local_plan(fresh(), payloads[last], last, world, *args)
-        return got.shards_of(last), got.metadata_of(last)
+        assert got is not None
+        return got.plan.shards_of(last), got.plan.metadata_of(last)
 
     typical_t, _ = measure(typical, reps)
-    fallback = plan is None
-    if plan is None:
-        plan = build_save_plan([])  # never at these layouts
+    fallback = planned is None
+    plan = build_save_plan([]) if planned is None else planned.plan  # (never None at these layouts)
     manifest_t, manifest = measure(lambda: manifest_of(plan), 1)
     counts = save_counts(plan, manifest)
-    blocks = compact.replica_blocks(compact.held_tables(fresh(), None)[0], plan)
     received = {
         "A. all-gather of 16-byte layout digests": 16 * world,
         "B. one broadcast per class (the classes' documents)": sum(len(d) + 8 for d in docs),
         "C. MIN all-reduce of one flag per class item (int64)": 8 * len(flags),
         "D. gather of per-rank items to rank 0 (its longest length)": 8,
         "E. scatter from rank 0 (zarr.json share, own arrays; padded to the longest)": 16 + max(map(len, payloads)),
-        "F. replica check: MIN all-reduce of 2 digests per replicated block": 16 * len(blocks),
+        "F. replica check: MIN all-reduce of 2 digests per replicated block": 16 * (planned.blocks if planned else 0),
     }
     longest = max(len(compact.wire(p)) for p in privates)
     desc = json.dumps(collect_desc(dims, layout, last), separators=(",", ":"))

@@ -73,12 +73,34 @@ def _compare_plans(rank: int, world: int, which: str, expect_compact: bool) -> N
     assert (got is not None) == expect_compact
     if got is None:
         return
-    plan = got[0]
+    plan = got.plan
     assert plan.shards_of(rank) == want.shards_of(rank)
     assert plan.metadata_of(rank) == want.metadata_of(rank)
-    assert plan.gathers == want.gathers and plan.replicated == want.replicated
-    if rank == 0:
-        assert plan == want
+    blocks, starts = compact.block_starts(_held_by_rank(views), want)
+    assert got.blocks == blocks > 0 and want.turns
+    if rank == 0:  # the coordinator: the whole plan
+        assert plan == want and got.block_index == compact.block_index(_held_by_rank(views), want, starts)
+        return
+    held = set(local.tensors)  # the tensors its class holds, with their writers from the whole save
+    assert len(plan.arrays) < len(want.arrays)
+    assert {k: want.gathers[k] for k in want.gathers if k in held} == plan.gathers
+    assert want.replicated & held == plan.replicated
+    assert {k: want.owners[k] for k in plan.owners} == plan.owners
+    index = compact.block_index(_held_by_rank(views), want, starts)
+    assert got.block_index == {k: i for k, i in index.items() if k[0] in held}
+
+
+def _held_by_rank(views: list[Any]) -> dict[str, tuple[list[int], list[Any]]]:
+    """Every replicated tensor's holders and specs, from every rank's description."""
+    out: dict[str, tuple[list[int], list[Any]]] = {}
+    for rank, view in enumerate(views):
+        desc = RankDescription.from_json(view)
+        for key, parts in desc.tensors.items():
+            for i in parts:
+                entry = out.setdefault(key, ([], []))
+                entry[0].append(rank)
+                entry[1].append(desc.specs[i])
+    return out
 
 
 def _save(rank: int, world: int, which: str, url: str, force: bool) -> None:
@@ -114,3 +136,21 @@ def test_checkpoints_are_byte_identical(tmp_path: Path, which: str) -> None:
     before, after = _files(tmp_path / "gathered"), _files(tmp_path / "compact")
     assert before.keys() == after.keys() and len(before) > 10
     assert [k for k in before if before[k] != after[k]] == []
+
+
+def _differing_replicas(rank: int, world: int, url: str) -> None:
+    """Stage 0 (ranks 0, 1) holds a replicated tensor whose copies differ; stage 1 holds no replicated
+    tensor at all, so its ranks' own plans list no replicated block: they must still take part in the
+    check and fail with the others, not hang or write."""
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
+    stage = rank // (world // 2)
+    state: dict[str, Any] = {f"stage{stage}": {"w": _dt(torch.arange(8.0).reshape(4, 2), mesh["dp"], [Shard(0)])}}
+    if stage == 0:
+        state["stage0"]["rep"] = torch.arange(3.0) + rank  # a plain tensor: replicated, differing
+    with pytest.raises(zarrckpt.SaveLayoutError, match=r"stage0\.rep: replicas with different contents"):
+        zarrckpt.save(state, url)
+
+
+def test_differing_replicas_fail_every_rank_also_those_holding_none(tmp_path: Path) -> None:
+    spawn(4, _differing_replicas, str(tmp_path / "ck"))
+    assert not (tmp_path / "ck" / "zarr.json").exists()

@@ -5,6 +5,7 @@ Everything exchanged is JSON encoded into uint8 tensors, so no pickle crosses ra
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -220,7 +221,7 @@ class Group:
         out = torch.empty(sum(lengths), dtype=torch.uint8, device=self.device)
         torch_dist.all_to_all_single(out, data, lengths, [len(b) for b in outgoing], group=self.pg)
         raw = bytes(out.cpu().numpy())
-        ends = [sum(lengths[: r + 1]) for r in range(self.size)]
+        ends = itertools.accumulate(lengths)  # (not a sum per rank: O(world) here, at 16,384 ranks too)
         return [raw[end - n : end] for end, n in zip(ends, lengths, strict=True)]
 
     def barrier(self) -> None:

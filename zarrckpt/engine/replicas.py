@@ -53,8 +53,12 @@ def differences(views: Sequence[dict[str, list[list[Any]]]]) -> list[str]:
 
 def check(group: Group, plan: ZarrSavePlan, local: LocalState) -> None:
     """Raise SaveLayoutError on every rank when the replicas of some block differ (one collective, if any)."""
-    if not plan.replicated or not group.active:
-        return
+    if plan.replicated and group.active:
+        report(group, plan, local)
+
+
+def report(group: Group, plan: ZarrSavePlan, local: LocalState) -> None:
+    """:func:`check` on every rank, whatever its plan holds (collective)."""
     problems = differences(group.all_gather_json(digests(plan, local)))
     if problems:
         raise SaveLayoutError(

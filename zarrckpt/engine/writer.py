@@ -59,12 +59,11 @@ def plan_save(
         if check_replicas:
             replicas.check(group, plan, local)
     else:
-        plan, held = planned
-        if check_replicas and plan.replicated:
-            blocks = compact.replica_blocks(held, plan)
-            low = group.all_reduce_min(compact.replica_vector(blocks, replicas.digests(plan, local)))
-            if (low[: len(blocks)] != -low[len(blocks) :]).any():
-                replicas.check(group, plan, local)  # the replicas differ: gather their digests for the message
+        plan, n = planned.plan, planned.blocks
+        if check_replicas and n:  # the save's count: a rank holding none of them takes part too
+            low = group.all_reduce_min(compact.replica_vector(planned, replicas.digests(plan, local)))
+            if (low[:n] != -low[n:]).any():
+                replicas.report(group, plan, local)  # the replicas differ: gather their digests for the message
     if exchange:
         gather_small(group, plan, local)
     return plan

@@ -3,7 +3,8 @@
 A tensor whose shard grid (one shard per rank's box) gives shards under ``small_tensor_bytes``
 gets a coarser grid: the cells joined along dimension 0 first, then the next, until a shard has
 at least that many bytes (the whole tensor when it is smaller). Each joined shard is written by
-one of the ranks owning one of its cells, taken in turn over the save; every other cell is sent
+one of the ranks owning one of its cells, taken in turn over the save (the coordinator hands
+each rank the turn of each of its tensors, :mod:`zarrckpt.plan.compact`); every other cell is sent
 to it by its owner (:mod:`zarrckpt.engine.exchange` does the sending). Nothing here imports torch.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from zarrckpt.format.layout import Box, Shape, cell_box
 from zarrckpt.plan.rankdesc import TensorSpec
@@ -38,32 +39,54 @@ def coarse_shard(shape: Shape, cell: Shape, itemsize: int, target_bytes: int) ->
     return tuple(shard)
 
 
-def shard_gathers(
-    shape: Shape,
-    cell: Shape,
-    coarse: Shape,
-    cell_owners: dict[Shape, int],
-    ranks: Sequence[int],
-    specs: Sequence[TensorSpec],
-    turn: int,
-) -> tuple[dict[Shape, Gather], int]:
-    """The :class:`Gather` of every joined shard (by its index in the coarse grid), and ``turn``
-    advanced by one per shard (the writer of the n-th shard of a save is the ``n % k``-th of its
-    ``k`` cell owners)."""
-    held: dict[int, list[Box]] = {}
-    for rank, spec in zip(ranks, specs, strict=True):
-        held.setdefault(rank, []).append(spec.box)
-    cells: dict[Shape, list[tuple[Box, int]]] = {}
-    for idx in sorted(cell_owners):
-        box = cell_box(idx, cell, shape)
-        cells.setdefault(tuple(o // c for o, c in zip(box.offsets, coarse, strict=True)), []).append(
-            (box, cell_owners[idx])
-        )
-    out = {}
-    for idx, inside in cells.items():
-        candidates = sorted({owner for _, owner in inside})
-        writer = candidates[turn % len(candidates)]
-        turn += 1
-        pieces = tuple((box, owner) for box, owner in inside if not any(h.contains(box) for h in held[writer]))
-        out[idx] = Gather(writer, pieces)
-    return out, turn
+@dataclass(frozen=True)
+class Joins:
+    """A grid's joined shards: the cells of each (by its index in the coarse grid) with their owners,
+    and every holder's boxes; shared by the keys with the same holders and boxes."""
+
+    cells: dict[Shape, list[tuple[Box, int]]]
+    held: dict[int, list[Box]] | None  # None: each cell is held by its owner alone (no replicas)
+    _pieces: dict[tuple[Shape, int], tuple[tuple[Box, int], ...]] = field(default_factory=dict)
+
+    @classmethod
+    def of(
+        cls,
+        shape: Shape,
+        cell: Shape,
+        coarse: Shape,
+        cell_owners: dict[Shape, int],
+        ranks: Sequence[int],
+        specs: Sequence[TensorSpec],
+        replicated: bool,
+    ) -> Joins:
+        held: dict[int, list[Box]] | None = None
+        if replicated:
+            held = {}
+            for rank, spec in zip(ranks, specs, strict=True):
+                held.setdefault(rank, []).append(spec.box)
+        cells: dict[Shape, list[tuple[Box, int]]] = {}
+        for idx in sorted(cell_owners):
+            box = cell_box(idx, cell, shape)
+            cells.setdefault(tuple(o // c for o, c in zip(box.offsets, coarse, strict=True)), []).append(
+                (box, cell_owners[idx])
+            )
+        return cls(cells, held)
+
+    def gathers(self, turn: int) -> dict[Shape, Gather]:
+        """The :class:`Gather` of every joined shard when the first one's writer is taken at ``turn``
+        (the writer of the n-th shard of a save is the ``n % k``-th of its ``k`` cell owners)."""
+        out = {}
+        for idx, inside in self.cells.items():
+            candidates = sorted({owner for _, owner in inside})
+            writer = candidates[turn % len(candidates)]
+            turn += 1
+            pieces = self._pieces.get((idx, writer))
+            if pieces is None:
+                if self.held is None:
+                    pieces = tuple((box, owner) for box, owner in inside if owner != writer)
+                else:
+                    held = self.held[writer]
+                    pieces = tuple((box, owner) for box, owner in inside if not any(h.contains(box) for h in held))
+                self._pieces[idx, writer] = pieces
+            out[idx] = Gather(writer, pieces)
+        return out

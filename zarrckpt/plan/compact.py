@@ -36,6 +36,7 @@ from zarrckpt.errors import ZarrckptError
 from zarrckpt.format.array import ArrayMeta
 from zarrckpt.format.keys import key_to_path
 from zarrckpt.format.layout import Box
+from zarrckpt.plan.gcpause import gc_paused
 from zarrckpt.plan.localstate import LocalState
 from zarrckpt.plan.meshlayout import MeshLayout
 from zarrckpt.plan.rankdesc import TensorSpec
@@ -116,9 +117,19 @@ class ClassDoc:
     common: list[list[Any]]
     _held: dict[str, tuple[list[int], list[Any]]] = field(default_factory=dict)
 
-    def held(self) -> dict[str, tuple[list[int], list[Any]]]:
+    def keys(self) -> set[str]:
+        """The tensor keys this class holds."""
+        return set(self.layouts) | {key for kind, key, _ in self.common if kind == "t"}
+
+    def held(self, only: set[str] | None = None) -> dict[str, tuple[list[int], list[Any]]]:
         """key -> (holder per part, parts) for this class's tensors and values (lists shared between
-        keys of the same layout)."""
+        keys of the same layout); with ``only``, for those tensor keys alone."""
+        if only is not None:
+            return ClassDoc(
+                self.members,
+                {k: v for k, v in self.layouts.items() if k in only},
+                [item for item in self.common if item[0] == "t" and item[1] in only],
+            ).held()
         if self._held:
             return self._held
         by_entry: dict[str, tuple[list[int], list[Any]]] = {}
@@ -127,7 +138,7 @@ class ClassDoc:
             if c not in by_entry:
                 spec = TensorSpec.from_json({**entry["spec"], "box": [[], []]})
                 boxes = dict(MeshLayout.from_json(spec.shape, entry["mesh"]).holders())
-                by_entry[c] = (self.members, [_with_box(spec, boxes[m]) for m in self.members])
+                by_entry[c] = (self.members, _with_boxes(spec, [boxes[m] for m in self.members]))
             self._held[key] = by_entry[c]
         parts: dict[str, list[Any]] = {}
         specs: dict[str, TensorSpec] = {}  # equal items: one spec object (keys with equal holders share a grid)
@@ -142,14 +153,17 @@ class ClassDoc:
             if kind == "t":
                 ids = tuple(map(id, items))
                 if ids not in shared:
-                    shared[ids] = ([m for m in self.members for _ in items], [x for _ in self.members for x in items])
+                    shared[ids] = self._every_member(items)
                 self._held[key] = shared[ids]
             else:
-                self._held["v:" + key] = (
-                    [m for m in self.members for _ in items],
-                    [x for _ in self.members for x in items],
-                )
+                self._held["v:" + key] = self._every_member(items)
         return self._held
+
+    def _every_member(self, items: list[Any]) -> tuple[list[int], list[Any]]:
+        """(holder per item, items) when every member holds ``items``."""
+        if len(items) == 1:
+            return list(self.members), items * len(self.members)
+        return [m for m in self.members for _ in items], [x for _ in self.members for x in items]
 
 
 def my_flags(mine: Split, leader: list[list[Any]]) -> np.ndarray:
@@ -172,10 +186,21 @@ def own_items(mine: Split, doc: ClassDoc) -> list[list[Any]]:
     return [item for item in mine.plain if (item[0], item[1]) not in common]
 
 
-def _with_box(spec: TensorSpec, box: Box) -> TensorSpec:
-    return replace(spec, box=box)
+def _with_boxes(spec: TensorSpec, boxes: list[Box]) -> list[TensorSpec]:
+    """``spec`` with each of ``boxes`` (one object per distinct box)."""
+    made: dict[Box, TensorSpec] = {}
+    out = []
+    for box in boxes:
+        found = made.get(box)
+        if found is None:
+            found = made[box] = TensorSpec(
+                spec.shape, spec.dtype, spec.kind, box, spec.topology, spec.python_type, spec.constant
+            )
+        out.append(found)
+    return out
 
 
+@gc_paused()
 def class_docs(classes: list[list[int]], docs: list[bytes], flags: np.ndarray) -> list[ClassDoc]:
     """Each class's document with only the items all its members hold (``flags``: the MIN-reduced flags)."""
     out, at = [], 0
@@ -189,11 +214,14 @@ def class_docs(classes: list[list[int]], docs: list[bytes], flags: np.ndarray) -
     return out
 
 
-def held_tables(docs: list[ClassDoc], privates: list[list[list[Any]]] | None) -> tuple[Held, Held]:
-    """``(tensors, values)`` as :func:`plan_held` takes them, from the classes (and every rank's own items)."""
+def held_tables(
+    docs: list[ClassDoc], privates: list[list[list[Any]]] | None, only: set[str] | None = None
+) -> tuple[Held, Held]:
+    """``(tensors, values)`` as :func:`plan_held` takes them, from the classes (and every rank's own
+    items); with ``only``, of those tensor keys alone."""
     blocks: dict[str, list[tuple[list[int], list[Any]]]] = {}
     for doc in docs:
-        for key, held in doc.held().items():
+        for key, held in (doc.held() if only is None else doc.held(only & doc.keys())).items():
             blocks.setdefault(key, []).append(held)
     for rank, items in enumerate(privates or []):
         mine: dict[str, list[Any]] = {}
@@ -215,6 +243,36 @@ def held_tables(docs: list[ClassDoc], privates: list[list[list[Any]]] | None) ->
     return tensors, values
 
 
+@dataclass(frozen=True)
+class Planned:
+    """A rank's plan from :func:`plan_compact`, with the save's replicated blocks: ``blocks`` of them in
+    all, and the number of each this rank's plan holds (the replica check's vector)."""
+
+    plan: ZarrSavePlan
+    blocks: int
+    block_index: dict[tuple[str, tuple[int, ...]], int]
+
+
+def block_starts(tensors: Held, plan: ZarrSavePlan) -> tuple[int, dict[str, int]]:
+    """The save's replicated blocks, numbered in key order, then offsets: their count, and the
+    number of each replicated key's first block."""
+    starts, n = {}, 0
+    for key in sorted(plan.replicated):
+        starts[key] = n
+        n += len({spec.box.offsets for spec in tensors[key][1]})
+    return n, starts
+
+
+def block_index(tensors: Held, plan: ZarrSavePlan, starts: dict[str, int]) -> dict[tuple[str, tuple[int, ...]], int]:
+    """(key, block offsets) -> the block's number, for the replicated keys of ``plan``."""
+    return {
+        (key, offsets): starts[key] + i
+        for key in sorted(plan.replicated)
+        for i, offsets in enumerate(sorted({spec.box.offsets for spec in tensors[key][1]}))
+    }
+
+
+@gc_paused()
 def coordinate(
     docs: list[ClassDoc],
     privates: list[list[list[Any]]],
@@ -222,11 +280,11 @@ def coordinate(
     chunk_bytes: int,
     small_tensor_bytes: int,
     check: Check | None = None,
-) -> tuple[ZarrSavePlan | None, list[bytes]]:
-    """Rank 0: the whole plan (its arrays passed through ``check``), and each rank's payload (its
-    zarr.json share and the arrays of its own items it writes); ``(None, fallback payloads)`` where
-    the class plans could differ from it; an error payload for every rank where planning or
-    ``check`` raised."""
+) -> tuple[Planned | None, list[bytes]]:
+    """Rank 0: the whole plan (its arrays passed through ``check``), and each rank's payload: its
+    class's writer turns and replicated-block numbers, its zarr.json share and the arrays of its own
+    items it writes; ``(None, fallback payloads)`` where the class plans could differ from it; an
+    error payload for every rank where planning or ``check`` raised."""
     try:
         tensors, values = held_tables(docs, privates)
         plan = plan_held(tensors, values, world, chunk_bytes, small_tensor_bytes)
@@ -235,9 +293,20 @@ def coordinate(
     except ZarrckptError as e:
         return None, [wire({"error": [type(e).__name__, str(e)]})] * world
     own = {key for items in privates for kind, key, _ in items if kind == "t"}
-    shared = {key for doc in docs for key in doc.held() if not key.startswith("v:")}
-    if own & shared or own & (set(plan.gathers) | plan.replicated):
+    class_keys = [doc.keys() for doc in docs]
+    if own & set().union(*class_keys) or own & (set(plan.gathers) | plan.replicated):
         return None, [b'{"fallback":true}'] * world
+    blocks, starts = block_starts(tensors, plan)
+    of_class = [
+        wire(
+            {
+                "turns": {k: plan.turns[k] for k in sorted(keys & plan.turns.keys())},
+                "starts": {k: starts[k] for k in sorted(keys & starts.keys())},
+            }
+        )
+        for keys in class_keys
+    ]
+    class_of = {rank: i for i, doc in enumerate(docs) for rank in doc.members}
     shares = metadata_shares(list(plan.arrays.values()), world)
     arrays: list[dict[str, Any]] = [{} for _ in range(world)]
     owners: list[dict[str, list[list[int]]]] = [{} for _ in range(world)]
@@ -246,52 +315,55 @@ def coordinate(
             arrays[rank][key] = plan.arrays[key].to_json()
             owners[rank].setdefault(key, []).append(list(idx))
     payloads = [
-        wire({"docs": [[p, d.decode()] for p, d in shares[r]], "arrays": arrays[r], "owners": owners[r]})
+        b'{"blocks":%d,"class":%s,"rank":%s}'
+        % (
+            blocks,
+            of_class[class_of[r]],
+            wire({"docs": [[p, d.decode()] for p, d in shares[r]], "arrays": arrays[r], "owners": owners[r]}),
+        )
         for r in range(world)
     ]
-    return plan, payloads
+    return Planned(plan, blocks, block_index(tensors, plan, starts)), payloads
 
 
+@gc_paused()
 def local_plan(
     docs: list[ClassDoc], payload: bytes, rank: int, world: int, chunk_bytes: int, small_tensor_bytes: int
-) -> ZarrSavePlan | None:
-    """A rank other than 0: the plan of the class tensors (all of them, as every rank derives them),
-    with the coordinator's ``payload`` merged in; None where it said to fall back. Raises the
-    coordinator's error."""
+) -> Planned | None:
+    """A rank other than 0: the plan of the tensors its class holds (with every holder, also in other
+    classes) and the writer turns the coordinator counted over the whole save, with the
+    coordinator's ``payload`` merged in; None where it said to fall back. Raises the coordinator's
+    error. Its cost does not depend on the number of classes, nor on the ranks outside its own."""
     got = json.loads(payload)
     if "error" in got:
         kind = getattr(errors, got["error"][0], None)
         raise (kind if isinstance(kind, type) and issubclass(kind, ZarrckptError) else ZarrckptError)(got["error"][1])
     if got.get("fallback"):
         return None
-    tensors, _ = held_tables(docs, None)
-    plan = plan_held(tensors, {}, world, chunk_bytes, small_tensor_bytes)
+    mine = next(doc for doc in docs if rank in doc.members).keys()
+    tensors, _ = held_tables(docs, None, only=mine)
+    turns = {k: (t, s) for k, (t, s) in got["class"]["turns"].items()}
+    plan = plan_held(tensors, {}, world, chunk_bytes, small_tensor_bytes, turns)
     arrays = dict(plan.arrays)
     owners = dict(plan.owners)
-    for key, doc in got["arrays"].items():
+    own = got["rank"]
+    for key, doc in own["arrays"].items():
         arrays[key] = ArrayMeta.from_json(key_to_path(key), doc)
-        owners[key] = {tuple(idx): rank for idx in got["owners"][key]}
-    return replace(plan, arrays=arrays, owners=owners, docs=tuple((p, d.encode()) for p, d in got["docs"]), values={})
+        owners[key] = {tuple(idx): rank for idx in own["owners"][key]}
+    docs_ = tuple((p, d.encode()) for p, d in own["docs"])
+    plan = replace(plan, arrays=arrays, owners=owners, docs=docs_, values={})
+    return Planned(plan, got["blocks"], block_index(tensors, plan, got["class"]["starts"]))
 
 
-def replica_blocks(tensors: Held, plan: ZarrSavePlan) -> list[tuple[str, tuple[int, ...]]]:
-    """Every replicated block of the plan, (key, offsets), in one order every rank derives alike."""
-    return [
-        (key, offsets)
-        for key in sorted(plan.replicated)
-        for offsets in sorted({spec.box.offsets for spec in tensors[key][1]})
-    ]
-
-
-def replica_vector(blocks: list[tuple[str, tuple[int, ...]]], digests: dict[str, list[list[Any]]]) -> np.ndarray:
-    """This rank's crc32c of each block it holds as ``[crc..., -crc...]`` (others 2**40): after a MIN
-    all-reduce, block i's replicas agree when ``out[i] == -out[n + i]``."""
-    index = {b: i for i, b in enumerate(blocks)}
-    out = np.full(2 * len(blocks), 2**40, dtype=np.int64)
+def replica_vector(planned: Planned, digests: dict[str, list[list[Any]]]) -> np.ndarray:
+    """This rank's crc32c of each replicated block it holds as ``[crc..., -crc...]`` (others 2**40):
+    after a MIN all-reduce, block i's replicas agree when ``out[i] == -out[n + i]``."""
+    n = planned.blocks
+    out = np.full(2 * n, 2**40, dtype=np.int64)
     for key, held in digests.items():
         for offsets, crc in held:
-            i = index[(key, tuple(offsets))]
-            out[i], out[len(blocks) + i] = crc, -crc
+            i = planned.block_index[(key, tuple(offsets))]
+            out[i], out[n + i] = crc, -crc
     return out
 
 
@@ -302,9 +374,9 @@ def plan_compact(
     small_tensor_bytes: int,
     to_group: Callable[[int], int] = lambda r: r,
     check: Check | None = None,
-) -> tuple[ZarrSavePlan, Held] | None:
-    """This rank's plan by the protocol above (collective), with the class tensors' holders (for
-    the replica check); None: plan by gathering every description instead (every rank alike)."""
+) -> Planned | None:
+    """This rank's plan by the protocol above (collective); None: plan by gathering every
+    description instead (every rank alike)."""
     mine = split(local, to_group)
     classes = classes_of(coll.all_gather_fixed(mine.digest()))
     if len(classes) > MAX_CLASSES:
@@ -320,12 +392,9 @@ def plan_compact(
     cdocs = class_docs(classes, docs, coll.all_reduce_min(flags))
     privates = [json.loads(raw) for raw in coll.gather_to0(wire(own_items(mine, cdocs[ci])))]
     if coll.rank == 0:
-        plan, payloads = coordinate(cdocs, privates, coll.size, chunk_bytes, small_tensor_bytes, check)
+        planned, payloads = coordinate(cdocs, privates, coll.size, chunk_bytes, small_tensor_bytes, check)
         coll.scatter_from0(payloads)
-        if plan is None:  # raises the error, or answers None (fall back), as on the other ranks
+        if planned is None:  # raises the error, or answers None (fall back), as on the other ranks
             local_plan(cdocs, payloads[0], 0, coll.size, chunk_bytes, small_tensor_bytes)
-    else:
-        plan = local_plan(cdocs, coll.scatter_from0([]), coll.rank, coll.size, chunk_bytes, small_tensor_bytes)
-    if plan is None:
-        return None
-    return plan, held_tables(cdocs, None)[0]
+        return planned
+    return local_plan(cdocs, coll.scatter_from0([]), coll.rank, coll.size, chunk_bytes, small_tensor_bytes)

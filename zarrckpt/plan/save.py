@@ -26,7 +26,7 @@ from zarrckpt.format.layout import (
     shard_shape_for,
 )
 from zarrckpt.format.manifest import group_json, group_paths
-from zarrckpt.plan.coarsen import Gather, coarse_shard, shard_gathers
+from zarrckpt.plan.coarsen import Gather, Joins, coarse_shard
 from zarrckpt.plan.gcpause import gc_paused
 from zarrckpt.plan.rankdesc import RankDescription, TensorSpec
 from zarrckpt.types import ArrayKind, Role
@@ -48,6 +48,7 @@ class ZarrSavePlan:
     replicated: frozenset[str] = frozenset()  # keys of which some block is held by several ranks
     gathers: Mapping[str, Mapping[Shape, Gather]] = field(default_factory=dict)  # key -> small shards joined
     docs: tuple[tuple[str, bytes], ...] | None = None  # this rank's zarr.json share, where it was handed one
+    turns: Mapping[str, tuple[int, int]] = field(default_factory=dict)  # key -> its writers' turns (see plan_held)
 
     def shards_of(self, rank: int) -> list[tuple[ArrayMeta, Shape]]:
         """The shards ``rank`` writes: (array, shard grid index) pairs."""
@@ -69,21 +70,20 @@ class ZarrSavePlan:
 def metadata_docs(arrays: list[ArrayMeta], rank: int = 0, world_size: int = 1) -> list[tuple[str, bytes]]:
     """Rank ``rank``'s round-robin share of the group and array ``zarr.json`` documents of ``arrays``."""
     nodes = [(p, None) for p in group_paths(arrays)] + [(a.path, a) for a in arrays]
-    return [
-        (f"{path}/zarr.json", json.dumps(group_json() if a is None else a.to_json(), allow_nan=False).encode())
-        for path, a in nodes[rank::world_size]
-    ]
+    return _docs(nodes[rank::world_size])
 
 
 def metadata_shares(arrays: list[ArrayMeta], world_size: int) -> list[list[tuple[str, bytes]]]:
     """Every rank's :func:`metadata_docs` share at once (the node list built once)."""
     nodes = [(p, None) for p in group_paths(arrays)] + [(a.path, a) for a in arrays]
+    return [_docs(nodes[rank::world_size]) for rank in range(world_size)]
+
+
+def _docs(nodes: Sequence[tuple[str, ArrayMeta | None]]) -> list[tuple[str, bytes]]:
+    group = json.dumps(group_json()).encode()
     return [
-        [
-            (f"{path}/zarr.json", json.dumps(group_json() if a is None else a.to_json(), allow_nan=False).encode())
-            for path, a in nodes[rank::world_size]
-        ]
-        for rank in range(world_size)
+        (f"{path}/zarr.json", group if a is None else json.dumps(a.to_json(), allow_nan=False).encode())
+        for path, a in nodes
     ]
 
 
@@ -136,15 +136,34 @@ def _build(descriptions: Sequence[RankDescription], chunk_bytes: int, small_tens
     return plan_held(tensors, values, len(descriptions), chunk_bytes, small_tensor_bytes)
 
 
-def plan_held(tensors: Held, values: Held, world_size: int, chunk_bytes: int, small_tensor_bytes: int) -> ZarrSavePlan:
+def plan_held(
+    tensors: Held,
+    values: Held,
+    world_size: int,
+    chunk_bytes: int,
+    small_tensor_bytes: int,
+    turns: Mapping[str, tuple[int, int]] | None = None,
+) -> ZarrSavePlan:
     """:func:`build_save_plan` from who holds what: ``tensors[key]`` lists each holder rank (rank
     order) and its :class:`TensorSpec`, ``values[key]`` each holder and its value. Equal inputs give
-    equal plans however they were gathered (:mod:`zarrckpt.plan.compact` derives them from layouts)."""
+    equal plans however they were gathered (:mod:`zarrckpt.plan.compact` derives them from layouts).
+
+    Writers of joined small shards and of replicated shards are taken in turn over the save's
+    tensors in key order; the plan's ``turns`` says, per tensor that has such writers, where its
+    turn started (small shards, replicated tensors). ``turns`` given (a whole plan's): those, so
+    that a plan of some tensors only (a rank's own) has the whole plan's writers."""
     with gc_paused():
-        return _plan(tensors, values, world_size, chunk_bytes, small_tensor_bytes)
+        return _plan(tensors, values, world_size, chunk_bytes, small_tensor_bytes, turns)
 
 
-def _plan(tensors: Held, values: Held, world_size: int, chunk_bytes: int, small_tensor_bytes: int) -> ZarrSavePlan:
+def _plan(
+    tensors: Held,
+    values: Held,
+    world_size: int,
+    chunk_bytes: int,
+    small_tensor_bytes: int,
+    turns: Mapping[str, tuple[int, int]] | None,
+) -> ZarrSavePlan:
     problems: list[str] = []
     _drop_empty_prefixes(values, tensors.keys() | values.keys())
     validate_keys(sorted(tensors.keys() | values.keys()))
@@ -161,12 +180,17 @@ def _plan(tensors: Held, values: Held, world_size: int, chunk_bytes: int, small_
     replicated: set[str] = set()
     grids: dict[tuple[tuple[int, ...], tuple[int, ...]], _Grid] = {}
     gathers: dict[str, dict[Shape, Gather]] = {}
+    joins: dict[tuple[int, Shape], Joins] = {}  # by grid (cached above: ids stay valid)
     turn = 0  # small shards' writers are taken in turn over the save
     spread = 0  # so are replicated tensors' writers, among each shard's holders (all of them write a DDP state)
+    started: dict[str, tuple[int, int]] = {}
+    by_lists: dict[tuple[int, int], _Grid] = {}  # keys sharing the very lists (one layout): no tuples to hash
     for key in sorted(tensors):
         ranks, specs = tensors[key]
-        same = (tuple(ranks), tuple(map(id, specs)))
-        grid = grids.get(same)
+        grid = by_lists.get((id(ranks), id(specs)))
+        if grid is None:
+            same = (tuple(ranks), tuple(map(id, specs)))
+            grid = grids.get(same)
         if grid is None:
             found = _check(key, ranks, specs)
             problems += found
@@ -175,6 +199,10 @@ def _plan(tensors: Held, values: Held, world_size: int, chunk_bytes: int, small_
             grid = grids[same] = _grid(ranks, specs, world_size, chunk_bytes)
         elif len(problems) > 50:
             continue
+        by_lists[id(ranks), id(specs)] = grid
+        if turns is not None:
+            turn, spread = turns.get(key, (turn, spread))
+        at = (turn, spread)
         first = specs[0]
         constant = _constant(first.dtype, specs)
         arrays[key] = ArrayMeta(
@@ -202,8 +230,16 @@ def _plan(tensors: Held, values: Held, world_size: int, chunk_bytes: int, small_
             if coarse != grid.shard:
                 chunk = inner_chunk_shape(coarse, itemsize, chunk_bytes)
                 arrays[key] = dataclasses.replace(arrays[key], shard_shape=coarse, chunk_shape=chunk)
-                gathers[key], turn = shard_gathers(grid.shape, grid.shard, coarse, grid.owners, ranks, specs, turn)
+                found_joins = joins.get((id(grid), coarse))
+                if found_joins is None:
+                    found_joins = joins[id(grid), coarse] = Joins.of(
+                        grid.shape, grid.shard, coarse, grid.owners, ranks, specs, grid.replicated
+                    )
+                gathers[key] = found_joins.gathers(turn)
+                turn += len(gathers[key])
                 owners[key] = {idx: g.writer for idx, g in gathers[key].items()}
+        if key in gathers or key in replicated:
+            started[key] = at
         meta = arrays[key]
         if constant is None and (too_many := beyond_limits(meta.shape, meta.shard_shape, meta.chunk_shape)):
             problems.append(
@@ -216,7 +252,7 @@ def _plan(tensors: Held, values: Held, world_size: int, chunk_bytes: int, small_
             + "\n  ".join(problems[:50])
         )
     values_ = {k: v[1][0] for k, v in sorted(values.items())}
-    return ZarrSavePlan(arrays, owners, values_, world_size, frozenset(replicated), gathers)
+    return ZarrSavePlan(arrays, owners, values_, world_size, frozenset(replicated), gathers, turns=started)
 
 
 def _constant(dtype: str, specs: list[TensorSpec]) -> bytes | None:
