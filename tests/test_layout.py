@@ -468,3 +468,25 @@ def test_validate_keys_lists_problems() -> None:
 )
 def test_infer_role(key, floating, role) -> None:
     assert infer_role(key, floating) == role
+
+
+def _invalid_by_definition(keys: list[str]) -> bool:
+    """The rule spelled out plainly: a bad segment in some key, or a key that is another's prefix."""
+    for key in keys:
+        segs = key.split(".")
+        if not key or any(not s or s.startswith("__") or set(s) & set("/\\\0") for s in segs):
+            return True
+    prefixes = {".".join(k.split(".")[:i]) for k in keys for i in range(1, k.count(".") + 1)}
+    return bool(set(keys) & prefixes)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.text(alphabet="ab._/\\\0-", max_size=7), max_size=6))
+def test_validate_keys_agrees_with_the_plain_rule(keys: list[str]) -> None:
+    """The fast checks (one regular expression per key, sorted prefixes) against the definition."""
+    try:
+        validate_keys(keys)
+        refused = False
+    except InvalidKeyError:
+        refused = True
+    assert refused == _invalid_by_definition(keys)

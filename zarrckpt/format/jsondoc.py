@@ -30,6 +30,15 @@ def short(value: Any) -> str:
 
 def get_field(doc: Any, path: str, kind: type, bad: Bad, default: Any = _REQUIRED, at: str = "") -> Any:
     """``doc[a][b]...`` for ``path`` ``"a.b..."``, checked to be a ``kind`` (a bool is no int)."""
+    node = doc
+    for part in path.split("."):  # the common case first: every level there, the value of exactly that type
+        if type(node) is not dict or part not in node:
+            return _get_field(doc, path, kind, bad, default, at)
+        node = node[part]
+    return node if type(node) is kind else _get_field(doc, path, kind, bad, default, at)
+
+
+def _get_field(doc: Any, path: str, kind: type, bad: Bad, default: Any, at: str) -> Any:
     node, name, parts = doc, at + path, path.split(".")
     for i, part in enumerate(parts):
         if not isinstance(node, dict):

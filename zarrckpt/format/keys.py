@@ -8,6 +8,8 @@ plain ``{}`` value) instead of vanishing, so ``{"config": {}}`` can receive a sa
 
 from __future__ import annotations
 
+import bisect
+import re
 import unicodedata
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
@@ -130,17 +132,25 @@ def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+_BAD_KEY = re.compile(r"(?:^|\.)(?:\.|$|__)|[/\\\x00]")  # an empty segment, one starting "__", or / \ NUL
+
+
 def validate_keys(keys: Sequence[str]) -> None:
     """Reject keys that cannot be stored as Zarr array paths, or that clash with each other."""
     problems = []
     for key in keys:
+        if not _BAD_KEY.search(key):
+            continue
         segs = key.split(".")
         bad = [s for s in segs if not s or s in (".", "..") or s.startswith("__")]
         bad += [s for s in segs if any(ch in s for ch in "/\\\0")]
         if bad or not key:
             problems.append(f"{key!r}: invalid segment {bad[0]!r}" if bad else "empty key")
-    prefixes = {".".join(k.split(".")[:i]) for k in keys for i in range(1, k.count(".") + 1)}
-    problems += [f"{k!r} is both a leaf and the prefix of another key" for k in sorted(set(keys) & prefixes)]
+    ordered = sorted(set(keys))  # the keys under k, if any, follow k + "." at once in this order
+    for k in ordered:
+        at = bisect.bisect_left(ordered, k + ".")
+        if at < len(ordered) and ordered[at].startswith(k + "."):
+            problems.append(f"{k!r} is both a leaf and the prefix of another key")
     if problems:
         raise InvalidKeyError(
             "state-dict keys that cannot be stored: "
