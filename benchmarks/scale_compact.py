@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scale_model import STEP, Dims, Layout, Timing, fake_rank, manifest_of, measure, rank_state, save_counts
 
+from zarrckpt.format.manifest import Manifest
 from zarrckpt.plan.localstate import collect
 from zarrckpt.plan.save import DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_TENSOR_BYTES, build_save_plan
 
@@ -43,6 +44,8 @@ class CompactScale:
     received: dict[str, int]  # per non-coordinator rank, by step
     coordinator_received: int
     manifest_bytes: int
+    manifest_parts: dict[str, int]  # bytes of its parts: the commit record, the consolidated metadata, ...
+    manifest_parse: Timing  # Manifest.loads: what every loading rank does first
     arrays: int
     shard_objects: int
     puts: int
@@ -134,6 +137,7 @@ def compact_scale(dims: Dims, layout: Layout, reps: int) -> CompactScale:
     fallback = planned is None
     plan = build_save_plan([]) if planned is None else planned.plan  # (never None at these layouts)
     manifest_t, manifest = measure(lambda: manifest_of(plan), 1)
+    parse_t, _ = measure(lambda: Manifest.loads(manifest, "scale model"), 1)
     counts = save_counts(plan, manifest)
     received = {
         "A. all-gather of 16-byte layout digests": 16 * world,
@@ -155,6 +159,8 @@ def compact_scale(dims: Dims, layout: Layout, reps: int) -> CompactScale:
         received=received,
         coordinator_received=sum(received.values()) + (8 + longest) * world,
         manifest_bytes=len(manifest),
+        manifest_parts=manifest_parts(manifest),
+        manifest_parse=parse_t,
         arrays=counts.arrays,
         shard_objects=counts.shard_objects,
         puts=counts.puts,
@@ -162,6 +168,26 @@ def compact_scale(dims: Dims, layout: Layout, reps: int) -> CompactScale:
         gather_received=len(desc) * world,
         dcp_plan_bytes=dcp_plan_bytes(dims, layout, last),
     )
+
+
+def manifest_parts(raw: bytes) -> dict[str, int]:
+    """About how many bytes of the manifest each part takes (compact JSON of each)."""
+    doc = json.loads(raw)
+
+    def size(obj: Any) -> int:
+        return len(json.dumps(obj, separators=(",", ":")))
+
+    nodes = doc["consolidated_metadata"]["metadata"]
+    return {
+        "commit record (`integrity`: every inner chunk's crc32c, base64)": size(
+            doc["attributes"]["zarrckpt"]["integrity"]
+        ),
+        "consolidated metadata (every array's and group's `zarr.json`)": size(nodes),
+        "of which the per-rank RNG arrays and their groups": size(
+            {k: v for k, v in nodes.items() if k.startswith("rng/")}
+        ),
+        "saved values (`values`)": size(doc["attributes"]["zarrckpt"]["values"]),
+    }
 
 
 def collect_desc(dims: Dims, layout: Layout, rank: int) -> Any:
