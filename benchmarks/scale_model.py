@@ -55,7 +55,13 @@ from zarrckpt.plan import fanout
 from zarrckpt.plan.fetch import Request, plan_fetches
 from zarrckpt.plan.localstate import collect
 from zarrckpt.plan.rankdesc import RankDescription
-from zarrckpt.plan.save import DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_TENSOR_BYTES, ZarrSavePlan, build_save_plan
+from zarrckpt.plan.save import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_SMALL_TENSOR_BYTES,
+    ZarrSavePlan,
+    build_save_plan,
+    metadata_shares,
+)
 from zarrckpt.plan.targets import target_boxes
 from zarrckpt.storage.caps import OBJECT_STORE, ReadCaps
 
@@ -340,8 +346,9 @@ def save_counts(plan: ZarrSavePlan, manifest: bytes) -> SaveCounts:
             largest, objects = max(largest, n), objects + 1
     shard_bytes = sum(per_bytes)
     doc_bytes = 0
+    shares = metadata_shares(list(plan.arrays.values()), world)  # (metadata_of per rank: world x arrays)
     for rank in range(world):
-        for _, doc in plan.metadata_of(rank):
+        for _, doc in shares[rank]:
             per_bytes[rank] += len(doc)
             per_puts[rank] += 1
             doc_bytes += len(doc)

@@ -20,7 +20,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 import zarrckpt
 from zarrckpt.engine.dist import Group
-from zarrckpt.plan import compact
+from zarrckpt.plan import blocks, compact
 from zarrckpt.plan.localstate import collect
 from zarrckpt.plan.rankdesc import RankDescription
 from zarrckpt.plan.save import DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_TENSOR_BYTES, build_save_plan
@@ -76,17 +76,17 @@ def _compare_plans(rank: int, world: int, which: str, expect_compact: bool) -> N
     plan = got.plan
     assert plan.shards_of(rank) == want.shards_of(rank)
     assert plan.metadata_of(rank) == want.metadata_of(rank)
-    blocks, starts = compact.block_starts(_held_by_rank(views), want)
-    assert got.blocks == blocks > 0 and want.turns
+    n, starts = blocks.block_starts(_held_by_rank(views), want)
+    assert got.blocks == n > 0 and want.turns
     if rank == 0:  # the coordinator: the whole plan
-        assert plan == want and got.block_index == compact.block_index(_held_by_rank(views), want, starts)
+        assert plan == want and got.block_index == blocks.block_index(_held_by_rank(views), want, starts)
         return
     held = set(local.tensors)  # the tensors its class holds, with their writers from the whole save
     assert len(plan.arrays) < len(want.arrays)
     assert {k: want.gathers[k] for k in want.gathers if k in held} == plan.gathers
     assert want.replicated & held == plan.replicated
     assert {k: want.owners[k] for k in plan.owners} == plan.owners
-    index = compact.block_index(_held_by_rank(views), want, starts)
+    index = blocks.block_index(_held_by_rank(views), want, starts)
     assert got.block_index == {k: i for k, i in index.items() if k[0] in held}
 
 

@@ -18,6 +18,7 @@ from zarrckpt.format.array import ArrayMeta
 from zarrckpt.format.layout import Shape, cell_box
 from zarrckpt.format.manifest import Manifest, library_name
 from zarrckpt.format.shard import chunk_crcs, chunks_per_shard, encode_shard
+from zarrckpt.plan.blocks import replica_vector
 from zarrckpt.plan.localstate import LocalState
 from zarrckpt.plan.rankdesc import RankDescription
 from zarrckpt.plan.save import ZarrSavePlan, build_save_plan
@@ -61,7 +62,7 @@ def plan_save(
     else:
         plan, n = planned.plan, planned.blocks
         if check_replicas and n:  # the save's count: a rank holding none of them takes part too
-            low = group.all_reduce_min(compact.replica_vector(planned, replicas.digests(plan, local)))
+            low = group.all_reduce_min(replica_vector(n, planned.block_index, replicas.digests(plan, local)))
             if (low[:n] != -low[n:]).any():
                 replicas.report(group, plan, local)  # the replicas differ: gather their digests for the message
     if exchange:

@@ -7,17 +7,19 @@ shape, mesh, placements), e.g. the ranks of one pipeline stage. The collectives:
 A. all-gather of a 16-byte digest of each rank's layout document (``16 x world`` bytes): the classes;
 B. each class's lowest rank broadcasts its whole document (layouts, plain tensors, values);
 C. one MIN all-reduce of one flag per item of those documents: the items *every* member of a class
-   holds identically (a step counter, the hyperparameters) are the class's common items; every
-   rank derives every member's DTensor boxes from the layouts, locally;
+   holds identically (a step counter, the hyperparameters) are the class's common items;
 D. what is left on a rank (per-rank RNG keys and data-loader positions, ``LocalShard`` lists,
    parts whose box no layout gives) is gathered to the coordinator only;
 E. the coordinator builds the whole plan (the same :func:`zarrckpt.plan.save.plan_held` as
-   ``build_save_plan``, on the same holders) and scatters each rank its ``zarr.json`` share and the
-   arrays of its per-rank parts it writes.
-Every rank plans the class items itself, so every plan is the one ``build_save_plan`` gives from all
-descriptions. Where that could differ (a per-rank part of a key classes also hold, per-rank parts
-that are replicated or joined as small shards) or there are over ``MAX_CLASSES`` classes, it
-answers None and the caller gathers descriptions as before.
+   ``build_save_plan``, on the same holders) and scatters each rank its ``zarr.json`` share, the
+   arrays of its per-rank parts it writes, and for its class's tensors the writer turns (counted
+   over the whole save) and the numbers of their replicated blocks.
+Every other rank derives the boxes of its class's tensors from the layouts and plans those tensors
+(with their holders in other classes too) with the coordinator's turns: for them, the plan
+``build_save_plan`` gives from all descriptions, at a cost that grows with its class, not the job.
+Where that could differ (a per-rank part of a key classes also hold, per-rank parts that are
+replicated or joined as small shards) or there are over ``MAX_CLASSES`` classes, it answers None
+and the caller gathers descriptions as before.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from zarrckpt.errors import ZarrckptError
 from zarrckpt.format.array import ArrayMeta
 from zarrckpt.format.keys import key_to_path
 from zarrckpt.format.layout import Box
+from zarrckpt.plan.blocks import block_index, block_starts
 from zarrckpt.plan.gcpause import gc_paused
 from zarrckpt.plan.localstate import LocalState
 from zarrckpt.plan.meshlayout import MeshLayout
@@ -253,25 +256,6 @@ class Planned:
     block_index: dict[tuple[str, tuple[int, ...]], int]
 
 
-def block_starts(tensors: Held, plan: ZarrSavePlan) -> tuple[int, dict[str, int]]:
-    """The save's replicated blocks, numbered in key order, then offsets: their count, and the
-    number of each replicated key's first block."""
-    starts, n = {}, 0
-    for key in sorted(plan.replicated):
-        starts[key] = n
-        n += len({spec.box.offsets for spec in tensors[key][1]})
-    return n, starts
-
-
-def block_index(tensors: Held, plan: ZarrSavePlan, starts: dict[str, int]) -> dict[tuple[str, tuple[int, ...]], int]:
-    """(key, block offsets) -> the block's number, for the replicated keys of ``plan``."""
-    return {
-        (key, offsets): starts[key] + i
-        for key in sorted(plan.replicated)
-        for i, offsets in enumerate(sorted({spec.box.offsets for spec in tensors[key][1]}))
-    }
-
-
 @gc_paused()
 def coordinate(
     docs: list[ClassDoc],
@@ -353,18 +337,6 @@ def local_plan(
     docs_ = tuple((p, d.encode()) for p, d in own["docs"])
     plan = replace(plan, arrays=arrays, owners=owners, docs=docs_, values={})
     return Planned(plan, got["blocks"], block_index(tensors, plan, got["class"]["starts"]))
-
-
-def replica_vector(planned: Planned, digests: dict[str, list[list[Any]]]) -> np.ndarray:
-    """This rank's crc32c of each replicated block it holds as ``[crc..., -crc...]`` (others 2**40):
-    after a MIN all-reduce, block i's replicas agree when ``out[i] == -out[n + i]``."""
-    n = planned.blocks
-    out = np.full(2 * n, 2**40, dtype=np.int64)
-    for key, held in digests.items():
-        for offsets, crc in held:
-            i = planned.block_index[(key, tuple(offsets))]
-            out[i], out[n + i] = crc, -crc
-    return out
 
 
 def plan_compact(
