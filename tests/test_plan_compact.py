@@ -154,3 +154,23 @@ def _differing_replicas(rank: int, world: int, url: str) -> None:
 def test_differing_replicas_fail_every_rank_also_those_holding_none(tmp_path: Path) -> None:
     spawn(4, _differing_replicas, str(tmp_path / "ck"))
     assert not (tmp_path / "ck" / "zarr.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype"), [((5056,), "uint8"), ((3, 1 << 20), "float32"), ((7, 5, 3), "bfloat16"), ((1,), "int64")]
+)
+def test_a_tensor_one_rank_holds_whole_gets_the_general_grid(shape: tuple[int, ...], dtype: str) -> None:
+    """The shortcut for a per-rank tensor (one holder, the whole tensor) against the general path."""
+    from zarrckpt.format.dtypes import storage_dtype
+    from zarrckpt.format.layout import Box, Claim, inner_chunk_shape, owner_of_cells, shard_shape_for
+    from zarrckpt.plan.rankdesc import TensorSpec
+    from zarrckpt.plan.save import _grid
+    from zarrckpt.types import ArrayKind
+
+    spec = TensorSpec(shape, dtype, ArrayKind.TENSOR, Box.full(shape), {"mesh": None, "placements": "x"})
+    got = _grid([5], [spec], 8, 1 << 20)
+    shard = shard_shape_for(shape, [spec.box])
+    assert got.shard == shard and got.shape == shape and not got.replicated and not got.holders
+    assert got.chunk == inner_chunk_shape(shard, storage_dtype(dtype).itemsize, 1 << 20)
+    assert got.owners == owner_of_cells(shape, shard, [Claim(5, spec.box)])
+    assert got.topology == {"placements": "x", "world_size": 8, "holders": 1}

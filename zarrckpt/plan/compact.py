@@ -158,8 +158,8 @@ class ClassDoc:
                 if ids not in shared:
                     shared[ids] = self._every_member(items)
                 self._held[key] = shared[ids]
-            else:
-                self._held["v:" + key] = self._every_member(items)
+            else:  # a value every member holds alike (the flags said so): its leader's copy stands for all
+                self._held["v:" + key] = (self.members[:1], items)
         return self._held
 
     def _every_member(self, items: list[Any]) -> tuple[list[int], list[Any]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -16,6 +17,7 @@ from zarrckpt.format.array import ArrayMeta, beyond_limits
 from zarrckpt.format.dtypes import storage_dtype
 from zarrckpt.format.keys import infer_role, validate_keys
 from zarrckpt.format.layout import (
+    Box,
     Claim,
     Shape,
     cell_box,
@@ -185,6 +187,7 @@ def _plan(
     spread = 0  # so are replicated tensors' writers, among each shard's holders (all of them write a DDP state)
     started: dict[str, tuple[int, int]] = {}
     by_lists: dict[tuple[int, int], _Grid] = {}  # keys sharing the very lists (one layout): no tuples to hash
+    constants: dict[int, bytes | None] = {}  # by the specs list, as above
     for key in sorted(tensors):
         ranks, specs = tensors[key]
         grid = by_lists.get((id(ranks), id(specs)))
@@ -204,7 +207,8 @@ def _plan(
             turn, spread = turns.get(key, (turn, spread))
         at = (turn, spread)
         first = specs[0]
-        constant = _constant(first.dtype, specs)
+        constant = constants[id(specs)] if id(specs) in constants else _constant(first.dtype, specs)
+        constants[id(specs)] = constant
         arrays[key] = ArrayMeta(
             key=key,
             shape=grid.shape,
@@ -279,16 +283,23 @@ def _check(key: str, ranks: list[int], specs: list[TensorSpec]) -> list[str]:
     return problems + coverage_problems(key, specs[0].shape, claims)
 
 
+_chunk_of = functools.lru_cache(maxsize=4096)(inner_chunk_shape)  # many tensors share a shape
+
+
 def _grid(ranks: list[int], specs: list[TensorSpec], world_size: int, chunk_bytes: int) -> _Grid:
     """Shard grid, inner chunks, writers and topology of a tensor whose holders passed :func:`_check`."""
     first = specs[0]
     shape = first.shape
-    claims = [Claim(r, t.box) for r, t in zip(ranks, specs, strict=True)]
-    shard = shard_shape_for(shape, [c.box for c in claims])
     itemsize = storage_dtype(first.dtype).itemsize
     topology = {k: v for k, v in first.topology.items() if v is not None}
     topology.update(world_size=world_size, holders=len(set(ranks)))
-    chunk = inner_chunk_shape(shard, itemsize, chunk_bytes)
+    if len(specs) == 1 and shape and all(shape) and first.box == Box.full(shape):  # one rank holds it whole
+        return _Grid(
+            shape, shape, _chunk_of(shape, itemsize, chunk_bytes), {(0,) * len(shape): ranks[0]}, topology, False
+        )
+    claims = [Claim(r, t.box) for r, t in zip(ranks, specs, strict=True)]
+    shard = shard_shape_for(shape, [c.box for c in claims])
+    chunk = _chunk_of(shard, itemsize, chunk_bytes)
     replicated = len({c.box for c in claims}) < len(claims)
     holders = holders_of_cells(shard, claims) if replicated else {}
     return _Grid(shape, shard, chunk, owner_of_cells(shape, shard, claims), topology, replicated, holders)
