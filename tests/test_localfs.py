@@ -110,3 +110,17 @@ def test_a_local_storage_imports_no_fsspec(tmp_path: Path) -> None:
     storage.write("x/y", [b"abc"])
     assert storage.entries() == {"x": None} and storage.sizes() == {"x/y": 3}
     assert Storage(f"file://{tmp_path}/ck").sizes() == {"x/y": 3}
+
+
+def test_listing_a_directory_created_meanwhile_lists_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two saves racing to one new URL: one lists the root while the other creates it. A check
+    "is it a directory?" made just before the directory appeared must not turn the listing into
+    an entry of the root itself (the loser then refused the URL as 'not empty' instead of seeing
+    the other save's marker). The listing decides in one call."""
+    root = tmp_path / "ck"
+    root.mkdir()
+    monkeypatch.setattr(os.path, "isdir", lambda p: False)  # a check that ran before the mkdir
+    assert LocalFiles().ls(str(root)) == []
+    assert Storage(str(root)).names() == set()
+    (root / "f").write_bytes(b"x")
+    assert [e["name"] for e in LocalFiles().ls(str(root / "f"))] == [str(root / "f")]  # a file: itself

@@ -60,16 +60,20 @@ class LocalFiles:
         os.remove(path)
 
     def ls(self, path: str, detail: bool = True, refresh: bool = True) -> list[dict[str, Any]]:
-        """The entries of a directory (a file: itself), each ``{"name", "size", "type"}``."""
-        if not os.path.isdir(path):
-            return [self.info(path)]
+        """The entries of a directory (a file: itself), each ``{"name", "size", "type"}``.
+
+        One call decides (no separate "is it a directory?" first): a directory another writer
+        creates meanwhile is listed, never reported as an entry of itself."""
         out = []
-        with os.scandir(path) as entries:
-            for e in entries:
-                try:
-                    out.append(_entry(e))
-                except FileNotFoundError:  # deleted while listed
-                    continue
+        try:
+            with os.scandir(path) as entries:
+                for e in entries:
+                    try:
+                        out.append(_entry(e))
+                    except FileNotFoundError:  # deleted while listed
+                        continue
+        except NotADirectoryError:
+            return [self.info(path)]
         return out
 
     def find(self, path: str, withdirs: bool = False, detail: bool = False) -> Any:
