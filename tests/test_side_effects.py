@@ -6,6 +6,7 @@ generator, which the example's data loader also uses: the MoE demo on gs:// lost
 
 from __future__ import annotations
 
+import gc
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -95,3 +96,20 @@ def test_deletions_on_gcs_never_take_gcsfs_batch_delete(gcs_server: str, monkeyp
     zarrckpt.save(STATE, f"{root}/a", storage_options=opts, overwrite=True)
     zarrckpt.delete(f"{root}/a", storage_options=opts)
     assert zarrckpt.list_checkpoints(root, storage_options=opts) == {}
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_checkpoint_calls_leave_the_garbage_collector_as_they_found_it(tmp_path: Any, enabled: bool) -> None:
+    """Parsing and planning pause Python's cyclic collector; it comes back as it was, also after a failure."""
+    was = gc.isenabled(), gc.get_threshold()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        zarrckpt.save(STATE, str(tmp_path / "a"))
+        got = {"model": {k: torch.zeros(64, 32) for k in STATE["model"]}, "step": 0}
+        zarrckpt.load(got, str(tmp_path / "a"))
+        zarrckpt.open(str(tmp_path / "a"))["model.w0"][3]
+        with pytest.raises(zarrckpt.LayoutMismatchError):
+            zarrckpt.load({"model": {"w0": torch.zeros(3)}}, str(tmp_path / "a"))
+        assert (gc.isenabled(), gc.get_threshold()) == (enabled, was[1])
+    finally:
+        (gc.enable if was[0] else gc.disable)()

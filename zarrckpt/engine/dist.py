@@ -16,7 +16,7 @@ import torch.distributed as torch_dist
 
 from zarrckpt import errors
 from zarrckpt.errors import ZarrckptError
-from zarrckpt.plan.gcpause import gc_paused
+from zarrckpt.format.gcpause import gc_paused
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

@@ -25,6 +25,7 @@ import numpy as np
 from zarrckpt.errors import CorruptChunkError, ModifiedCheckpointError, StorageError, causes
 from zarrckpt.format import dtypes, integrity
 from zarrckpt.format.array import ArrayMeta
+from zarrckpt.format.gcpause import gc_paused
 from zarrckpt.format.shard import EMPTY, ShardLayout, chunks_per_shard, decode_chunk, decode_index, index_nbytes
 from zarrckpt.plan.fetch import (
     MAX_REQUEST_BYTES,
@@ -41,6 +42,7 @@ from zarrckpt.storage.store import Storage
 __all__ = ["Request", "read_regions", "read_shard"]
 
 
+@gc_paused()  # planning a shard per tensor allocates many small objects, none in a cycle
 def read_regions(
     storage: Storage,
     requests: Sequence[Request],
@@ -74,7 +76,12 @@ def _run_all(storage: Storage, work: Iterable[ShardRead | ShardTask]) -> int:
     def one(item: ShardRead | ShardTask) -> int:
         return read_shard(storage, item.task, item) if isinstance(item, ShardRead) else read_shard(storage, item, None)
 
-    return sum(storage.run_all(one, work))
+    small = storage.caps.inline_read_bytes
+
+    def inline(item: ShardRead | ShardTask) -> bool:
+        return isinstance(item, ShardRead) and item.nbytes <= small
+
+    return sum(storage.run_all(one, work, inline=inline if small else None))
 
 
 def read_shard(storage: Storage, task: ShardTask, read: ShardRead | None) -> int:
@@ -108,21 +115,22 @@ def run(storage: Storage, read: ShardRead) -> int:
     fetched = 0
     for fetch in read.fetches:
         if fetch.direct:
-            fetched += _read_direct(storage, task, fetch)
+            fetched += _read_direct(storage, read, fetch)
             continue
         try:
             with storage.reading(path, fetch.start, fetch.end) as blob:
                 fetched += len(blob)
-                if fetch.end is not None and len(blob) < fetch.end - fetch.start:
-                    if not read.reads_index:
-                        _explain(storage, read, [*fetch.chunks, *fetch.anchors, *(k for k, _, _ in fetch.pieces)])
-                    raise _truncated(storage, task, layout, fetch.start, fetch.end, fetch.start + len(blob))
-                if fetch.index:
+                short = fetch.end is not None and len(blob) < fetch.end - fetch.start
+                if fetch.index and (len(blob) >= layout.index_nbytes or not short):  # another layout: say so first
                     index = decode_index(
                         bytes(blob[: layout.index_nbytes]), layout.n_chunks, storage.where(path), task.meta.key
                     )
                     for k in task.needs:
                         _check_entry(index[k], layout, task.meta, path, k)
+                if short:
+                    if not read.reads_index:
+                        _explain(storage, read, [*fetch.chunks, *fetch.anchors, *(k for k, _, _ in fetch.pieces)])
+                    raise _truncated(storage, task, layout, fetch.start, fetch.end, fetch.start + len(blob))
                 for k in fetch.chunks:
                     at = _offset(layout, k) - fetch.start
                     try:
@@ -255,13 +263,24 @@ def _read_any(storage: Storage, task: ShardTask) -> int:
     return fetched
 
 
-def _read_direct(storage: Storage, task: ShardTask, fetch: Fetch) -> int:
-    """Read a run of whole chunks straight into their destinations (one vectored read), then verify."""
+def _read_direct(storage: Storage, read: ShardRead, fetch: Fetch) -> int:
+    """Read a run of whole chunks straight into their destinations (one vectored read, the shard's
+    index first when the run follows it), then verify."""
+    task, layout = read.task, read.layout
     path = task.path
     views = [task.direct_view(k) for k in fetch.chunks]
     crcs = [bytearray(4) for _ in fetch.chunks]
-    buffers = [b for view, crc in zip(views, crcs, strict=True) for b in (view, memoryview(crc))]
+    head = bytearray(layout.index_nbytes if fetch.index else 0)
+    buffers = [memoryview(head)] if head else []
+    buffers += [b for view, crc in zip(views, crcs, strict=True) for b in (view, memoryview(crc))]
     got = storage.read_into(path, fetch.start, buffers)  # type: ignore[arg-type]
+    if head:
+        if got < len(head):
+            raise _truncated(storage, task, layout, 0, fetch.end, got)
+        index = decode_index(bytes(head), layout.n_chunks, storage.where(path), task.meta.key)
+        for k in task.needs:
+            _check_entry(index[k], layout, task.meta, path, k)
+        got -= len(head)
     for k, view, crc in zip(fetch.chunks, views, crcs, strict=True):
         assert view is not None
         where = f"{path} (inner chunk {k})"
@@ -275,7 +294,7 @@ def _read_direct(storage: Storage, task: ShardTask, fetch: Fetch) -> int:
                 chunk=where,
             )
         integrity.check_chunk(task.meta, task.index, k, crc, where)
-    return sum(len(v) + 4 for v in views if v is not None)
+    return len(head) + sum(len(v) + 4 for v in views if v is not None)
 
 
 def _copy_chunk(task: ShardTask, k: int, raw: memoryview, path: str) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 from zarrckpt.errors import InvalidCheckpointError, InvalidKeyError
 from zarrckpt.format import integrity, jsondoc
 from zarrckpt.format.array import CONSTANT_VERSION, MAX_UNRECORDED_SLOTS, ArrayMeta, check_version, slots
+from zarrckpt.format.gcpause import gc_paused
 from zarrckpt.format.jsondoc import (
     Bad,
     check_extensions,
@@ -120,6 +121,7 @@ class Manifest:
         return replace(self, arrays=arrays, modified={})
 
     @classmethod
+    @gc_paused()  # a manifest decodes into millions of small objects, none in a cycle
     def loads(cls, raw: bytes, where: str) -> Manifest:
         """Parse a manifest (untrusted bytes); every problem is an InvalidCheckpointError naming ``where``."""
 

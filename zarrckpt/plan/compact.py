@@ -36,10 +36,10 @@ import numpy as np
 from zarrckpt import errors
 from zarrckpt.errors import ZarrckptError
 from zarrckpt.format.array import ArrayMeta
+from zarrckpt.format.gcpause import gc_paused
 from zarrckpt.format.keys import key_to_path
 from zarrckpt.format.layout import Box
 from zarrckpt.plan.blocks import block_index, block_starts
-from zarrckpt.plan.gcpause import gc_paused
 from zarrckpt.plan.localstate import LocalState
 from zarrckpt.plan.meshlayout import MeshLayout
 from zarrckpt.plan.rankdesc import TensorSpec

@@ -28,10 +28,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from zarrckpt.format.gcpause import gc_paused
 from zarrckpt.format.layout import Box, Shape, cells_in
 from zarrckpt.plan import fanjoin
 from zarrckpt.plan.fetch import SMALL_OBJECT_BYTES
-from zarrckpt.plan.gcpause import gc_paused
 
 PIECE_BYTES = 16 * 1024 * 1024  # a replicated region larger than this is cut so that several ranks read it
 ROUND_BYTES = 256 * 1024 * 1024  # per rank and round: bytes read for others plus bytes received

@@ -37,14 +37,14 @@ verifies before it uses any chunk.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from zarrckpt.errors import InvalidCheckpointError, ZarrckptError
 from zarrckpt.format import dtypes
 from zarrckpt.format.array import ArrayMeta
-from zarrckpt.format.layout import Box, Shape, cell_box, cells_in
+from zarrckpt.format.layout import Box, Shape, cell_box, cells_in, flat_index
 from zarrckpt.format.shard import ShardLayout, chunks_per_shard
 from zarrckpt.plan.ranges import Range, chunk_ranges, merge_ranges
 from zarrckpt.storage.caps import ReadCaps
@@ -165,7 +165,7 @@ def plan_reads(requests: Sequence[Request]) -> list[ShardTask]:
                 origin = tuple(s + i * c for s, i, c in zip(shard.offsets, cidx, meta.chunk_shape, strict=True))
                 part = inside.intersect(Box(origin, meta.chunk_shape))
                 if part is not None:
-                    k = int(np.ravel_multi_index(cidx, grid)) if grid else 0
+                    k = flat_index(cidx, grid)
                     task.needs.setdefault(k, []).append((part, req))
     return list(tasks.values())
 
@@ -204,6 +204,9 @@ def plan_shard(task: ShardTask, caps: ReadCaps, partial: bool = False) -> ShardR
         end = _offset(layout, run[-1]) + layout.chunk_nbytes
         direct = caps.vectored and all(task.direct_view(k) is not None for k in run)
         fetches.append(Fetch(start, end, chunks=tuple(run), direct=direct))
+    if len(fetches) > 1 and fetches[0].index and fetches[1].start == layout.index_nbytes:
+        # the index and the chunks right behind it in one read (a small shard: one open, not two)
+        fetches[:2] = [replace(fetches[1], start=0, index=True)]
     return ShardRead(task, layout, tuple(fetches))
 
 

@@ -15,6 +15,7 @@ from zarrckpt.errors import SaveLayoutError
 from zarrckpt.format import fill
 from zarrckpt.format.array import ArrayMeta, beyond_limits
 from zarrckpt.format.dtypes import storage_dtype
+from zarrckpt.format.gcpause import gc_paused
 from zarrckpt.format.keys import infer_role, validate_keys
 from zarrckpt.format.layout import (
     Box,
@@ -29,7 +30,6 @@ from zarrckpt.format.layout import (
 )
 from zarrckpt.format.manifest import group_json, group_paths
 from zarrckpt.plan.coarsen import Gather, Joins, coarse_shard
-from zarrckpt.plan.gcpause import gc_paused
 from zarrckpt.plan.rankdesc import RankDescription, TensorSpec
 from zarrckpt.types import ArrayKind, Role
 

@@ -22,6 +22,7 @@ import torch
 from zarrckpt.errors import LayoutMismatchError
 from zarrckpt.format import dtypes, values
 from zarrckpt.format.array import ArrayMeta
+from zarrckpt.format.gcpause import gc_paused
 from zarrckpt.format.keys import Path, flat_leaves, nest, set_leaf
 from zarrckpt.format.layout import Box
 from zarrckpt.format.manifest import Manifest
@@ -77,6 +78,7 @@ class Agreement:
     skipped: frozenset[str]
 
 
+@gc_paused()  # a load of 20,000 tensors: millions of small objects next to the state's, none in a cycle
 def match(
     state_dict: Mapping[str, Any], manifest: Manifest, *, keys: Sequence[str] | None = None, cast: bool = False
 ) -> Match:
@@ -152,6 +154,7 @@ def set_values(state_dict: MutableMapping[str, Any], matched: Match, decoded: Ma
         set_leaf(state_dict, matched.leaves[key][0], value)
 
 
+@gc_paused()
 def plan_requests(
     matched: Match, manifest: Manifest, state_dict: MutableMapping[str, Any]
 ) -> tuple[list[Request], list[Callable[[], Any]]]:

@@ -358,12 +358,21 @@ class Storage:
         return out
 
     # -- concurrency ----------------------------------------------------------------------
-    def run_all(self, fn: Callable[[T], R], items: Iterable[T], *, writing: bool = False) -> list[R]:
+    def run_all(
+        self,
+        fn: Callable[[T], R],
+        items: Iterable[T],
+        *,
+        writing: bool = False,
+        inline: Callable[[T], bool] | None = None,
+    ) -> list[R]:
         """Run ``fn`` over ``items`` with bounded concurrency; results in order; re-raise the first failure.
 
         ``items`` is consumed as it goes (a generator planning each item is fine): at most four times
         the concurrency is taken ahead, and nothing more once an item failed, so a million items (a
-        crafted manifest's shards, say) cost no more than the first failure.
+        crafted manifest's shards, say) cost no more than the first failure. Items ``inline`` picks
+        run on the calling thread, in their turn (small reads of local files: handing each to a
+        thread costs more than the read, and the threads contend for the GIL).
         """
         limit = self.write_concurrency if writing else self.concurrency
         it = iter(items)
@@ -377,7 +386,16 @@ class Storage:
                 for item in itertools.chain(head, it):
                     if len(pending) >= 4 * limit:
                         results.append(pending.popleft().result())  # raises the first failure, in order
-                    pending.append(pool.submit(fn, item))
+                    if inline is None or not inline(item):
+                        pending.append(pool.submit(fn, item))
+                        continue
+                    done: Future[R] = Future()
+                    pending.append(done)
+                    try:
+                        done.set_result(fn(item))
+                    except Exception as e:  # raised in its turn, after the earlier items' failures
+                        done.set_exception(e)
+                        break
                 while pending:
                     results.append(pending.popleft().result())
             finally:
