@@ -268,12 +268,16 @@ def _read_direct(storage: Storage, read: ShardRead, fetch: Fetch) -> int:
     index first when the run follows it), then verify."""
     task, layout = read.task, read.layout
     path = task.path
-    views = [task.direct_view(k) for k in fetch.chunks]
+    views: list[memoryview] = []
+    for k in fetch.chunks:
+        view = task.direct_view(k)
+        assert view is not None  # a fetch is direct only when every chunk in it has a view
+        views.append(view)
     crcs = [bytearray(4) for _ in fetch.chunks]
     head = bytearray(layout.index_nbytes if fetch.index else 0)
     buffers = [memoryview(head)] if head else []
     buffers += [b for view, crc in zip(views, crcs, strict=True) for b in (view, memoryview(crc))]
-    got = storage.read_into(path, fetch.start, buffers)  # type: ignore[arg-type]
+    got = storage.read_into(path, fetch.start, buffers)
     if head:
         if got < len(head):
             raise _truncated(storage, task, layout, 0, fetch.end, got)
@@ -282,7 +286,6 @@ def _read_direct(storage: Storage, read: ShardRead, fetch: Fetch) -> int:
             _check_entry(index[k], layout, task.meta, path, k)
         got -= len(head)
     for k, view, crc in zip(fetch.chunks, views, crcs, strict=True):
-        assert view is not None
         where = f"{path} (inner chunk {k})"
         if got < len(view) + 4:
             raise CorruptChunkError(f"chunk {where} of {task.meta.key!r} is truncated", key=task.meta.key, chunk=where)
@@ -294,7 +297,7 @@ def _read_direct(storage: Storage, read: ShardRead, fetch: Fetch) -> int:
                 chunk=where,
             )
         integrity.check_chunk(task.meta, task.index, k, crc, where)
-    return len(head) + sum(len(v) + 4 for v in views if v is not None)
+    return len(head) + sum(len(v) + 4 for v in views)
 
 
 def _copy_chunk(task: ShardTask, k: int, raw: memoryview, path: str) -> None:
