@@ -95,11 +95,25 @@ def peer_targets(runs: list[dict[str, Any]], info: dict[str, Any]) -> list[Targe
             key = f"many{world}_{op}"
             out.append(
                 Target(
-                    f"{name}: {op}, zarrckpt time / DCP", ratio(m(f"{key}/zarrckpt"), m(f"{key}/dcp")), 1.0, False, "x"
+                    f"{name}: {op}, zarrckpt time / DCP",
+                    ratio(m(f"{key}/zarrckpt"), m(f"{key}/dcp")),
+                    1.0,
+                    False,
+                    "x",
+                    f"{key}/zarrckpt",
                 )
             )
             if world == 1:
-                out.append(Target(f"{name}: {op}, zarrckpt time", m(f"{key}/zarrckpt"), MANY_BUDGET_S, False, "s"))
+                out.append(
+                    Target(
+                        f"{name}: {op}, zarrckpt time",
+                        m(f"{key}/zarrckpt"),
+                        MANY_BUDGET_S,
+                        False,
+                        "s",
+                        f"{key}/zarrckpt",
+                    )
+                )
     return out
 
 

@@ -300,17 +300,23 @@ def many_phase(rank: int, world: int, cfg: dict[str, Any]) -> None:
         save(lib, tiny, root / f"warm-{lib}")()
         load(lib, tiny, root / f"warm-{lib}")()
     source = many_state(cfg["many_tensors"], cfg["many_big_mib"], mesh)
+
+    def profile_to(name: str) -> Path | None:  # --profile: rank 0's threads, as the other scenarios
+        return Path(cfg["profile"]) / f"{name.replace('/', '_')}.pstats" if cfg.get("profile") else None
+
     for lib in (*libs, "raw", "raw-files"):
         if rank == 0:
             os.sync()
-        results[f"many{world}_save/{lib}"] = measure(save(lib, source, root / lib))
+        name = f"many{world}_save/{lib}"
+        results[name] = measure(save(lib, source, root / lib), profile_to(name))
     expected = [crc32c.crc32c(t.numpy()) for t in _locals(source)]
     target = source
     del source
     for t in _locals(target):
         t.zero_()
     for lib in libs:
-        results[f"many{world}_load/{lib}"] = measure(load(lib, target, root / lib))
+        name = f"many{world}_load/{lib}"
+        results[name] = measure(load(lib, target, root / lib), profile_to(name))
         got = [crc32c.crc32c(t.numpy()) for t in _locals(target)]
         bad = [i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b]
         if bad:

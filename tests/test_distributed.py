@@ -140,3 +140,21 @@ def test_a_missing_or_uncommitted_checkpoint_raises_the_same_error_on_every_rank
     (tmp_path / "half").mkdir()
     (tmp_path / "half" / ".zarrckpt-pending.json").write_text("{}")
     spawn(3, _load_expecting, str(tmp_path / "half"), "IncompleteCheckpointError", "never committed")
+
+
+def _gather_alike(rank: int, world: int) -> None:
+    from zarrckpt.engine.dist import Group
+
+    group = Group()
+    mine = {"keys": ["a", "b"] if rank % 2 == 0 else ["c"], "mismatches": []}
+    expected = group.all_gather_json(mine)
+    got = group.all_gather_alike_json(mine)
+    assert got == expected and got[0] is got[2]  # one decoded copy per distinct object
+    assert group.all_gather_alike_json(mine, max_distinct=1) == expected  # too many distinct: gathered whole
+    own = {"rank": rank}  # every rank distinct, under the limit: one broadcast each
+    assert group.all_gather_alike_json(own) == [{"rank": r} for r in range(world)]
+
+
+@pytest.mark.slow
+def test_gathering_alike_objects_sends_each_once_and_matches_a_plain_gather() -> None:
+    spawn(4, _gather_alike)
