@@ -158,3 +158,32 @@ def _gather_alike(rank: int, world: int) -> None:
 @pytest.mark.slow
 def test_gathering_alike_objects_sends_each_once_and_matches_a_plain_gather() -> None:
     spawn(4, _gather_alike)
+
+
+def _asks_differ(rank: int, world: int, url: str) -> None:
+    saved = {"a": torch.ones(2), "b": torch.ones(3), "c": {"x": torch.ones(4), "y": torch.ones(5)}, "d": 7}
+    alone = dist.new_group([0])  # every rank creates it
+    if rank == 0:
+        zarrckpt.save(saved, url, process_group=alone)
+    dist.barrier()
+    asks = [{"a": torch.zeros(2), "c": {"x": torch.zeros(4)}}, {"b": torch.zeros(3), "c": {"y": torch.zeros(5)}}]
+    asks.append({"a": torch.zeros(2), "d": 0})
+    zarrckpt.load(asks[rank], url)  # strict: together the ranks ask for every saved key
+    mine = asks[rank]
+    got = [mine.get("a"), mine.get("b"), *mine.get("c", {}).values()]
+    assert all(bool((t == 1).all()) for t in got if t is not None) and mine.get("d", 7) == 7
+    fewer = [{"a": torch.zeros(2)}, {"b": torch.zeros(3), "c": {"y": torch.zeros(5)}}, {"d": 0}]
+    with pytest.raises(zarrckpt.LayoutMismatchError, match=r"c\.x: in the checkpoint, not expected") as err:
+        zarrckpt.load(fewer[rank], url)  # no rank asks for c.x: every rank is refused
+    assert err.value.differences == ["c.x: in the checkpoint, not expected"]
+    more = [{"a": torch.zeros(2)}, {"e": torch.zeros(1)}, {"a": torch.zeros(2)}][rank]
+    with pytest.raises(zarrckpt.LayoutMismatchError, match="e: expected, not in the checkpoint"):
+        zarrckpt.load(more, url, keys=["a", "e"])  # rank 1's missing key fails every rank
+    zarrckpt.load(more | ({"a": torch.zeros(2)} if rank == 1 else {}), url, keys=["a", "e"], strict=False)
+
+
+@pytest.mark.slow
+def test_the_ranks_asks_are_decided_together(tmp_path: Path) -> None:
+    """The saved keys some rank asks for travel as flags, the rest as distinct lists: a key only one
+    rank asks for counts, one no rank asks for is refused on every rank, as is one rank's missing key."""
+    spawn(3, _asks_differ, str(tmp_path / "ck"))

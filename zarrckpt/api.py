@@ -199,8 +199,7 @@ def load(
     state_dict, after_load = stateful.resolve(state_dict)
     start = time.perf_counter()
     matched = targets.match(state_dict, manifest, keys=keys, cast=cast)
-    views = group.all_gather_alike_json(matched.view())  # the ranks of a stage ask for the same keys
-    agreed = targets.agree(views, matched, manifest, keys=keys, strict=strict, url=storage.url)
+    agreed = loader.agree(group, matched, manifest, keys=keys, strict=strict, url=storage.url)
     integrity.refuse_modified(manifest.modified, agreed.found, storage.url)  # same on every rank
     if group.rank == 0:
         if agreed.skipped:

@@ -53,10 +53,14 @@ class Match:
     mismatches: list[str]
     empty: dict[str, str]
 
-    def view(self) -> dict[str, list[str]]:
-        """What the ranks share (JSON): the saved keys this rank asks for, and its differences."""
-        requested = (self.leaves.keys() - self.subtrees.keys()) | {k for ks in self.subtrees.values() for k in ks}
-        return {"keys": sorted(requested), "mismatches": self.mismatches + list(self.empty.values())}
+    def requested(self) -> set[str]:
+        """The keys this rank asks for (a value subtree: the saved keys under it)."""
+        return (self.leaves.keys() - self.subtrees.keys()) | {k for ks in self.subtrees.values() for k in ks}
+
+    def view(self, saved: Set[str]) -> dict[str, list[str]]:
+        """What the ranks share as JSON (usually the same on every rank): the keys this rank asks for
+        that are not ``saved``, and its differences. Which saved keys it asks for goes as flags."""
+        return {"missing": sorted(self.requested() - saved), "mismatches": self.mismatches + list(self.empty.values())}
 
 
 @dataclass(frozen=True)
@@ -96,7 +100,13 @@ def match(
     return Match(leaves, _value_subtrees(leaves, manifest), mismatches, _empty_targets(leaves, manifest))
 
 
+def saved_keys(manifest: Manifest) -> list[str]:
+    """Every key the checkpoint holds (arrays and values), sorted: the same list on every rank."""
+    return sorted(manifest.arrays.keys() | manifest.values.keys())
+
+
 def agree(
+    asked: Set[str],
     views: Sequence[Mapping[str, list[str]]],
     matched: Match,
     manifest: Manifest,
@@ -105,7 +115,8 @@ def agree(
     strict: bool,
     url: str,
 ) -> Agreement:
-    """Decide from every rank's :meth:`Match.view` (the same on every rank) what the load reads.
+    """Decide what the load reads from the saved keys some rank asks for (``asked``) and every
+    rank's :meth:`Match.view` (both the same on every rank).
 
     Raises:
         LayoutMismatchError: some rank's target differs from the checkpoint (shape, dtype, kind, an
@@ -113,7 +124,7 @@ def agree(
             unexpected; ``.differences`` lists them all, the message the first :data:`MAX_LISTED`.
     """
     mismatches = sorted({m for v in views for m in v["mismatches"]})
-    wanted = {k for v in views for k in v["keys"]}
+    wanted = set(asked) | {k for v in views for k in v["missing"]}
     saved = manifest.arrays.keys() | manifest.values.keys()
     considered = _considered(saved, wanted, keys)
     missing, unexpected = sorted(wanted - saved - matched.empty.keys()), sorted(considered - wanted)
