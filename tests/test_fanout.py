@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import zarrckpt
+from zarrckpt.engine import fanread
 from zarrckpt.format.layout import Box, cell_box, cells_in
 from zarrckpt.plan import fanout
 from zarrckpt.plan.fanout import ArrayInfo, FanOutPlan
@@ -367,8 +368,17 @@ def _shard_gets(log: RequestLog, url: str) -> tuple[int, int]:
 
 
 def _load_replicated(
-    rank: int, world: int, url: str, opts: dict[str, Any], fan_out: bool, out: str, small: bool = False
+    rank: int,
+    world: int,
+    url: str,
+    opts: dict[str, Any],
+    fan_out: bool,
+    out: str,
+    small: bool = False,
+    gather_cap: int | None = None,
 ) -> None:
+    if gather_cap is not None:  # more requests in all than this: no fan-out planned, each rank reads its own
+        fanread.MAX_GATHERED_REQUESTS = gather_cap
     if small:  # many rounds, pieces and packs
         fanout.ROUND_BYTES, fanout.PIECE_BYTES, fanout.PACK_BYTES = 300_000, 100_000, 200_000
     want = _replicated()
@@ -403,7 +413,11 @@ def replicated_url(s3_server: str) -> Any:
     fs.rm(root, recursive=True)
 
 
-@pytest.mark.parametrize(("fan_out", "low", "high"), [(True, 1.0, 1.02), (False, 3.98, 4.02)], ids=["fan_out", "off"])
+@pytest.mark.parametrize(
+    ("fan_out", "low", "high", "cap"),
+    [(True, 1.0, 1.02, None), (False, 3.98, 4.02, None), (True, 3.98, 4.02, 4)],
+    ids=["fan_out", "off", "too_many_requests_to_gather"],
+)
 def test_4_replicas_fetch_one_copy(
     replicated_url: tuple[str, dict[str, Any]],
     s3_requests: RequestLog,
@@ -411,9 +425,10 @@ def test_4_replicas_fetch_one_copy(
     fan_out: bool,
     low: float,
     high: float,
+    cap: int | None,
 ) -> None:
     url, opts = replicated_url
-    spawn(4, _load_replicated, url, opts, fan_out, str(tmp_path))
+    spawn(4, _load_replicated, url, opts, fan_out, str(tmp_path), False, cap)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "1", "2", "3"]
     gets, nbytes = _shard_gets(s3_requests, url)
     ratio = nbytes / _one_copy_bytes(_replicated())

@@ -178,6 +178,8 @@ def load(
         fan_out: a region that several ranks need (replicas: DDP, HSDP, replicated experts, plain
             tensors on every rank) is read from storage by one of them and sent to the others over
             the process group (:mod:`zarrckpt.engine.fanread`); ``False``: every rank reads all it needs.
+            Planning it gathers every rank's requests: a job with more than a million requests in all
+            (thousands of ranks) is not fanned out (logged at INFO).
         progress: as for :func:`save`: the bytes this rank reads or receives from other ranks, of
             the bytes its tensors take (index and read-through bytes can run a little past it).
 

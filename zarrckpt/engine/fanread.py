@@ -13,6 +13,7 @@ already posted are over: the failing rank its own error, the others a
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -25,6 +26,11 @@ from zarrckpt.format.layout import Box
 from zarrckpt.format.manifest import Manifest
 from zarrckpt.plan import fanout
 from zarrckpt.storage.store import Storage
+
+# planning a fan-out sends each rank every rank's requests (~40 bytes each): past this many in all
+# (~40 MB per rank; 8,192 ranks loading 6,000 arrays each would make it 2 GB), each rank reads its own
+MAX_GATHERED_REQUESTS = 1_000_000
+log = logging.getLogger("zarrckpt")
 
 
 def read_shared(
@@ -62,6 +68,17 @@ def read_shared(
         return group.run_together(run, "reading")
 
     if not group.active:
+        return read(requests)
+    longest = -int(group.all_reduce_min(np.array([-len(requests)], dtype=np.int64))[0])
+    if longest * group.size > MAX_GATHERED_REQUESTS:  # every rank alike
+        if group.rank == 0:
+            log.info(
+                "not fanning out this load: planning it would send each of the %d ranks every rank's requests "
+                "(up to %d each, over %d in all); each rank reads what it needs",
+                group.size,
+                longest,
+                MAX_GATHERED_REQUESTS,
+            )
         return read(requests)
     keys = sorted(manifest.arrays)
     number = {k: n for n, k in enumerate(keys)}
