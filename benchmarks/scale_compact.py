@@ -29,6 +29,70 @@ SCALES = {
     4096: Layout(pp=8, dp=512, ep_mp=64, ep_dp=8),
     16384: Layout(pp=16, dp=1024, ep_mp=128, ep_dp=8),
 }
+# loads of the 16,384-rank checkpoint (issue 28): shrink to 8,192 ranks, grow to 24,576
+LOAD_SCALES = {
+    "shrink to 8,192": Layout(pp=16, dp=512, ep_mp=128, ep_dp=4),
+    "grow to 24,576": Layout(pp=16, dp=1536, ep_mp=128, ep_dp=12),
+}
+
+
+@dataclass
+class LoadPlanning:
+    """What one loading rank (the last) does before its first read, as ``zarrckpt.load`` does it."""
+
+    name: str
+    world: int
+    parse: Timing  # Manifest.loads of the broadcast manifest
+    planning: Timing  # match, the flags and view, the read requests and their fetch plans
+    requests: int  # this rank's read requests
+    fetches: int  # its shard objects to read
+    received: dict[str, int]  # per rank, by step
+    fanned_out: bool  # whether the load would plan a fan-out (under MAX_GATHERED_REQUESTS in all)
+
+
+def load_planning(dims: Dims, name: str, layout: Layout, raw: bytes, reps: int) -> LoadPlanning:
+    """Time the last rank of ``layout`` planning its load of the manifest ``raw`` (the steps of
+    ``zarrckpt.load`` before its first read; the collectives' results sized as they would arrive)."""
+    from scale_model import load_requests
+
+    from zarrckpt.engine.fanread import MAX_GATHERED_REQUESTS
+    from zarrckpt.plan import targets
+    from zarrckpt.plan.fetch import plan_fetches
+    from zarrckpt.storage.caps import OBJECT_STORE
+
+    rank, world = layout.world - 1, layout.world
+    with fake_rank(rank, world):
+        state = rank_state(dims, layout, rank)
+    parse_t, manifest = measure(lambda: Manifest.loads(raw, "scale model"), reps)
+
+    def plan() -> tuple[Any, list[Any], list[Any]]:
+        matched = targets.match(state, manifest)
+        saved = targets.saved_keys(manifest)
+        requested = matched.requested()
+        flags = np.fromiter((k not in requested for k in saved), dtype=np.int64, count=len(saved))
+        view = matched.view(set(saved))
+        requests, _ = load_requests(state, manifest)
+        return [flags, view], requests, plan_fetches(requests, OBJECT_STORE)
+
+    plan_t, (shared, requests, fetches) = measure(plan, reps)
+    flags, view = shared
+    # the view: every rank of the shrink finds its keys saved (one distinct view); ranks past the
+    # saved world lack their per-rank keys, so the views differ and are gathered whole
+    missing = len(view["missing"])
+    view_bytes = len(json.dumps(view, separators=(",", ":")))
+    distinct = missing > 0 and world - manifest.world_size > 256
+    fanned = len(requests) * world <= MAX_GATHERED_REQUESTS
+    received = {
+        "the manifest (rank 0 reads it, a broadcast)": len(raw) + 8,
+        "MIN all-reduce of a flag per saved key (int64)": 8 * len(flags),
+        "digests of the views (16 bytes per rank)": 16 * world,
+        "the views: one broadcast per distinct view, or all gathered": (
+            16 * world + view_bytes * world if distinct else view_bytes + 8
+        ),
+        "MAX of the request counts (fan-out or not)": 8,
+        "every rank's requests, when fanned out": 40 * len(requests) * world if fanned else 0,
+    }
+    return LoadPlanning(name, world, parse_t, plan_t, len(requests), len(fetches), received, fanned)
 
 
 @dataclass
@@ -52,6 +116,7 @@ class CompactScale:
     fallback: bool
     gather_received: int  # what today's all-gather of descriptions would deliver per rank
     dcp_plan_bytes: int  # DCP: a typical rank's pickled local SavePlan (gathered to the coordinator, scattered back)
+    loads: list[LoadPlanning]  # the 16,384-rank checkpoint loaded at other world sizes (at that scale only)
 
 
 def rank_state_light(dims: Dims, layout: Layout, rank: int) -> dict[str, Any]:
@@ -86,7 +151,7 @@ def simulated_splits(dims: Dims, layout: Layout, full_ranks: Sequence[int]) -> l
     return splits
 
 
-def compact_scale(dims: Dims, layout: Layout, reps: int) -> CompactScale:
+def compact_scale(dims: Dims, layout: Layout, reps: int, loads: dict[str, Layout] | None = None) -> CompactScale:
     """Simulate the layout-based planner at ``layout.world`` ranks. The leader of each stage and the
     last rank are simulated in full (meta DTensors under the fake process group, ``collect``,
     ``compact.split``); every other rank's split is its stage leader's layouts and common items plus
@@ -167,6 +232,7 @@ def compact_scale(dims: Dims, layout: Layout, reps: int) -> CompactScale:
         fallback=fallback,
         gather_received=len(desc) * world,
         dcp_plan_bytes=dcp_plan_bytes(dims, layout, last),
+        loads=[load_planning(dims, n, lay, manifest, reps) for n, lay in (loads or {}).items()],
     )
 
 
@@ -222,12 +288,12 @@ def _flat_tensors(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def compact_main(reps: int, scales: Sequence[int], out: Path) -> None:
-    from scale_report import render_compact, splice
+    from scale_compact_report import render_compact, splice
 
     results, section = [], ""
     for world in scales:
         t = time.perf_counter()
-        results.append(compact_scale(Dims(), SCALES[world], reps))
+        results.append(compact_scale(Dims(), SCALES[world], reps, LOAD_SCALES if world == 16384 else None))
         print(f"{world} ranks: {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
         section = render_compact(results)  # after each scale: a long run stopped later keeps what it measured
         out.write_text(splice(out.read_text() if out.exists() else "", section))
