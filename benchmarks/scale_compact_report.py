@@ -122,8 +122,9 @@ def render_compact(rs: Sequence[Any]) -> str:
             "- A rank plans the tensors of its class only, but with every holder of each (the ranks of its "
             "class, 1,024 at 16,384): its planning grows with the size of its class, not of the job.",
             "- Load: every loading rank parses the whole manifest (all arrays' metadata and commit records), "
-            f"which is most of its planning at {w} ranks; a manifest parsed only for the arrays a rank reads "
-            "would take it under the target. A load fans out only under a million requests in all "
+            f"which is most of its planning at {w} ranks and grows with the saving world (two RNG arrays per "
+            "rank); the same code measured about twice as long on a slower VM in another session. "
+            "A load fans out only under a million requests in all "
             "(`zarrckpt.engine.fanread.MAX_GATHERED_REQUESTS`): its planning gathers every rank's requests, so "
             "at these sizes each rank reads what it needs, and replicated regions (none in these layouts: "
             "every tensor is sharded) are read once per holder. Per-rank fan-out planning from the target "

@@ -204,6 +204,12 @@ TRAVERSALS: dict[str, Callable[[dict[str, Any]], None]] = {
     "array path model/w/.": lambda d: _move(d, "model/w/."),
     "group at ../..": lambda d: d["consolidated_metadata"]["metadata"].update({"../..": {"node_type": "group"}}),
     "group at /etc": lambda d: d["consolidated_metadata"]["metadata"].update({"/etc": {"node_type": "group"}}),
+    "group at a//b": lambda d: d["consolidated_metadata"]["metadata"].update({"a//b": {"node_type": "group"}}),
+    "group at a/": lambda d: d["consolidated_metadata"]["metadata"].update({"a/": {"node_type": "group"}}),
+    "group at the root ''": lambda d: d["consolidated_metadata"]["metadata"].update({"": {"node_type": "group"}}),
+    "group at a/./b": lambda d: d["consolidated_metadata"]["metadata"].update({"a/./b": {"node_type": "group"}}),
+    "group at a\\b": lambda d: d["consolidated_metadata"]["metadata"].update({"a\\b": {"node_type": "group"}}),
+    "group at a NUL b": lambda d: d["consolidated_metadata"]["metadata"].update({"a\0b": {"node_type": "group"}}),
     "value key ../x": lambda d: _info(d)["values"].update({"../x": 1}),
     "value key empty": lambda d: _info(d)["values"].update({"": 1}),
 }

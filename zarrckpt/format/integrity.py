@@ -55,8 +55,12 @@ def _slots(meta: ArrayMeta) -> tuple[int, int]:
     )
 
 
+# one encoder for every digest: json.dumps builds a new one per call when given options
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+
+
 def canonical(doc: Any) -> bytes:
-    return json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode()
+    return _CANONICAL.encode(doc).encode()
 
 
 def meta_digest(meta: ArrayMeta) -> int:

@@ -158,7 +158,8 @@ class Manifest:
         nodes = get_field(doc, "consolidated_metadata.metadata", dict, bad)
         arrays = {}
         for path, node in nodes.items():
-            if not path or any(s in ("", ".", "..") or "\\" in s or "\0" in s for s in path.split("/")):
+            parts = path.split("/")
+            if "\\" in path or "\0" in path or not all(parts) or "." in parts or ".." in parts:
                 raise bad(f"consolidated metadata has a node at the unsafe path {short(path)}")
             node_type = node.get("node_type") if isinstance(node, dict) else None
             if node_type == "array":
@@ -182,8 +183,10 @@ class Manifest:
             arrays, changed = integrity.compare(arrays, get_field(record, "arrays", dict, bad, at="integrity."), bad)
             modified |= changed
         for meta in arrays.values():  # no record to back them: a crafted manifest's claims cost nothing to make
+            if meta.constant is not None or meta.committed_crc32c:
+                continue
             shards, per_shard = slots(meta.shape, meta.shard_shape, meta.chunk_shape)
-            if meta.constant is None and not meta.committed_crc32c and shards * per_shard > MAX_UNRECORDED_SLOTS:
+            if shards * per_shard > MAX_UNRECORDED_SLOTS:
                 raise bad(
                     f"array {meta.key!r} claims {shards} shards of {per_shard} inner chunks without a commit "
                     f"record to back them (at most {MAX_UNRECORDED_SLOTS} without one)"
