@@ -18,13 +18,12 @@ SHORT = {"zarrckpt": "zarrckpt", "dcp": "DCP (s3fs)", "s3tc": "s3torchconnector"
 # Causes of misses found by profiling, printed under the targets for each target missed.
 _MOTO = (
     "moto runs inside the benchmark's driver process (Python, one GIL) on the same 2 cores as the rank "
-    "processes: the machine is 80-90% busy and the server uses 0.6-0.8 cores whichever library runs, so "
-    "throughput is bounded by CPU spent per byte (SigV4 payload hashing over plain http, md5 ETags and "
-    "body copies in moto) and per request (a few ms of server CPU each). Both libraries move the same bytes; "
-    "zarrckpt makes ~10x the requests (343 PUTs on save: 54 tensors x 4 ranks, 111 `zarr.json` documents, "
-    "the commit; 336 GETs on load, against DCP's 31 and 36, when this was written), and its 16 requests in "
-    "flight per rank cannot help when the CPU is the limit (`ZARRCKPT_CONCURRENCY=4` measured the same). "
-    "The RGW rows measure the same clients against a server written in C++ that runs in its own processes."
+    "processes, and its CPU per request (a few ms each: SigV4 payload hashing, md5 ETags, body copies) "
+    "bounds every library. zarrckpt makes ~6x DCP's requests (2026-12-03: 214 GETs on this load against "
+    "DCP's 36; 232 requests per save against 31) in exchange for reading 2x fewer bytes, and the server "
+    "spent 0.7-0.85 cores on zarrckpt's operations; its 16 requests in flight per rank cannot help when the "
+    "CPU is the limit. The RGW rows measure the same clients against a server written in C++ in its own "
+    "processes: there the same load is 2.27x DCP."
 )
 _RGW = (
     "the gateway is not the limit (its daemons use well under one core during zarrckpt's operations, "
@@ -35,9 +34,9 @@ _RGW = (
 )
 MISS_NOTES: dict[str, str] = {
     "S3 on moto: save, zarrckpt speed / DCP": _MOTO,
-    "S3 on moto: resharding load, zarrckpt speed / DCP": "same cause as the moto save above.",
+    "S3 on moto: resharding load, zarrckpt speed / DCP": _MOTO,
     "S3 on RGW: save, zarrckpt speed / DCP": _RGW,
-    "S3 on RGW: resharding load, zarrckpt speed / DCP": "same cause as the RGW save above.",
+    "S3 on RGW: resharding load, zarrckpt speed / DCP": _RGW,
     "S3 on RGW: requests per save, zarrckpt / DCP": (
         "with small shards joined and constant arrays stored as metadata only (issue 15, points 1 and 2), "
         "zarrckpt still writes a `zarr.json` per array and per group (117 of its 224 PUTs here), which every "
