@@ -16,7 +16,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scale_model import STEP, Dims, Layout, Timing, fake_rank, manifest_of, measure, rank_state, save_counts
+from scale_model import manifest_of, save_counts
+from scale_state import STEP, Dims, Layout, Timing, fake_rank, measure, rank_state
 
 from zarrckpt.format.manifest import Manifest
 from zarrckpt.plan.localstate import collect

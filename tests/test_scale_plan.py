@@ -38,6 +38,7 @@ def _load_scale_model() -> Any:
 
 
 sm = _load_scale_model()
+ss = sys.modules["scale_state"]  # the model and its ranks' state, imported by scale_model
 DIMS = sm.Dims(layers=4, d_model=256, heads=4, kv_heads=2, head_dim=64, experts=32, top_k=4, d_ff=96, vocab=1024)
 SAVE = sm.Layout(pp=2, dp=32, ep_mp=16, ep_dp=2)  # 64 ranks
 LOAD = sm.Layout(pp=1, dp=48, ep_mp=16, ep_dp=3)  # 48 ranks, uneven splits of d_model
@@ -80,7 +81,7 @@ def test_plan_has_the_shards_the_layout_implies(plan: ZarrSavePlan) -> None:
     assert meta.shard_shape == (DIMS.experts // SAVE.ep_mp, DIMS.d_model // SAVE.ep_dp, DIMS.d_ff)
     assert meta.topology["holders"] == SAVE.dp and meta.topology["world_size"] == world
     assert plan.arrays["optim.state.model.layers.0.moe.experts.w1.exp_avg"].role == "first_moment"
-    assert plan.values["trainer.step"] == sm.STEP and plan.values["optim.param_groups.model.norm.weight.lr"] == 3e-4
+    assert plan.values["trainer.step"] == ss.STEP and plan.values["optim.param_groups.model.norm.weight.lr"] == 3e-4
 
 
 def test_every_tensor_is_tiled_exactly_once_by_a_holder(plan: ZarrSavePlan, raws: list[bytes]) -> None:
@@ -190,3 +191,17 @@ def test_resharding_load_plan_covers_every_target_region(plan: ZarrSavePlan, raw
     assert sum(counts.dcp_bytes) >= counts.bytes_needed and sum(counts.dcp_gets) >= counts.requests
     same = sm.plan_load(DIMS, SAVE, sm.manifest_of(plan), 1, dcp)  # the saved layout: DCP reads each chunk once
     assert sum(same.dcp_bytes) == same.bytes_needed and sum(same.dcp_gets) == same.requests
+
+
+@pytest.mark.slow  # ~15 s: the whole model at 64 ranks, loads into two layouts
+def test_the_report_renders_from_a_small_run() -> None:
+    """The scale model end to end at 64 ranks (save, two loads, predictions, DCP beside it): the
+    page `benchmarks/results/scale.md` is rendered from, with every target judged."""
+    shrink = sm.Layout(pp=1, dp=16, ep_mp=8, ep_dp=2)
+    results = sm.run(DIMS, SAVE, {"shrink": shrink, "grow, uneven": LOAD}, 1, None)
+    page = sm.render(results)
+    assert results.counts.shard_objects > 0 and results.counts.manifest_bytes > 0
+    rows = [line for line in page.splitlines() if line.endswith(("| PASS |", "| MISS |"))]
+    assert len(rows) >= 4, page
+    for heading in ("## ", "DCP"):
+        assert heading in page
