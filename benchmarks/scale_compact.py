@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -245,10 +246,19 @@ def manifest_parts(raw: bytes) -> dict[str, int]:
         return len(json.dumps(obj, separators=(",", ":")))
 
     nodes = doc["consolidated_metadata"]["metadata"]
+    record = doc["attributes"]["zarrckpt"]["integrity"]
+    tables = [r["chunk_crc32c"] for r in record["arrays"].values() if "chunk_crc32c" in r]
+    shards = sum(
+        math.prod(
+            -(-n // s) for n, s in zip(node["shape"], node["chunk_grid"]["configuration"]["chunk_shape"], strict=True)
+        )
+        for path, node in nodes.items()
+        if path in record["arrays"] and "chunk_crc32c" in record["arrays"][path]
+    )
     return {
-        "commit record (`integrity`: every inner chunk's crc32c, base64)": size(
-            doc["attributes"]["zarrckpt"]["integrity"]
-        ),
+        "commit record (`integrity`: every inner chunk's crc32c, base64)": size(record),
+        "of which the inner chunks' crc32c (base64)": sum(len(t) for t in tables),
+        "(the same with one crc32c per shard object instead, base64)": 4 * -(-(4 * shards) // 3),
         "consolidated metadata (every array's and group's `zarr.json`)": size(nodes),
         "of which the per-rank RNG arrays and their groups": size(
             {k: v for k, v in nodes.items() if k.startswith("rng/")}

@@ -111,8 +111,13 @@ def render_compact(rs: Sequence[Any]) -> str:
             "reads against the commit, in the one GET of its bytes), and with inner chunks of at most an eighth "
             "of a shard (issue 27's resharding reads) that is most shards' 8 slots; the consolidated metadata is "
             "a full `zarr.json` per array, which zarr-python and xarray read. Neither fits 16 MB at "
-            f"{w} ranks without a format change: the record moved out of the manifest would cost a lazy read a "
-            "second GET, and per-rank state stacked into one array per kind would change the keys users saved.",
+            f"{w} ranks without a format change, and it takes two (rows above): a record of one crc32c per shard "
+            "object (its shard index holds the inner chunks' checksums), which costs a partial read of one inner "
+            "chunk a second GET (the index) or a longer one, against issue 27's one-GET lazy slice; and per-rank "
+            "state kept out of the consolidated metadata (each array keeps its own `zarr.json`; readers listing "
+            "the group through the consolidated metadata would not see it) or stacked into one array per kind "
+            "(which changes the keys users saved). Moving the record out of the manifest costs a lazy read a "
+            "second GET as well. Which promise gives way is a decision for the format, not made here.",
             "- Tensors whose boxes no layout gives -- `LocalShard` lists, ShardedTensor shards, DTensors with "
             "`_StridedShard` placements, plain tensors held by some but not all ranks of a class -- are per-rank "
             "items, sent to rank 0 with their boxes. When such a key is also held as a class item, or is "
