@@ -19,11 +19,9 @@ import torch
 
 import zarrckpt  # registers bfloat16 / float8 with zarr-python
 from zarrckpt.engine import commit as protocol
-from zarrckpt.engine import markers
-from zarrckpt.engine.writer import write_metadata, write_rank
-from zarrckpt.format import fill
+from zarrckpt.engine.writer import committed_manifest, write_metadata, write_rank
+from zarrckpt.format import fill, integrity
 from zarrckpt.format.keys import nest
-from zarrckpt.format.manifest import Manifest
 from zarrckpt.plan.localstate import collect
 from zarrckpt.plan.save import build_save_plan
 from zarrckpt.storage.store import Storage
@@ -267,11 +265,13 @@ def _save_as_ranks(states: list[dict[str, Any]], url: Path, chunk_bytes: int) ->
     plan = build_save_plan([loc.describe() for loc in local], chunk_bytes)
     storage = Storage(url)
     save_id = protocol.prepare(storage, overwrite=False)
+    written: integrity.Written = {}
     for rank, loc in enumerate(local):
-        write_rank(storage, plan, loc, rank)
+        write_rank(storage, plan, loc, rank, written)
     for rank in range(len(local)):
         write_metadata(storage, plan.metadata_of(rank))
-    protocol.commit(storage, Manifest(save_id, plan.arrays, plan.values, plan.world_size, markers.now(), "test"))
+    views = [integrity.to_json(written)]  # the commit record, as rank 0 gathers it
+    protocol.commit(storage, committed_manifest(save_id, plan.arrays, plan.values, plan.world_size, views))
 
 
 def _split(n: int, parts: int) -> list[tuple[int, int]]:

@@ -209,15 +209,20 @@ def test_values_edited_through_our_attributes(ckpt: Path) -> None:
     assert got["step"] == 8
 
 
-def test_checkpoints_without_a_record_still_load(ckpt: Path) -> None:
-    """As written before commit records existed."""
+def test_checkpoints_without_a_record_load_only_with_allow_modified(ckpt: Path) -> None:
+    """As written before commit records existed, or with the record removed: nothing tells the two
+    apart, so nothing is compared with a commit and reading needs allow_modified=True."""
     doc = _manifest(ckpt)
     del doc["attributes"]["zarrckpt"]["integrity"], doc["attributes"]["zarrckpt"]["attributes_crc32c"]
     (ckpt / "zarr.json").write_text(json.dumps(doc))
+    with pytest.raises(ModifiedCheckpointError, match="has no commit record"):
+        zarrckpt.load(_target(), ckpt)
+    (problem,) = zarrckpt.open(ckpt).verify()["problems"]
+    assert "has no commit record" in problem
     got = _target()
-    zarrckpt.load(got, ckpt)
+    zarrckpt.load(got, ckpt, allow_modified=True)
     assert torch.equal(got["model"]["w"], _state()["model"]["w"])
-    assert zarrckpt.open(ckpt).verify().ok
+    assert zarrckpt.open(ckpt, allow_modified=True).verify().ok  # as it is now: every chunk's own crc32c
 
 
 def test_a_shard_no_rank_wrote_is_not_committed() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import logging
 import time
 import warnings
 from collections.abc import Iterator
@@ -26,6 +27,8 @@ from zarrckpt.storage.store import Storage
 from zarrckpt.tensorview import TensorView
 from zarrckpt.types import URL
 
+log = logging.getLogger("zarrckpt")
+
 
 def open(
     url: URL, *, storage_options: dict[str, Any] | None = None, partial_reads: bool = True, allow_modified: bool = False
@@ -41,9 +44,13 @@ def open(
             bytes. Such reads cannot check the chunk's crc32c (it covers the whole chunk); pass
             False to always read and verify whole inner chunks. :meth:`Checkpoint.verify` always
             reads everything.
-        allow_modified: read a checkpoint another tool changed after it was committed as it is
-            now (any valid shard layout; chunk checksums still checked). Without it, reading a
-            tensor or the values that changed raises ``ModifiedCheckpointError``.
+        allow_modified: read a checkpoint another tool changed after it was committed, or one
+            without a commit record (written before zarrckpt recorded one, or with the record
+            removed), as it is now (any valid shard layout; each chunk's own crc32c still checked;
+            an unrecorded checkpoint is logged as read unchecked). Without it, reading a tensor or
+            the values that changed raises ``ModifiedCheckpointError``, and so does reading any
+            tensor of an unrecorded checkpoint (its :attr:`~Checkpoint.metadata` is shown, with a
+            logged warning that it is unchecked).
 
     Returns:
         The checkpoint, a read-only mapping of tensor key -> :class:`TensorView`.
@@ -59,6 +66,11 @@ def open(
     """
     storage = Storage(url, storage_options)
     manifest = protocol.read_manifest(storage)
+    if manifest.unrecorded and not allow_modified:  # listing and showing it still work: say what they show
+        log.warning(
+            "%s; its values are shown unchecked, and reading its tensors needs allow_modified=True",
+            manifest.unrecorded,
+        )
     return Checkpoint(storage, manifest.as_is() if allow_modified else manifest, partial_reads, allow_modified)
 
 
@@ -124,11 +136,15 @@ class Checkpoint:
         """The non-tensor state (step, config, ...), nested as it was saved, each value of its saved
         type; a value saved pickled shows as a placeholder (``open()`` never unpickles).
 
+        Of a checkpoint without a commit record they are shown unchecked (:func:`open` logs a
+        warning): ``zarrckpt info`` shows them; ``zarrckpt.load`` refuses them without
+        ``allow_modified=True``.
+
         Raises:
             ModifiedCheckpointError: the saved values were edited after commit (and the checkpoint
                 was not opened with ``allow_modified=True``).
         """
-        integrity.refuse_modified(self.manifest.modified, [], self.storage.url)
+        integrity.refuse_modified(integrity.recorded_changes(self.manifest.modified), [], self.storage.url)
         return nest({k: values.describe(v) for k, v in self.manifest.values.items()})
 
     @property
@@ -185,8 +201,10 @@ class Checkpoint:
         """Check completeness and every checksum of every tensor (reads the whole checkpoint).
 
         Problems found (a missing or truncated shard, a chunk failing its checksum, an array's
-        ``zarr.json`` changed after commit, a storage failure while reading) are listed in the
-        result, not raised.
+        ``zarr.json`` changed after commit, no commit record to compare the checkpoint with, a
+        storage failure while reading) are listed in the result, not raised. Opened with
+        ``allow_modified=True``, the checkpoint is checked as it is now: every shard present and
+        every chunk's own crc32c, nothing compared with a commit record.
 
         Args:
             progress: draw a progress bar on stderr meanwhile (redrawn in place on a terminal or in
@@ -204,7 +222,12 @@ class Checkpoint:
         from zarrckpt.engine import verify  # reads data (numpy): not on the import path of `zarrckpt ls`
 
         start = time.perf_counter()
-        problems = [f"modified after commit: {why}" for _, why in sorted(self.manifest.modified.items())]
+        problems = [
+            f"{why}; its chunks were checked against their own crc32c only"
+            if isinstance(why, integrity.Unrecorded)
+            else f"modified after commit: {why}"
+            for _, why in sorted(self.manifest.modified.items())
+        ]
         fetched = done = 0
         arrays = sorted(self.manifest.arrays.values(), key=lambda m: m.key)
         bar = Progress("verify", len(arrays), sum(m.nbytes for m in arrays)) if progress else None

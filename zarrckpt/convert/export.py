@@ -33,7 +33,7 @@ from zarrckpt.checkpoint import open as open_checkpoint
 from zarrckpt.display import Progress
 from zarrckpt.engine import commit as protocol
 from zarrckpt.errors import UnsupportedValueError, ZarrckptError
-from zarrckpt.format import dtypes
+from zarrckpt.format import dtypes, integrity
 from zarrckpt.format.keys import ROLES
 from zarrckpt.tensorview import TensorView
 from zarrckpt.types import URL, Role
@@ -158,6 +158,9 @@ def export_safetensors(
             (nothing is published), or ``url_or_checkpoint`` holds no committed checkpoint.
         CorruptChunkError: a chunk read fails its checksum or is missing
             (``ModifiedCheckpointError``: it changed after commit).
+        ModifiedCheckpointError: before anything is written, the selected tensors changed after
+            commit, or the checkpoint has no commit record; to export it as it is now, pass
+            ``zarrckpt.open(url, allow_modified=True)``.
         CheckpointNotFoundError, InvalidCheckpointError, StorageError: as for :func:`zarrckpt.open`.
     """
     start = time.perf_counter()
@@ -172,6 +175,9 @@ def export_safetensors(
     if block_bytes < 1:
         raise ZarrckptError(f"block_bytes must be positive, got {block_bytes}")
     items = _select(ckpt, roles, include, cast, strip_prefix)
+    # before anything is written: a checkpoint changed after commit, or without a commit record, is
+    # exported only when opened with allow_modified=True (then passed in as a Checkpoint)
+    integrity.refuse_modified(ckpt.manifest.modified, [it.view.key for it in items], ckpt.storage.url)
     out = _prepare_out(out_dir, overwrite)
     shards = _plan_shards(items, limit)
     names = (

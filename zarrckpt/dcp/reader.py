@@ -59,7 +59,8 @@ class ZarrReader(StorageReader):
 
     A tensor target of another dtype receives the saved values converted, as with
     ``FileSystemReader``. Values saved pickled need ``allow_pickle=True``; a checkpoint changed
-    by another tool after its commit needs ``allow_modified=True`` (see ``zarrckpt.load``).
+    by another tool after its commit, or one without a commit record (written before zarrckpt
+    recorded one, or with the record removed), needs ``allow_modified=True`` (see ``zarrckpt.load``).
     """
 
     def __init__(

@@ -16,6 +16,11 @@ and ``attributes_crc32c``, a crc32c of its own ``zarrckpt`` attributes (the save
 A read compares each chunk's stored crc32c with the committed one; any difference raises
 :class:`ModifiedCheckpointError` naming tensor and shard. ``allow_modified=True`` reads the
 checkpoint as it is now, through a decoder that accepts every valid shard layout.
+
+A manifest without ``integrity`` or without ``attributes_crc32c`` is *unrecorded* (:class:`Unrecorded`):
+written before zarrckpt recorded commits, or with the record removed, which nothing tells apart (the
+format version can be edited too). Nothing of it can be compared with what was committed, so reading
+it needs ``allow_modified=True`` as a modified checkpoint does.
 """
 
 from __future__ import annotations
@@ -38,9 +43,40 @@ if TYPE_CHECKING:
     from zarrckpt.format.array import ArrayMeta
 
 ATTRIBUTES_DIGEST = "attributes_crc32c"
+RECORD = "integrity"
 ALLOW_HINT = "pass allow_modified=True to open or load it as it is now"
+UNRECORDED_HINT = (
+    "to read it unchecked, as it is now, pass allow_modified=True to zarrckpt.open or zarrckpt.load "
+    "(ZarrReader(allow_modified=True) under DCP; `zarrckpt cp --allow-modified` copies it, unrecorded)"
+)
 # key -> shard number (C order of the shard grid) -> its chunk_crcs() slots
 Written = dict[str, dict[int, bytes]]
+
+
+class Unrecorded(str):
+    """Why a manifest has no commit record: its ``modified`` entry under ``""`` (which every read
+    counts), told apart from an edit found by the record."""
+
+    @classmethod
+    def of(cls, where: str, missing: Sequence[str]) -> Unrecorded:
+        fields = " and no ".join(repr(m) for m in missing)
+        return cls(
+            f"checkpoint manifest {where} has no commit record (no {fields} in attributes.zarrckpt), so its values "
+            "and chunk bytes cannot be compared with what was committed: it was written before zarrckpt recorded "
+            "commits (2026-12-01), the record was removed after commit, or it is a copy made without one "
+            "(`zarrckpt cp --allow-modified`)"
+        )
+
+
+def unrecorded(modified: Mapping[str, str]) -> Unrecorded | None:
+    """The reason the manifest whose ``modified`` this is has no commit record; None when it has one."""
+    why = modified.get("")
+    return why if isinstance(why, Unrecorded) else None
+
+
+def recorded_changes(modified: Mapping[str, str]) -> dict[str, str]:
+    """``modified`` less the missing record: the edits the record found."""
+    return {k: why for k, why in modified.items() if not isinstance(why, Unrecorded)}
 
 
 def shard_number(meta: ArrayMeta, index: Shape) -> int:
@@ -135,7 +171,9 @@ def compare(arrays: dict[str, ArrayMeta], recorded: Any, bad: Any) -> tuple[dict
     for path, meta in by_path.items():
         rec = recorded.get(path)
         if rec is None:
-            modified[meta.key] = f"array {path!r} is not one the commit recorded (added later)"
+            modified[meta.key] = (
+                f"array {path!r} has no entry in the commit record: added after commit, or its entry was removed"
+            )
             continue
         if not isinstance(rec, dict):
             raise bad(f"the integrity record of {path!r} must be an object")
@@ -191,7 +229,10 @@ def reads_are_checked(arrays: Sequence[ArrayMeta], any_layout: bool) -> bool:
 
 def refuse_modified(modified: Mapping[str, str], keys: Sequence[str] | None, url: str) -> None:
     """Raise ModifiedCheckpointError for what changed since commit among ``keys`` (all when None);
-    the key ``""`` (the attributes, values with them) always counts."""
+    the key ``""`` (the attributes, values with them; or no commit record at all) always counts."""
+    missing = unrecorded(modified)
+    if missing is not None:
+        raise ModifiedCheckpointError(f"{missing}; {UNRECORDED_HINT}", key="")
     found = {k: why for k, why in modified.items() if k == "" or keys is None or k in keys}
     if found:
         lines = [found[k] for k in sorted(found)]

@@ -7,6 +7,7 @@ Building and parsing only; no I/O. Parsing treats every document as untrusted in
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -31,6 +32,7 @@ HEAD_BYTES = 64 * 1024  # the prefix of a manifest read for its head (ManifestHe
 TOMBSTONE_BYTES = 1024  # a tombstone's exact size (padded), so a listing's sizes tell which manifests may be one
 _HEAD_FIELDS = ("format_version", "save_id", "world_size", "values")  # those a head needs; "created" optional
 GROUP_FIELDS = frozenset({"zarr_format", "node_type", "attributes", "consolidated_metadata"})
+log = logging.getLogger("zarrckpt")
 
 
 def tombstone(marker: dict[str, Any]) -> bytes:
@@ -83,8 +85,12 @@ class Manifest:
     library: str = ""
     dcp: dict[str, Any] = field(default_factory=dict)  # DCP adapter: "objects", "planner_data" (both optional)
     integrity: dict[str, Any] | None = None  # array path -> record (integrity.records); None: not recorded
-    # loads(): key -> what changed since commit ("": the attributes); see integrity.refuse_modified
+    # loads(): key -> what changed since commit ("": the attributes, or an integrity.Unrecorded: no
+    # record at all); see integrity.refuse_modified
     modified: dict[str, str] = field(default_factory=dict, compare=False)
+    # why it has no commit record (loads(): an integrity.Unrecorded), "" when it has one; dumps() then
+    # writes no attributes_crc32c, so what was never checked never gets a record
+    unrecorded: str = field(default="", compare=False)
 
     def to_json(self) -> dict[str, Any]:
         arrays = list(self.arrays.values())
@@ -112,11 +118,19 @@ class Manifest:
     def dumps(self) -> bytes:
         doc = self.to_json()
         attributes = doc["attributes"]["zarrckpt"]
-        attributes[integrity.ATTRIBUTES_DIGEST] = integrity.attributes_digest(attributes)
+        if not self.unrecorded:
+            attributes[integrity.ATTRIBUTES_DIGEST] = integrity.attributes_digest(attributes)
         return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
 
-    def as_is(self) -> Manifest:
-        """This manifest without its commit record: reads accept the checkpoint as it is now."""
+    def as_is(self, *, warn: bool = True) -> Manifest:
+        """This manifest without its commit record: reads accept the checkpoint as it is now
+        (``allow_modified=True``). An unrecorded one is logged (``warn``): nothing is checked but
+        each chunk's own crc32c."""
+        if self.unrecorded and warn:
+            log.warning(
+                "reading unchecked, as it is now (allow_modified=True): %s; only each chunk's own crc32c is checked",
+                self.unrecorded,
+            )
         arrays = {k: replace(m, committed_crc32c=b"") for k, m in self.arrays.items()}
         return replace(self, arrays=arrays, modified={})
 
@@ -178,10 +192,18 @@ class Manifest:
         digest = attributes.get(integrity.ATTRIBUTES_DIGEST)
         if digest is not None and digest != integrity.attributes_digest(attributes):
             modified[""] = "its zarrckpt attributes (the saved values, the commit records) were edited"
-        record = get_field(doc, info + "integrity", dict, bad, None)
+        record = get_field(doc, info + integrity.RECORD, dict, bad, None)
         if record is not None:
             arrays, changed = integrity.compare(arrays, get_field(record, "arrays", dict, bad, at="integrity."), bad)
             modified |= changed
+        # without either field nothing can be compared with the commit, whatever format_version says (an
+        # older zarrckpt's checkpoint and a stripped one look alike): reads need allow_modified
+        missing = [
+            name for name, found in ((integrity.RECORD, record), (integrity.ATTRIBUTES_DIGEST, digest)) if found is None
+        ]
+        unrecorded = integrity.Unrecorded.of(where, missing) if missing else ""
+        if unrecorded:
+            modified[""] = unrecorded
         for meta in arrays.values():  # no record to back them: a crafted manifest's claims cost nothing to make
             if meta.constant is not None or meta.committed_crc32c:
                 continue
@@ -192,7 +214,7 @@ class Manifest:
                     f"record to back them (at most {MAX_UNRECORDED_SLOTS} without one)"
                 )
         arrays_record = None if record is None else record.get("arrays")
-        return cls(save_id, arrays, values, world, created, library, dcp, arrays_record, modified)
+        return cls(save_id, arrays, values, world, created, library, dcp, arrays_record, modified, unrecorded)
 
 
 @dataclass(frozen=True)
