@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -17,7 +19,7 @@ from zarrckpt.errors import StorageError, ZarrckptError
 from zarrckpt.storage.retry import RetryPolicy
 from zarrckpt.storage.s3config import Untranslatable, choice, translate
 from zarrckpt.storage.store import Storage
-from zarrckpt.testing import RequestLog, s3_storage_options, unique_url
+from zarrckpt.testing import RequestLog, rgw, s3_storage_options, unique_url
 from zarrckpt.testing.proxy import FaultProxy
 
 CLIENTS = ("obstore", "s3fs")
@@ -382,3 +384,46 @@ def test_a_delete_the_store_partly_refuses_is_an_error(proxy, client, name):
     assert zarrckpt.list_checkpoints(url.rsplit("/", 1)[0], storage_options=opts)[url.rsplit("/", 1)[1]] == "deleting"
     zarrckpt.delete(url, storage_options=opts)  # allowed again: it finishes
     assert Storage(url, opts).is_empty()
+
+
+# -- S3 error answers, said in words ------------------------------------------------------------------
+def _no_xml_anywhere(error: BaseException) -> None:
+    """Neither the message nor any exception chained to it (what a traceback prints) holds XML."""
+    printed = "".join(traceback.format_exception(error))
+    assert not re.search(r"<\?xml|<Error>|<Code>", printed), printed
+    assert "Debug source" not in printed, printed
+
+
+def test_a_wrong_secret_is_said_in_words_on_rgw(rgw_server, client):
+    """A real S3 server (Ceph RGW) refuses the signature: the error names the S3 code and says what
+    to check, and no exception in its chain dumps the server's XML (obstore's reports do)."""
+    client("obstore")
+    opts = {**rgw.rgw_storage_options(rgw_server), "secret": "not-the-secret"}
+    with pytest.raises(StorageError) as err:
+        zarrckpt.open(unique_url("s3"), storage_options=opts)
+    message = str(err.value)
+    assert "SignatureDoesNotMatch: the request signature" in message and "check the secret key" in message, message
+    assert "HTTP 403 Forbidden to GET" in message, message
+    _no_xml_anywhere(err.value)
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "words"),
+    [
+        (403, "SignatureDoesNotMatch", "SignatureDoesNotMatch: injected; the request signature"),
+        (403, "InvalidAccessKeyId", "InvalidAccessKeyId: injected; the server knows no such access key"),
+        (503, "SlowDown", "SlowDown: injected"),
+    ],
+)
+def test_s3_error_answers_are_said_in_words(proxy, client, status, code, words):
+    """The same through the proxy in front of moto (which checks no signature): each answer's code,
+    the server's message and what it means, its HTTP status and request; no XML in the chain."""
+    client("obstore")
+    opts = s3_storage_options(proxy.endpoint)
+    url = unique_url("s3")
+    proxy.faults = [("GET", "/zarr.json", status, code)] * 6
+    with pytest.raises(StorageError) as err:
+        Storage(url, opts, retry=RetryPolicy(attempts=1)).read("zarr.json")
+    message = str(err.value)
+    assert words in message and f"HTTP {status}" in message, message
+    _no_xml_anywhere(err.value)

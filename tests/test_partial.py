@@ -5,13 +5,17 @@ from __future__ import annotations
 import itertools
 import math
 import uuid
+import warnings
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import zarrckpt
+from zarrckpt import cli
 from zarrckpt.engine.reader import Request, read_regions
 from zarrckpt.errors import CorruptChunkError
 from zarrckpt.format.array import ArrayMeta
@@ -20,6 +24,7 @@ from zarrckpt.format.shard import encode_shard
 from zarrckpt.plan import fetch
 from zarrckpt.plan.ranges import chunk_ranges, merge_ranges
 from zarrckpt.storage.store import Storage
+from zarrckpt.tensorview import UncheckedReadWarning
 
 
 @st.composite
@@ -167,3 +172,61 @@ def test_whole_chunks_stay_verified_partial_ones_cannot_be(tmp_path: Any) -> Non
     remote.write(meta.shard_path((0,)), [bytes(raw)])
     with pytest.raises(CorruptChunkError, match=r"inner chunk \[0\].*crc32c"):
         read(remote, True)
+
+
+# -- what a lazy view says about values it could not check, and `zarrckpt show`, which checks them ------
+ROWS, COLS = 512, 1024  # 8 inner chunks of [64, 1024] (256 KiB) in one shard
+
+
+def _saved_lazily(url: str) -> torch.Tensor:
+    full = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)
+    zarrckpt.save({"w": full}, url, chunk_bytes=64 * COLS * 4)
+    return full
+
+
+def test_a_partial_lazy_read_says_its_values_were_not_checked(tmp_path: Any) -> None:
+    """Row 100 lies in the second half of inner chunk 1 (rows 64:128): an object store reads it in
+    part, with the chunk's stored crc32c, so nothing checks those values; the read warns, naming
+    the tensor, the chunk and the way to checked values. Reads of whole chunks, reads with
+    partial_reads=False and reads of local files (partly needed chunks read whole) check every
+    value and say nothing."""
+    url = f"memory://{uuid.uuid4().hex}/ck"
+    full = _saved_lazily(url)
+    view = zarrckpt.open(url)["w"]
+    with pytest.warns(UncheckedReadWarning, match=r"'w': values were read from part of an inner chunk") as got:
+        assert torch.equal(view[100, :5], full[100, :5])
+    (warning,) = got
+    assert "partial_reads=False" in str(warning.message) and "zarrckpt show" in str(warning.message)
+    assert isinstance(warning.message, UncheckedReadWarning)
+    assert [(where.split("/ck/")[1], used) for where, used, _ in warning.message.partly] == [
+        ("w/c/0/0 (inner chunk [1, 0])", 5 * 4)
+    ]
+    assert warning.filename == __file__  # said where the caller indexed the view
+    local = str(tmp_path / "ck")
+    _saved_lazily(local)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(view[64:128], full[64:128])  # whole chunks
+        assert np.array_equal(view.numpy((3, slice(0, 5))), full[3, :5].numpy())  # first half: the chunk whole
+        assert torch.equal(zarrckpt.open(url, partial_reads=False)["w"][100, :5], full[100, :5])
+        assert torch.equal(zarrckpt.open(local)["w"][100, :5], full[100, :5])
+
+
+def test_show_prints_only_checked_values(capsys: pytest.CaptureFixture[str]) -> None:
+    """A flipped bit in the first half of chunk 1, which a lazy read of row 100 does not read: the
+    lazy read returns row 100 (and warns); `zarrckpt show` reads the chunk whole, and refuses."""
+    url = f"memory://{uuid.uuid4().hex}/ck"
+    full = _saved_lazily(url)
+    storage = Storage(url)
+    raw = bytearray(storage.read("w/c/0/0"))
+    chunk = 64 * COLS * 4 + 4
+    raw[16 * 8 + 4 + chunk + 10 * COLS * 4] ^= 0x01  # row 74, in chunk 1's first half
+    storage.write("w/c/0/0", [bytes(raw)])
+    with pytest.warns(UncheckedReadWarning):
+        assert torch.equal(zarrckpt.open(url)["w"][100, :5], full[100, :5])
+    assert cli.main(["show", url, "w[100, :5]"]) != 0
+    out, err = capsys.readouterr()
+    assert "inner chunk [1, 0]) of 'w' fails its crc32c checksum" in err and "tensor(" not in out
+    assert "bad slice" not in err  # the data failed, not the slice
+    assert cli.main(["show", url, "w[3, :5]"]) == 0  # chunk 0: whole, and intact
+    assert "tensor([3072., 3073., 3074., 3075., 3076.])" in capsys.readouterr().out

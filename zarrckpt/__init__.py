@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from zarrckpt.lifecycle import collect_garbage, committed_steps, delete, latest_step, list_checkpoints
     from zarrckpt.manager import CheckpointManager
     from zarrckpt.plan.localstate import LocalShard
-    from zarrckpt.tensorview import TensorView
+    from zarrckpt.tensorview import TensorView, UncheckedReadWarning
     from zarrckpt.transfer import copy_checkpoint
     from zarrckpt_dtypes.zarr_types import register_zarr_dtypes
 
@@ -63,6 +63,7 @@ _LAZY = {
     "Checkpoint": "zarrckpt.checkpoint",
     "open": "zarrckpt.checkpoint",
     "TensorView": "zarrckpt.tensorview",
+    "UncheckedReadWarning": "zarrckpt.tensorview",
     "ZarrReader": "zarrckpt.dcp",
     "ZarrWriter": "zarrckpt.dcp",
     "dcp_to_torch_save": "zarrckpt.dcp",
@@ -118,6 +119,7 @@ __all__ = [
     "StagingStats",
     "StorageError",
     "TensorView",
+    "UncheckedReadWarning",
     "UnsupportedValueError",
     "ZarrReader",
     "ZarrWriter",

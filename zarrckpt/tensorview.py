@@ -1,9 +1,15 @@
 """A stored tensor read lazily (:class:`TensorView`): an index is planned into the one box it reads,
 then only the inner chunks (or, for small parts of a chunk, byte ranges) that box touches are read.
-torch is imported only to hand tensors out."""
+torch is imported only to hand tensors out.
+
+Values read from part of an inner chunk are not checked against its CRC-32C (it covers the whole
+chunk): such a read says so with an :class:`UncheckedReadWarning` (once per tensor and place in the
+caller's code, as Python shows warnings), which names the way to checked values.
+"""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -20,6 +26,18 @@ from zarrckpt.types import Role
 if TYPE_CHECKING:
     import numpy as np
     import torch
+
+    from zarrckpt.engine.reader import PartRead
+
+
+class UncheckedReadWarning(UserWarning):
+    """A lazy read returned values from inner chunks it read only in part, which their CRC-32C (it
+    covers whole chunks) could not check. ``partly``: those chunks, as ``(where, bytes of it used,
+    its stored bytes)``. ``open(url, partial_reads=False)`` reads and verifies whole chunks."""
+
+    def __init__(self, message: str, partly: list[PartRead] | None = None) -> None:
+        super().__init__(message)
+        self.partly = list(partly or [])
 
 
 class Source(Protocol):
@@ -158,17 +176,32 @@ class TensorView:
         if box.volume:
             ckpt = self.checkpoint
             integrity.refuse_modified(ckpt.manifest.modified, [self.key], ckpt.storage.url)
+            partly: list[PartRead] = []
             try:
                 read_regions(
                     ckpt.storage,
                     [Request(self.meta, box, buf)],
                     partial=ckpt.partial_reads,
                     any_layout=ckpt.allow_modified,
+                    partly=partly,
                 )
             except ZarrckptError:
                 protocol.check_unchanged(ckpt.storage, ckpt.manifest.save_id)  # an overwrite explains it better
                 raise
+            if partly:  # (stacklevel 3: whoever indexed the view, or called numpy())
+                warnings.warn(_unchecked(self.key, partly), stacklevel=3)
         return np.array(buf[local])  # a C-contiguous copy; 0-d stays 0-d
+
+
+def _unchecked(key: str, partly: list[PartRead]) -> UncheckedReadWarning:
+    """The warning for a read that used ``partly``, chunks it read in part (the same words for every
+    read of ``key``, so Python shows it once per place in the caller's code)."""
+    return UncheckedReadWarning(
+        f"{key!r}: values were read from part of an inner chunk, so its CRC-32C (which covers the whole "
+        "chunk) did not check them; for checked values open the checkpoint with partial_reads=False "
+        "(whole chunks, each verified: what `zarrckpt show` reads), or run ckpt.verify()",
+        partly,
+    )
 
 
 def _plan_index(index: Any, shape: tuple[int, ...]) -> tuple[Box, tuple[Any, ...]]:

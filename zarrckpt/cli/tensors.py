@@ -34,12 +34,16 @@ def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 
 def cmd_show(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
     key, text, index = parse_target(args.target)
-    ckpt = zarrckpt.open(args.url, storage_options=opts)
+    # values printed for people are checked: whole inner chunks, each against its CRC-32C (a lazy
+    # partial read would check only that a chunk is the committed one, never the bytes it shows)
+    ckpt = zarrckpt.open(args.url, storage_options=opts, partial_reads=False)
     if key not in ckpt:
         return show_value(ckpt, key, text, args.json)
     view = ckpt[key]
     try:
         t = view[index]
+    except (zarrckpt.CorruptChunkError, zarrckpt.IncompleteCheckpointError, zarrckpt.StorageError):
+        raise  # the stored data or the store failed, not the slice: said as it is
     except zarrckpt.ZarrckptError as e:
         raise CliError(f"bad slice {text!r} for {key!r} of shape {list(view.shape)}: {e}") from None
     dtype = str(view.dtype).removeprefix("torch.")
@@ -112,8 +116,8 @@ def cmd_diff(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
     atol, rtol = args.atol, args.rtol
     if not (atol >= 0 and rtol >= 0):  # also refuses NaN
         raise CliError(f"--atol and --rtol must be non-negative numbers, got atol={atol} rtol={rtol}")
-    ca = zarrckpt.open(args.url_a, storage_options=opts)
-    cb = zarrckpt.open(args.url_b, storage_options=opts)
+    ca = zarrckpt.open(args.url_a, storage_options=opts, partial_reads=False)  # checked values, as show's
+    cb = zarrckpt.open(args.url_b, storage_options=opts, partial_reads=False)
     ka, kb = set(ca.keys()), set(cb.keys())
     report: dict[str, Any] = {"only_in_a": sorted(ka - kb), "only_in_b": sorted(kb - ka), "layout": [], "values": []}
     compared = 0

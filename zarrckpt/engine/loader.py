@@ -7,6 +7,7 @@ runs the two in turn, as ``zarrckpt.save`` runs :mod:`zarrckpt.plan.save` and :m
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import numpy as np
 
@@ -14,7 +15,7 @@ from zarrckpt.engine import commit as protocol
 from zarrckpt.engine.dist import Group
 from zarrckpt.engine.fanread import read_shared
 from zarrckpt.engine.reader import read_regions
-from zarrckpt.errors import ZarrckptError
+from zarrckpt.errors import InvalidCheckpointError, ZarrckptError
 from zarrckpt.format import integrity
 from zarrckpt.format.manifest import MANIFEST, Manifest
 from zarrckpt.plan import targets
@@ -24,15 +25,32 @@ from zarrckpt.storage.store import Storage
 
 def open_manifest(group: Group, storage: Storage, *, allow_modified: bool) -> Manifest:
     """The checkpoint's manifest on every rank: rank 0 reads it (one GET per job, whatever the world
-    size), every rank parses the same bytes. ``allow_modified``: without its commit record.
+    size), every rank parses the same bytes; bytes that fail their checks (not JSON, a digest that does
+    not match) are read again first, as :func:`~zarrckpt.engine.commit.read_manifest` does.
+    ``allow_modified``: without its commit record.
 
     Raises:
         CheckpointNotFoundError, IncompleteCheckpointError, InvalidCheckpointError, StorageError: on
             every rank, as rank 0 met it.
     """
     raw = group.on_rank0(lambda: protocol.read_manifest_bytes(storage), "opening the checkpoint")
-    manifest = group.run_together(lambda: Manifest.loads(raw, storage.where(MANIFEST)), "opening the checkpoint")
+    where, attempts = storage.where(MANIFEST), storage.retry.attempts
+    for attempt in range(1, attempts + 1):  # (the same bytes on every rank: every rank decides alike)
+        try:
+            manifest = group.run_together(partial(Manifest.loads, raw, where), "opening the checkpoint")
+        except InvalidCheckpointError:
+            if attempt == attempts or not raw.isascii() or (again := _reread(group, storage)) == raw:
+                raise
+        else:
+            if not manifest.modified or attempt == attempts or (again := _reread(group, storage)) == raw:
+                break
+        storage.traffic.add(retries=1)  # it failed its checks, and the bytes read again differ: damaged on the way
+        raw = again
     return manifest.as_is() if allow_modified else manifest
+
+
+def _reread(group: Group, storage: Storage) -> bytes:
+    return group.on_rank0(lambda: protocol.read_manifest_bytes(storage), "opening the checkpoint")
 
 
 def agree(

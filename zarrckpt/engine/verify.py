@@ -4,7 +4,11 @@ every chunk checksum (compared with the commit record where the manifest has one
 What is there comes from a listing (names and sizes), so the work is bounded by the objects that
 exist, whatever the manifest claims: missing objects are counted, not enumerated; an object of the
 wrong size is reported with its real length and every inner chunk it lacks, without reading it; only
-objects of the right size are read, whole, and each of their chunks checked.
+objects of the right size are read, whole, and each of their chunks checked. What a listing shows
+amiss (an object missing, of another size, or one that is no shard) is believed only once a second
+listing, of the array's own objects, shows it too: a listing's answer damaged on the way can name
+or size an object wrongly and still parse. An object listed as 0 bytes is read (one byte) to tell
+one that is no regular file (a FIFO, socket, device: named so) from one cut short.
 """
 
 from __future__ import annotations
@@ -16,12 +20,13 @@ from collections.abc import Mapping
 import numpy as np
 
 from zarrckpt.engine.reader import read_shard
-from zarrckpt.errors import CorruptChunkError, ModifiedCheckpointError
+from zarrckpt.errors import CorruptChunkError, ModifiedCheckpointError, StorageError, causes
 from zarrckpt.format import integrity
 from zarrckpt.format.array import ArrayMeta
 from zarrckpt.format.layout import Shape, grid_shape
 from zarrckpt.format.shard import EMPTY, ShardLayout, decode_index
 from zarrckpt.plan.fetch import ShardTask, plan_shard
+from zarrckpt.storage.localfs import NotAFileError
 from zarrckpt.storage.store import Storage
 
 SHOWN = 8  # names or chunks a message lists before it counts the rest
@@ -44,10 +49,9 @@ def verify_array(
         ModifiedCheckpointError: objects that are no shard of the array's grid, a constant array
             holding objects, or a chunk that is not the committed one.
     """
-    if listing is None:
-        own = storage.child(f"{meta.path}/c").sizes()
-        listing = {f"{meta.path}/c/{name}" if name else f"{meta.path}/c": size for name, size in own.items()}
-    present, strays = _shard_objects(meta, listing)
+    present, strays = _shard_objects(meta, _own_objects(storage, meta) if listing is None else listing)
+    if strays or (present if meta.constant is not None else _amiss(meta, present)):  # news: ask again
+        present, strays = _shard_objects(meta, _own_objects(storage, meta))
     where = storage.where(f"{meta.path}/c")
     if meta.constant is not None and not any_layout:
         if present or strays:
@@ -101,6 +105,19 @@ def verify_array(
     return sum(n for n, _ in results)
 
 
+def _own_objects(storage: Storage, meta: ArrayMeta) -> dict[str, int]:
+    """The array's objects (paths relative to the checkpoint -> sizes), by one listing of its ``c/``."""
+    own = storage.child(f"{meta.path}/c").sizes()
+    return {f"{meta.path}/c/{name}" if name else f"{meta.path}/c": size for name, size in own.items()}
+
+
+def _amiss(meta: ArrayMeta, present: Mapping[Shape, int]) -> bool:
+    """Whether the listed shard objects of ``meta`` are not all there with their committed sizes."""
+    if len(present) < math.prod(grid_shape(meta.shape, meta.shard_shape)):
+        return True
+    return any(size != ShardLayout.of(meta, index).nbytes for index, size in present.items())
+
+
 def _shard_objects(meta: ArrayMeta, listing: Mapping[str, int]) -> tuple[dict[Shape, int], list[str]]:
     """The objects of ``listing`` under the array's ``c/``: shard index -> size for those in its grid,
     and the names of the others."""
@@ -150,8 +167,17 @@ def _valid_index(storage: Storage, meta: ArrayMeta, index: Shape, layout: ShardL
 
 
 def _wrong_size(storage: Storage, meta: ArrayMeta, index: Shape, layout: ShardLayout, size: int) -> str:
-    """The problem of a shard object of ``size`` bytes where its layout needs ``layout.nbytes``."""
+    """The problem of a shard object of ``size`` bytes where its layout needs ``layout.nbytes`` (or
+    that is no regular file: a FIFO, socket or device, listed as 0 bytes, which a read tells)."""
     where = storage.where(meta.shard_path(index))
+    if size == 0:  # (a FIFO, a socket, a device list as 0 bytes)
+        try:
+            storage.read(meta.shard_path(index), 0, 1)
+        except StorageError as e:
+            if any(isinstance(c, NotAFileError) for c in causes(e)):
+                return f"shard object {where} of {meta.key!r} cannot be read: {e}"
+        except FileNotFoundError:
+            pass
     if size > layout.nbytes:
         return (
             f"shard object {where} of {meta.key!r} is {size} bytes, {layout.nbytes} expected: not laid out as "

@@ -3,6 +3,8 @@
 A file is written aside, flushed to disk, then renamed into place (or, for a create, hard-linked:
 ``FileExistsError``-free "exists" when the name is taken), so no reader ever sees it half-written.
 Listing, deleting and the rest go through :class:`~zarrckpt.storage.localfs.LocalFiles` (os calls).
+Every read opens through :func:`~zarrckpt.storage.localfs.open_regular`: a FIFO, socket, device or
+directory in place of an object is an error naming it, never a read that blocks or never ends.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from zarrckpt.storage.caps import LOCAL_FILES, NameLimits, ReadCaps
+from zarrckpt.storage.localfs import open_regular
 
 Buffer = bytes | memoryview
 
@@ -57,23 +60,24 @@ class LocalBackend:
 
     def stored(self, full: str) -> bytes | None:
         """The file as stored, read back whole."""
-        with open(full, "rb") as f:
-            return f.read()
+        return bytes(self.fs.cat_file(full))
 
     def read_view(self, full: str, start: int | None, end: int | None) -> tuple[bytearray | None, memoryview]:
         """The bytes ``[start, end)`` of a file in a pooled buffer: (the buffer, to hand back with
         :meth:`release`; a view of the bytes read). No fresh allocation and page faults per read."""
-        with open(full, "rb") as f:
-            lo, size = start or 0, os.fstat(f.fileno()).st_size
+        fd, size = open_regular(full)
+        try:
+            lo = start or 0
             nbytes = max(0, (size if end is None else min(end, size)) - lo)  # the file's bytes, not what was asked
             buf = self._take_buffer(nbytes)
             try:
-                f.seek(lo)
                 with memoryview(buf) as view:
-                    n = f.readinto(view[:nbytes])
+                    n = _pread_into(fd, view[:nbytes], lo)
             except BaseException:
                 self.release(buf)
                 raise
+        finally:
+            os.close(fd)
         return buf, memoryview(buf)[:n]
 
     def release(self, buf: bytearray | None) -> None:
@@ -84,7 +88,7 @@ class LocalBackend:
 
     def read_into(self, full: str, offset: int, buffers: Sequence[memoryview]) -> int:
         """Fill ``buffers`` in order from ``offset`` (one vectored read per 512); bytes read."""
-        fd = os.open(full, os.O_RDONLY)
+        fd, _ = open_regular(full)
         try:
             total = 0
             for i in range(0, len(buffers), 512):  # stay under IOV_MAX
@@ -126,6 +130,18 @@ class LocalBackend:
             if self._buffers:
                 self._buffers.pop(0)  # too small: let it go
         return bytearray(nbytes)
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> int:
+    """Fill ``view`` from ``offset`` of ``fd`` (a read returns at most ~2 GiB: as many as it takes);
+    the bytes read, fewer at the end of the file."""
+    total = 0
+    while total < len(view):
+        n = os.preadv(fd, [view[total:]], offset + total)
+        if n == 0:
+            break
+        total += n
+    return total
 
 
 def publish(full: str, parts: Sequence[Buffer], exclusive: bool, made: set[str]) -> bool:

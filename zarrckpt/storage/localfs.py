@@ -3,11 +3,14 @@ on os calls, so that a local checkpoint (``zarrckpt ls ./ckpt``) never imports f
 
 Each method answers as fsspec's ``LocalFileSystem`` does for the same path (``tests/test_localfs.py``
 compares them): paths absolute and posix, a symbolic link listed as an entry and never descended
-into, FileNotFoundError for what is not there.
+into, FileNotFoundError for what is not there. Reads differ in one way: only regular files are
+read (:func:`open_regular`); a FIFO, socket, device or directory where an object should be is a
+:class:`NotAFileError` naming it, at once (fsspec would block on a FIFO, or read a device forever).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import stat
@@ -15,6 +18,65 @@ from datetime import UTC, datetime
 from typing import Any
 
 _PREFIXES = ("file://", "local://", "file:", "local:")
+# O_NONBLOCK: opening a FIFO returns at once (a plain open waits for a writer, forever); no tty becomes
+# this process's terminal. Reads of a regular file ignore the flag.
+_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0)
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+class NotAFileError(OSError):
+    """A path where a checkpoint holds an object is no regular file (a FIFO, socket, device or
+    directory): never read, never retried."""
+
+    def __init__(self, path: str, mode: int | None) -> None:
+        kind = next((name for test, name in _KINDS if mode is not None and test(mode)), "not a regular file")
+        self.kind = kind
+        super().__init__(
+            errno.EINVAL,
+            f"{path} is {kind}, not a regular file: a checkpoint holds only regular files, so something "
+            "replaced this object; remove it, then restore the object from a copy or save the checkpoint again",
+            path,
+        )
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def open_regular(path: str) -> tuple[int, int]:
+    """A read-only file descriptor of the regular file at ``path`` (a link: what it points to), and its
+    size; never blocks (O_NONBLOCK: a FIFO opens at once, and fstat then refuses it).
+
+    Raises:
+        NotAFileError: ``path`` is a FIFO, socket, device or directory.
+        FileNotFoundError, PermissionError: as ``os.open``.
+    """
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError as e:  # a socket cannot be opened at all (ENXIO); say what it is
+        if e.errno not in (errno.ENXIO, errno.EOPNOTSUPP):
+            raise
+        raise NotAFileError(path, _mode(path)) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotAFileError(path, st.st_mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
+
+
+def _mode(path: str) -> int | None:
+    try:
+        return os.stat(path).st_mode
+    except OSError:
+        return None
 
 
 def local_path(url: str) -> str | None:
@@ -37,8 +99,8 @@ class LocalFiles:
     protocol = ("file", "local")
 
     def cat_file(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        fd, size = open_regular(path)
+        with open(fd, "rb") as f:
             if start is not None:
                 f.seek(start if start >= 0 else max(0, size + start))
             if end is None:

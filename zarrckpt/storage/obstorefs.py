@@ -11,6 +11,7 @@ zarrckpt retries each request itself, and counts it once per attempt.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
 import threading
@@ -23,6 +24,7 @@ from zarrckpt.errors import ZarrckptError
 from zarrckpt.storage.s3config import ObstoreSettings, Untranslatable
 
 T = TypeVar("T")
+log = logging.getLogger("zarrckpt")
 _STATUS = re.compile(r"status code: (\d{3})")
 _HTTP_KIND = re.compile(r"HttpError \{\s*kind: (\w+)")
 _TRANSIENT_KINDS = {"Connect", "Request", "Timeout", "Interrupted", "Decode"}
@@ -44,11 +46,71 @@ def _message(e: BaseException) -> str:
     return text if len(text) <= 600 else text[:600] + " ..."
 
 
+_REQUEST = re.compile(r"Error performing (\w+) (\S+?)(?: in [\d.]+\S*)? - ")
+_REASON = re.compile(r"status code: \d{3} ([A-Za-z][A-Za-z ]*)")
+_XML_DOC = re.compile(r"(?:<\?xml.*?\?>)?\s*<Error>.*?</Error>", re.S)
+_XML_FIELD = re.compile(r"<(Code|Message)>(.*?)</\1>", re.S)
+_UNREADABLE = re.compile(r"Got invalid (?:[\w ]+ )?response|invalid (?:list|multipart|DeleteObjects) response", re.I)
+# What an S3 error code means, and what to do about it, in plain words (the server's own message,
+# where it gives one, comes first).
+_MEANING = {
+    "SignatureDoesNotMatch": (
+        "the request signature the server computed does not match the one sent: check the secret key "
+        "(storage_options 'secret', $AWS_SECRET_ACCESS_KEY) that goes with the access key"
+    ),
+    "InvalidAccessKeyId": (
+        "the server knows no such access key: check the access key (storage_options 'key', $AWS_ACCESS_KEY_ID) "
+        "and the endpoint"
+    ),
+    "AccessDenied": "the credentials are not allowed this request: check the key's permissions and the bucket policy",
+    "ExpiredToken": "the session token has expired: get fresh credentials",
+    "InvalidToken": "the session token is not valid: check storage_options 'token' / $AWS_SESSION_TOKEN",
+    "TokenRefreshRequired": "the session token has expired: get fresh credentials",
+    "RequestTimeTooSkewed": "this machine's clock is too far from the server's: set the clock right",
+    "NoSuchBucket": "the bucket does not exist: check its name and the endpoint",
+    "NoSuchKey": "no object of that name",
+    "InvalidRange": "the range asked for starts past the object's end",
+    "AuthorizationHeaderMalformed": "the credentials name another region than the bucket's: check the region",
+    "PermanentRedirect": "the bucket lives at another endpoint or region: check the endpoint and the region",
+    "InvalidBucketName": "that is no valid bucket name",
+    "SlowDown": "the server asks for fewer requests at a time",
+}
+
+
+def _said(e: BaseException) -> str:
+    """What obstore's error ``e`` says, in plain words: the S3 error code and what it means, the HTTP
+    status and the request (never the raw XML error document, nor obstore's debug dump)."""
+    text = _message(e)
+    code = message = None
+    doc = _XML_DOC.search(str(e))  # (the whole report: a long one is cut short in ``text``)
+    if doc is not None:
+        fields = dict(_XML_FIELD.findall(doc[0]))
+        code, message = (fields.get("Code") or "").strip() or None, (fields.get("Message") or "").strip() or None
+    found = _STATUS.search(text)
+    if found is None and code is None:
+        return text  # no server answer: a connection, a path, a configuration; obstore's words
+    request = _REQUEST.search(text)
+    reason = _REASON.search(text)
+    http = f"HTTP {found.group(1)}" if found else "HTTP"
+    http += f" {reason.group(1).strip()}" if reason else ""
+    http += f" to {request.group(1)} {request.group(2)}" if request else ""
+    meaning = _MEANING.get(code or "")
+    if code is None:  # an answer without a body (HEAD): its status alone
+        status = int(found.group(1)) if found else 0
+        refused = "access denied, no reason given (a HEAD answer has no body): check the access key, the secret key "
+        refused += "and the key's permissions"
+        meaning = {403: refused, 404: "not found"}.get(status, "no S3 error code in the answer")
+        return f"{meaning} ({http})"
+    words = "; ".join(w for w in (message, meaning) if w) or "the server gave no message"
+    return f"{code}: {words} ({http})"
+
+
 def _translate_error(e: Exception, path: str) -> Exception:
-    """The exception s3fs would raise for the failure obstore reported as ``e``."""
+    """The exception s3fs would raise for the failure obstore reported as ``e``, worded in plain words
+    (:func:`_said`)."""
     from obstore import exceptions as ox
 
-    msg = _message(e)
+    msg = _said(e)
     if isinstance(e, FileNotFoundError) or type(e).__name__ == "NotFoundError":
         return FileNotFoundError(errno.ENOENT, msg, path)
     if isinstance(e, (ox.AlreadyExistsError, ox.PreconditionError)):
@@ -67,6 +129,8 @@ def _translate_error(e: Exception, path: str) -> Exception:
         if status == 404:  # a listing in a missing bucket (NoSuchBucket)
             return FileNotFoundError(errno.ENOENT, msg, path)
         return ObjectStoreError(msg, status)
+    if _UNREADABLE.search(str(e)):  # an answer that does not parse (a listing's XML): damaged on the way
+        return OSError(errno.EIO, f"the server's answer could not be read, damaged on the way? ({msg})", path)
     kind = _HTTP_KIND.search(str(e))
     if kind and kind.group(1) in _TRANSIENT_KINDS:
         return ConnectionError(errno.ECONNRESET, msg)
@@ -79,7 +143,9 @@ def _call(path: str, fn: Callable[[], T]) -> T:
     try:
         return fn()
     except (BaseError, FileNotFoundError) as e:
-        raise _translate_error(e, path) from e
+        translated = _translate_error(e, path)
+        log.debug("obstore failed on %s: %s", path, e)  # its whole report (debug dump, XML), for whoever needs it
+    raise translated from None  # (its words say it all; obstore's report would print raw XML as the cause)
 
 
 def _botocore_credentials(settings: ObstoreSettings) -> Callable[[], dict[str, Any]]:

@@ -8,6 +8,11 @@ conservative: a missing object, a permission problem or a malformed request fail
 :func:`describe` words a failure for an error message (an S3 XML error document as its Code and
 Message, an empty ``PermissionError`` as what to check).
 
+A read whose bytes fail their check (a checksum) may have been damaged on the way, which no
+status code says: :func:`read_again` runs such a read again, as often as the policy allows, until
+its bytes pass, or until the same bytes come back twice (then they are what is stored, and fail
+as they are).
+
 The policy comes from ``$ZARRCKPT_RETRIES`` (retries after the first attempt; 0 disables retrying)
 and ``$ZARRCKPT_RETRY_DELAY`` (seconds before the first retry), else from :data:`DEFAULT_POLICY`.
 """
@@ -15,13 +20,19 @@ and ``$ZARRCKPT_RETRY_DELAY`` (seconds before the first retry), else from :data:
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from zarrckpt.errors import ZarrckptError, causes
 
-__all__ = ["DEFAULT_POLICY", "RetryPolicy", "current_policy", "describe", "is_transient"]
+__all__ = ["DEFAULT_POLICY", "BadRead", "RetryPolicy", "current_policy", "describe", "is_transient", "read_again"]
+
+T = TypeVar("T")
+log = logging.getLogger("zarrckpt")
 
 
 @dataclass(frozen=True)
@@ -79,6 +90,53 @@ def current_policy() -> RetryPolicy:
     return policy
 
 
+class BadRead(Exception):
+    """One attempt of a checked read got bytes that fail their check: ``error`` says how (raised if
+    they are what is stored), ``digest`` tells these bytes from another attempt's, ``chunks``
+    (inner chunk numbers) are what the error concerns."""
+
+    def __init__(self, error: ZarrckptError, digest: int, chunks: tuple[int, ...] = ()) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.digest = digest
+        self.chunks = chunks
+
+
+def read_again(
+    attempt: Callable[[], T],
+    policy: RetryPolicy,
+    what: str,
+    on_retry: Callable[[], None],
+    failed: BadRead | None = None,
+) -> T:
+    """``attempt()``, run again while it raises :class:`BadRead` with bytes unlike every earlier
+    attempt's, up to ``policy.attempts`` in all (no wait between: nothing was refused). Raises the
+    last BadRead when the same bytes came back (they are what is stored) or the attempts ran out.
+    ``failed``: the first attempt, made already, failed so. ``on_retry`` is told of each attempt
+    after the first; ``what`` names the read for the log."""
+    seen: set[int] = set()
+    for n in range(1, policy.attempts + 1):
+        try:
+            if failed is not None:
+                bad, failed = failed, None
+                raise bad
+            return attempt()
+        except BadRead as bad:
+            if bad.digest in seen or n == policy.attempts:
+                raise
+            seen.add(bad.digest)
+            log.log(
+                logging.DEBUG if n < 2 else logging.INFO,
+                "reading %s again (attempt %d of %d got bytes that fail their check, damaged on the way?): %s",
+                what,
+                n,
+                policy.attempts,
+                bad.error,
+            )
+            on_retry()
+    raise AssertionError("unreachable")
+
+
 # Never retried, whatever caused them: the answer will not change by asking again.
 _PERMANENT = (
     FileNotFoundError,
@@ -124,8 +182,13 @@ _TRANSIENT_CLASSES = {
 
 
 def is_transient(error: BaseException) -> bool:
-    """True when ``error`` is worth retrying: connection trouble, timeouts, HTTP 5xx, throttling."""
-    if isinstance(error, _PERMANENT) or not isinstance(error, Exception):
+    """True when ``error`` is worth retrying: connection trouble, timeouts, HTTP 5xx, throttling, an
+    answer the client could not parse (damaged on the way)."""
+    if not isinstance(error, Exception) or isinstance(error, ZarrckptError):
+        return False
+    if _unparsable_answer(error):
+        return True
+    if isinstance(error, _PERMANENT):
         return False
     chain = list(causes(error))
     for e in chain:  # an HTTP status or service error code decides, wherever it sits in the chain
@@ -133,6 +196,24 @@ def is_transient(error: BaseException) -> bool:
         if verdict is not None:
             return verdict
     return any(_transient_kind(e) for e in chain)
+
+
+_PARSERS = ("botocore/parsers.py", "aiobotocore/parsers.py")
+
+
+def _unparsable_answer(error: BaseException) -> bool:
+    """Whether botocore's parser failed on the server's answer (a ``ResponseParserError``, or a
+    ``ValueError`` raised inside it, such as an unreadable timestamp in a listing): its bytes were
+    damaged on the way, and asking again gets them whole."""
+    for e in causes(error):
+        if type(e).__name__ == "ResponseParserError":
+            return True
+        tb = e.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename.replace(os.sep, "/").endswith(_PARSERS):
+                return True
+            tb = tb.tb_next
+    return False
 
 
 def _http_verdict(e: BaseException) -> bool | None:

@@ -1,19 +1,27 @@
 """A real HTTP proxy on a free loopback port, in front of an S3 or GCS server, that injects faults.
 
 - ``faults``: (method, path suffix, status) answered by the proxy itself instead of the server,
-  each used once (status 0 drops the connection);
+  each used once (status 0 drops the connection); a fourth item names the S3 error code of the
+  answer's XML body (else one that fits the status);
 - ``flips``: request bodies to damage on their way to the server, one byte each, as a flaky network
   or NIC would (for the next ``flips`` requests that ``flip_if`` accepts);
+- ``response_flips``: response bodies to damage on their way back, one byte each (XORed with
+  ``response_mask``: 0xFF, every bit of it, by default; 1 flips its lowest bit), at the place
+  ``response_flip_at`` picks in the body (by default one drawn from a seeded generator), for the
+  next ``response_flips`` answers that ``response_flip_if`` accepts (by default GETs answered 200
+  or 206 with a body);
 - ``refuse_deletes``: bulk deletes (``POST ?delete``) answer 200 with every key refused.
 
 Everything else is forwarded unchanged (headers included, so signatures still match) and answered
-as the server answered. ``answered`` logs (method, path, status); ``flipped`` the damaged requests.
+as the server answered. ``answered`` logs (method, path, status); ``flipped`` the damaged requests,
+``response_flipped`` the damaged answers (method, path, the place of the byte flipped).
 """
 
 from __future__ import annotations
 
 import http.client
 import http.server
+import random
 import re
 import threading
 from collections.abc import Callable
@@ -28,17 +36,28 @@ def big_upload(method: str, path: str, body: bytes) -> bool:
     return len(body) >= 1024 and (method == "PUT" or (method == "POST" and "uploadType=" in path))
 
 
+def object_read(method: str, path: str, status: int, body: bytes) -> bool:
+    """The default ``response_flip_if``: an object's bytes (a GET answered 200 or 206 with a body)."""
+    return method == "GET" and status in (200, 206) and len(body) > 0
+
+
 class FaultProxy:
     """Forwards every request to ``upstream`` (``http://host:port``), but for the faults it is told to make."""
 
     def __init__(self, upstream: str) -> None:
-        self.faults: list[tuple[str, str, int]] = []
+        self.faults: list[tuple[str, str, int] | tuple[str, str, int, str]] = []
         self.answered: list[tuple[str, str, int]] = []
         self.signed: list[str] = []  # each PUT's x-amz-content-sha256
         self.refuse_deletes = False
         self.flips = 0
         self.flip_if: Callable[[str, str, bytes], bool] = big_upload
         self.flipped: list[tuple[str, str]] = []
+        self.response_flips = 0
+        self.response_flip_if: Callable[[str, str, int, bytes], bool] = object_read
+        self.response_mask = 0xFF
+        self.response_flip_at: Callable[[bytes], int] | None = None
+        self.response_flipped: list[tuple[str, str, int]] = []
+        self.random = random.Random(0)  # where in a response the byte flips
         self._lock = threading.Lock()
         target = urlsplit(upstream)
         proxy = self
@@ -70,13 +89,16 @@ class FaultProxy:
                         self.close_connection = True
                         self.connection.close()
                         return
-                    code = _CODES[fault[2]]
-                    self._answer(fault[2], f"<Error><Code>{code}</Code><Message>injected</Message></Error>".encode())
+                    code = fault[3] if len(fault) > 3 else _CODES[fault[2]]
+                    xml = '<?xml version="1.0" encoding="UTF-8"?>' if len(fault) > 3 else ""
+                    self._answer(
+                        fault[2], f"{xml}<Error><Code>{code}</Code><Message>injected</Message></Error>".encode()
+                    )
                     return
                 conn = http.client.HTTPConnection(target.hostname or "127.0.0.1", target.port, timeout=60)
                 conn.request(self.command, self.path, body=body, headers=dict(self.headers))
                 answer = conn.getresponse()
-                data = answer.read()
+                data = proxy._maybe_damage(self.command, self.path, answer.status, answer.read())
                 proxy.answered.append((self.command, self.path, answer.status))
                 self.send_response(answer.status)
                 for k, v in answer.getheaders():
@@ -109,6 +131,16 @@ class FaultProxy:
             self.flipped.append((method, path))
         at = len(body) * 3 // 4
         return body[:at] + bytes([body[at] ^ 0xFF]) + body[at + 1 :]
+
+    def _maybe_damage(self, method: str, path: str, status: int, body: bytes) -> bytes:
+        """``body``, one byte of it XORed with ``response_mask`` when a flip is due for this answer."""
+        with self._lock:
+            if self.response_flips <= 0 or not self.response_flip_if(method, path, status, body):
+                return body
+            self.response_flips -= 1
+            at = self.random.randrange(len(body)) if self.response_flip_at is None else self.response_flip_at(body)
+            self.response_flipped.append((method, path, at))
+        return body[:at] + bytes([body[at] ^ self.response_mask]) + body[at + 1 :]
 
     def close(self) -> None:
         self.server.shutdown()
