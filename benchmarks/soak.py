@@ -123,19 +123,29 @@ def _setup(scenario: str, root: Path, step: int) -> dict[str, set[int]]:
     if scenario == "overwrite":
         zarrckpt.save(state(step), str(root / name(step)), chunk_bytes=CHUNK_BYTES)
     if scenario == "gc":  # leftovers to collect: a save that died, and a deletion that died
-        from zarrckpt.engine import markers
         from zarrckpt.storage.store import Storage
 
         for leftover, deleting in ((step, False), (step + 1, True)):
             s = Storage(str(root / name(leftover)))
             zarrckpt.save(state(leftover), s.url, chunk_bytes=CHUNK_BYTES)
             if deleting:
-                s.write(".zarrckpt-deleting.json", [json.dumps(markers.marker_doc("")).encode()])
+                committed = zarrckpt.open(s.url).manifest.save_id  # (the deletion of that save died)
+                s.write(".zarrckpt-deleting.json", [json.dumps(_died(committed, deletes="committed")).encode()])
             else:
                 s.delete("zarr.json")
-                s.write(".zarrckpt-pending.json", [json.dumps(markers.marker_doc("died")).encode()])
+                s.write(".zarrckpt-pending.json", [json.dumps(_died("died", world_size=1)).encode()])
     allowed.setdefault(name(step), set()).update({step + 100} if scenario != "overwrite" else {step, step + 100})
     return allowed
+
+
+def _died(save_id: str, **fields: Any) -> dict[str, Any]:
+    """A marker whose writer, a process on this host (this kernel and PID namespace), is gone."""
+    from zarrckpt.engine import markers
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    doc = markers.marker_doc(save_id)
+    doc["writer"] = {**{k: v for k, v in doc["writer"].items() if k != "start"}, "pid": int(gone.stdout)}
+    return {**doc, **fields}
 
 
 def check(root: Path, allowed: dict[str, set[int]], entry_of_trial: str) -> tuple[str, int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import torch
 from states import check_loaded, mixed_state
 
 import zarrckpt
+from zarrckpt.engine import markers
 from zarrckpt.testing import spawn
 
 RAMP = torch.arange(128 * 64, dtype=torch.float32).reshape(128, 64)  # so no tensor is a constant array (no shards)
@@ -135,13 +137,15 @@ def test_manager_removes_uncommitted_leftovers(tmp_path: Path) -> None:
     root = tmp_path / "run"
     manager = zarrckpt.CheckpointManager(str(root), interval=1, keep_last=5, async_save=False)
     manager.save(1, _state(1.0))
-    for step in (3, 9):  # saves that died before committing
+    for step in (3, 9):  # saves that died before committing (3), or may still be running (9)
         (root / f"step_{step:010d}").mkdir(parents=True)
         (root / f"step_{step:010d}" / ".zarrckpt-pending.json").write_text("{}")
+    dead = time.time() - markers.lease_seconds() - 1  # (no heartbeat for the lease)
+    os.utime(root / "step_0000000003" / ".zarrckpt-pending.json", (dead, dead))
     manager.save(5, _state(5.0))
     manager.wait()
-    assert not (root / "step_0000000003").exists(), "an old leftover is removed"
-    assert (root / "step_0000000009").exists(), "a newer one may still be in progress: kept"
+    assert not (root / "step_0000000003").exists(), "the leftover of a save that died is removed"
+    assert (root / "step_0000000009").exists(), "a save that may still be running is kept, older or not"
     assert manager.steps() == [1, 5] and manager.latest() == 5
     assert zarrckpt.list_checkpoints(str(root))["step_0000000009"] == "incomplete"
     manager.close()

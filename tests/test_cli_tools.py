@@ -17,7 +17,7 @@ import zarrckpt
 from zarrckpt import display, lifecycle
 from zarrckpt.cli import commands as cli
 from zarrckpt.engine import markers
-from zarrckpt.format.manifest import MANIFEST, PENDING
+from zarrckpt.format.manifest import DELETING, MANIFEST, PENDING
 from zarrckpt.storage.store import Storage
 
 G = torch.Generator().manual_seed(5)
@@ -95,8 +95,9 @@ def test_rm_refuses_a_save_that_may_still_run_unless_forced(tmp_path: Path, caps
     assert (url / "model/w/c/0/0").read_bytes() == b"half of a shard"
     with pytest.raises(zarrckpt.IncompleteCheckpointError, match="force=True"):
         zarrckpt.delete(str(url))
-    rc, _, _ = run(capsys, "rm", "--force", str(url))
-    assert rc == 0 and not url.exists()
+    rc, _, err = run(capsys, "rm", "--force", str(url))
+    # the save's writers may still be writing: only its deleting marker stays, for the lease, and says so
+    assert rc == 0 and sorted(p.name for p in url.iterdir()) == [DELETING] and "zarrckpt gc" in err
 
 
 # --- cp ------------------------------------------------------------------------------------------

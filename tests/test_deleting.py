@@ -1,6 +1,6 @@
-"""A checkpoint being deleted (or overwritten) is invisible to readers from the first step of the
-deletion: its manifest is replaced by a tombstone before anything else, so ``load`` and ``open``
-refuse it ("being deleted") with no request of their own beyond the manifest GET they always make.
+"""A checkpoint being deleted (or overwritten) is invisible to readers before anything of it is
+deleted: once the deletion holds its marker, its manifest is replaced by a tombstone, so ``load`` and
+``open`` refuse it ("being deleted") with no request of their own beyond the manifest GET they always make.
 A deletion killed after any of its requests leaves a prefix that every reader refuses, that
 ``list_checkpoints`` names "deleting", and that ``collect_garbage`` finishes; on local disk, moto's
 S3 server and a real S3 server (Ceph RGW).
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import zarrckpt
-from zarrckpt.format.manifest import MANIFEST
+from zarrckpt.format.manifest import DELETING, MANIFEST
 from zarrckpt.storage.store import Storage
 from zarrckpt.testing import RequestLog
 
@@ -100,14 +100,18 @@ def test_a_deletion_killed_after_any_request_is_refused_listed_and_collected(
         elif overwrite and finished:
             assert _loads(url, opts, 2.0)
         else:
-            assert done[0] == f"write {MANIFEST}", f"the first step replaces the manifest: {done}"
+            assert done[0] == f"create {DELETING}", f"the first step is the deletion's marker, create-only: {done}"
+            assert done[1:2] in ([], [f"write {MANIFEST}"]), f"the second replaces the manifest: {done}"
             listed = zarrckpt.list_checkpoints(base, storage_options=opts).get(f"step_{steps:04d}")
             if listed == "committed":  # overwrite: killed after the new save's commit (its marker left over)
                 assert overwrite and _loads(url, opts, 2.0), done
                 steps += 1
                 continue
             assert listed in ("deleting", "incomplete", None), (done, listed)
-            _refused(url, opts, "never committed" if listed == "incomplete" else "being deleted")
+            if len(done) == 1:  # only the marker: listed as being deleted, and intact until its tombstone
+                assert listed == "deleting" and _loads(url, opts, 1.0), (done, listed)
+            else:
+                _refused(url, opts, "never committed" if listed == "incomplete" else "being deleted")
             assert listed != "incomplete" or overwrite, "only overwrite's own new save is incomplete"
             if listed == "deleting":
                 assert any(e.name == f"step_{steps:04d}" for e in zarrckpt.collect_garbage(base, storage_options=opts))
@@ -118,15 +122,18 @@ def test_a_deletion_killed_after_any_request_is_refused_listed_and_collected(
     assert steps >= 3, "the deletion was cut after each of its requests"
 
 
-def test_readers_refuse_from_the_first_step(root: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
-    """A load and an open that start right after the deletion's first request (while it still runs)."""
+def test_readers_refuse_from_the_tombstone_on(
+    root: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load and an open that start right after the deletion's tombstone, its second request (the
+    first creates its marker), while it still runs."""
     base, opts = root
     url = f"{base}/ck"
     zarrckpt.save(_state(1.0), url, storage_options=opts)
     seen: list[str] = []
 
     def read_now(done: list[str]) -> None:
-        if len(done) == 1:
+        if len(done) == 2:
             monkeypatch.undo()  # the readers' own requests go through
             try:
                 _refused(url, opts)

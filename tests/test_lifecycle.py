@@ -22,7 +22,7 @@ import zarrckpt
 from zarrckpt.cli import commands as cli
 from zarrckpt.engine import commit as protocol
 from zarrckpt.engine import markers
-from zarrckpt.format.manifest import DELETING, MANIFEST, PENDING, Manifest
+from zarrckpt.format.manifest import DELETING, PENDING, Manifest
 from zarrckpt.storage.store import Storage
 from zarrckpt.testing import spawn
 
@@ -44,9 +44,11 @@ def _files(path: Path) -> list[str]:
 
 
 def _age(doc_path: Path, seconds: float) -> None:
-    """Backdate a marker's start time by ``seconds``."""
+    """Make a marker one a zarrckpt without heartbeats wrote ``seconds`` ago (only such markers age out by
+    the grace period; a marker with heartbeats is dead only once they stop)."""
     doc = json.loads(doc_path.read_text())
     doc["started"] = (datetime.now(UTC) - timedelta(seconds=seconds)).isoformat(timespec="seconds")
+    del doc["heartbeat"]
     doc_path.write_text(json.dumps(doc))
 
 
@@ -86,25 +88,23 @@ def test_interrupted_delete_is_listed_and_collected(tmp_path: Path, monkeypatch:
     zarrckpt.save(_state(1.0), url)
     real = Storage.delete_all
 
-    def dies(self: Storage, keep: Any = ()) -> None:
+    def dies(self: Storage, keep: Any = (), **kwargs: Any) -> None:
         raise KeyboardInterrupt("killed while deleting")
 
     monkeypatch.setattr(Storage, "delete_all", dies)
     with pytest.raises(KeyboardInterrupt):
         zarrckpt.delete(url)
     monkeypatch.setattr(Storage, "delete_all", real)
-    assert (Path(url) / DELETING).exists() and not (Path(url) / MANIFEST).exists()
+    assert (Path(url) / DELETING).exists() and protocol.is_tombstone(Storage(url)), "marked, and no reader loads it"
     assert len(_files(Path(url))) > 1, "the shards are still there"
     assert zarrckpt.list_checkpoints(str(root)) == {"step_0000000001": "deleting"}
     with pytest.raises(zarrckpt.IncompleteCheckpointError, match="being deleted"):
         zarrckpt.load(_state(0.0), url)
-    with pytest.raises(zarrckpt.IncompleteCheckpointError, match="being deleted"):
-        zarrckpt.save(_state(2.0), url)
     dry = zarrckpt.collect_garbage(str(root), dry_run=True)
     assert [(e.name, e.state) for e in dry] == [("step_0000000001", "deleting")] and dry[0].nbytes > 0
     assert (Path(url) / DELETING).exists(), "a dry run removes nothing"
     manager = zarrckpt.CheckpointManager(str(root), interval=1, keep_last=1, async_save=False)
-    assert manager.cleanup() == [1], "the manager finishes interrupted deletions, whatever their age"
+    assert manager.cleanup() == [1], "the manager finishes a deletion that died (here: failed in this process)"
     manager.wait()
     assert not Path(url).exists() and zarrckpt.list_checkpoints(str(root)) == {}
     manager.close()
@@ -114,7 +114,7 @@ def test_overwrite_killed_half_way_leaves_a_marked_leftover(tmp_path: Path, monk
     url = str(tmp_path / "ck")
     zarrckpt.save(_state(1.0), url)
 
-    def dies(self: Storage, keep: Any = ()) -> None:
+    def dies(self: Storage, keep: Any = (), **kwargs: Any) -> None:
         raise KeyboardInterrupt
 
     monkeypatch.setattr(Storage, "delete_all", dies)
@@ -224,9 +224,10 @@ def test_cleanup_removes_old_leftovers_even_newer_than_the_latest_commit(tmp_pat
     assert sorted(manager.cleanup()) == [3, 4, 5], "older than the grace period: removed"
     manager.wait()
     assert zarrckpt.list_checkpoints(str(root)) == {"step_0000000002": "committed", "step_0000000006": "incomplete"}
-    assert zarrckpt.collect_garbage(str(root), grace_seconds=7200) == []
-    removed = zarrckpt.collect_garbage(str(root), grace_seconds=0)
-    assert [e.name for e in removed] == ["step_0000000006"] and removed[0].objects == 2
+    assert zarrckpt.collect_garbage(str(root), grace_seconds=0) == [], "a save with heartbeats: never by the grace"
+    markers.abandon(Storage(str(root / "step_0000000006")), protocol.pending_id(Storage(str(root / "step_0000000006"))))
+    removed = zarrckpt.collect_garbage(str(root), grace_seconds=7200)
+    assert [e.name for e in removed] == ["step_0000000006"] and removed[0].objects in (2, 3), "(3: it beat once)"
     assert manager.steps() == [2] and _loads(manager.url(2), 2.0)
     manager.close()
 
@@ -394,8 +395,8 @@ def test_array_metadata_is_written_after_every_shard(tmp_path: Path, monkeypatch
     order: list[str] = []
     real = Storage.create
 
-    def recording(self: Storage, path: str, parts: Any) -> None:  # every object a save writes is created
-        real(self, path, parts)
+    def recording(self: Storage, path: str, parts: Any, **kwargs: Any) -> None:  # every object a save writes is created
+        real(self, path, parts, **kwargs)
         order.append(path)  # in the order they became visible
 
     monkeypatch.setattr(Storage, "create", recording)

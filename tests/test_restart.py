@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import zarrckpt
-from zarrckpt.engine import markers
-from zarrckpt.format.manifest import PENDING
+from zarrckpt.engine import clock, markers
+from zarrckpt.format.manifest import DELETING, PENDING
 from zarrckpt.storage.store import Storage
 
 RAMP = torch.arange(32 * 16, dtype=torch.float32).reshape(32, 16)
@@ -34,11 +34,15 @@ def _dead_pid() -> int:
     return proc.pid
 
 
-def _died_saving(url: Path, *, host: str, pid: int, age: float = 0.0, heartbeat: bool = True) -> None:
-    """What a save killed half-way leaves: its pending marker and some of its shards."""
+def _died_saving(
+    url: Path, *, host: str, pid: int, age: float = 0.0, heartbeat: bool = True, world_size: int | None = None
+) -> None:
+    """What a save killed half-way leaves: its pending marker and some of its shards. ``host="here"``:
+    its writer ran under this kernel and PID namespace (the marker says so), as process ``pid``."""
     storage = Storage(url)
-    doc = markers.marker_doc("died")
-    doc["writer"] = {"host": host, "pid": pid}
+    doc = markers.marker_doc("died", world_size)
+    here = {k: v for k, v in markers.writer_identity().items() if k != "start"}
+    doc["writer"] = {**here, "pid": pid} if host == "here" else {"host": host, "pid": pid}
     if not heartbeat:
         del doc["heartbeat"]
     storage.write(PENDING, [json.dumps(doc).encode()])
@@ -57,9 +61,46 @@ def _loads(url: Path, value: float) -> bool:
 
 def test_a_save_whose_writer_on_this_host_is_gone_is_taken_over(tmp_path: Path) -> None:
     url = tmp_path / "ck"
-    _died_saving(url, host=socket.gethostname(), pid=_dead_pid())
+    _died_saving(url, host="here", pid=_dead_pid())
     zarrckpt.save(_state(2.0), url)
     assert _loads(url, 2.0)
+
+
+def test_a_pid_under_the_same_hostname_elsewhere_proves_nothing(tmp_path: Path) -> None:
+    """Containers and the pods of one job share a hostname: a marker naming this host and a pid that is
+    not running here, without this kernel's boot id and PID namespace, may be a live save elsewhere
+    (another PID namespace): only its heartbeat decides."""
+    url = tmp_path / "ck"
+    _died_saving(url, host=socket.gethostname(), pid=_dead_pid())
+    with pytest.raises(zarrckpt.IncompleteCheckpointError, match="in progress"):
+        zarrckpt.save(_state(2.0), url)
+    other_ns = {**markers.writer_identity(), "pid": _dead_pid(), "pidns": "pid:[1]"}
+    doc = json.loads((url / PENDING).read_text())
+    (url / PENDING).write_text(json.dumps({**doc, "writer": other_ns}))
+    with pytest.raises(zarrckpt.IncompleteCheckpointError, match="in progress"):
+        zarrckpt.save(_state(2.0), url)
+
+
+def test_a_zombie_or_a_reused_pid_counts_as_gone(tmp_path: Path) -> None:
+    """A writer that exited but was never reaped (a zombie) is gone; so is a pid now running another
+    process (its start time differs from the marker's)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 10
+    while (markers.proc_stat(proc.pid) or ("?", 0))[0] != "Z" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (markers.proc_stat(proc.pid) or ("?", 0))[0] == "Z", "the child is a zombie until reaped"
+    zombie = tmp_path / "zombie"
+    _died_saving(zombie, host="here", pid=proc.pid)
+    zarrckpt.save(_state(2.0), zombie)
+    assert _loads(zombie, 2.0)
+    proc.wait()
+    reused = tmp_path / "reused"
+    _died_saving(reused, host="here", pid=os.getpid())  # this very process, but started at another time
+    doc = json.loads((reused / PENDING).read_text())
+    doc["writer"]["start"] = markers.writer_identity()["start"] - 1
+    (reused / PENDING).write_text(json.dumps(doc))
+    zarrckpt.save(_state(3.0), reused)
+    assert _loads(reused, 3.0)
 
 
 def test_a_save_without_a_heartbeat_for_the_lease_is_taken_over(tmp_path: Path) -> None:
@@ -95,7 +136,7 @@ def test_no_wait_for_a_marker_without_heartbeats(tmp_path: Path, monkeypatch: py
     def no_sleep(seconds: float) -> None:
         raise AssertionError(f"waited {seconds} s for a marker that cannot die by its lease")
 
-    monkeypatch.setattr(lifecycle.time, "sleep", no_sleep)
+    monkeypatch.setattr(clock, "sleep", no_sleep)
     assert lifecycle.await_dead_save(str(url)) is None
 
 
@@ -105,7 +146,22 @@ def test_gc_collects_a_dead_save_at_once_and_a_live_one_never(tmp_path: Path) ->
     _died_saving(root / "step_0000000002", host="another-host", pid=1)
     removed = zarrckpt.collect_garbage(root)  # the default grace period: an hour
     assert [(e.name, e.died is not None) for e in removed] == [("step_0000000001", True)]
+    # the dead save's writers on other ranks may still be writing: its deleting marker stays for a lease
+    assert zarrckpt.list_checkpoints(root) == {"step_0000000001": "deleting", "step_0000000002": "incomplete"}
+    assert sorted(p.name for p in (root / "step_0000000001").iterdir()) == [DELETING]
+    assert zarrckpt.collect_garbage(root) == [], "not before its lease has passed"
+    then = time.time() - markers.lease_seconds() - 1
+    os.utime(root / "step_0000000001" / DELETING, (then, then))
+    assert [e.name for e in zarrckpt.collect_garbage(root)] == ["step_0000000001"]
     assert zarrckpt.list_checkpoints(root) == {"step_0000000002": "incomplete"}
+
+
+def test_a_one_rank_save_known_to_be_gone_leaves_nothing(tmp_path: Path) -> None:
+    """A save of one rank whose process is gone from this host has no writer left: gc removes it whole."""
+    root = tmp_path / "run"
+    _died_saving(root / "step_0000000001", host="here", pid=_dead_pid(), world_size=1)
+    assert [e.name for e in zarrckpt.collect_garbage(root)] == ["step_0000000001"]
+    assert zarrckpt.list_checkpoints(root) == {} and not (root / "step_0000000001").exists()
 
 
 def test_the_manager_waits_for_a_dead_save_to_lose_its_lease_then_takes_it_over(

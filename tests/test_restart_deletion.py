@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -45,11 +44,13 @@ def _dead_pid() -> int:
 
 def _died_deleting(url: Path, *, host: str, pid: int, age: float = 0.0, marker: bool = True) -> None:
     """What a deletion killed half-way leaves of a committed checkpoint: the tombstone, the deleting
-    marker (``marker=False``: killed between the two) and the objects not deleted yet."""
+    marker (``marker=False``: a zarrckpt that wrote the tombstone first, killed between the two) and
+    the objects not deleted yet. ``host="here"``: its writer ran under this kernel and PID namespace."""
     zarrckpt.save(_state(1.0), url)
     storage = Storage(url)
     doc = markers.marker_doc(zarrckpt.open(url).manifest.save_id)
-    doc["writer"] = {"host": host, "pid": pid}
+    here = {k: v for k, v in markers.writer_identity().items() if k != "start"}
+    doc["writer"] = {**here, "pid": pid} if host == "here" else {"host": host, "pid": pid}
     storage.write(MANIFEST, [tombstone(doc)])
     written = [url / MANIFEST]
     if marker:
@@ -66,7 +67,7 @@ def test_a_deletion_whose_writer_on_this_host_is_gone_is_finished_by_the_next_sa
     tmp_path: Path, marker: bool
 ) -> None:
     url = tmp_path / "ck"
-    _died_deleting(url, host=socket.gethostname(), pid=_dead_pid(), marker=marker)
+    _died_deleting(url, host="here", pid=_dead_pid(), marker=marker)
     zarrckpt.save(_state(2.0), url)
     assert _loads(url, 2.0)
 
@@ -94,7 +95,7 @@ def test_a_restarted_manager_saves_a_step_whose_deletion_died(tmp_path: Path) ->
     manager = zarrckpt.CheckpointManager(root, interval=1, keep_last=2, async_save=False)
     manager.save(1, _state(1.0))
     manager.close()
-    _died_deleting(Path(manager.url(2)), host=socket.gethostname(), pid=_dead_pid())
+    _died_deleting(Path(manager.url(2)), host="here", pid=_dead_pid())
     restarted = zarrckpt.CheckpointManager(root, interval=1, keep_last=2)
     got = _state(-1.0)
     assert restarted.load_latest(got) == 1

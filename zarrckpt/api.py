@@ -106,14 +106,16 @@ def save(
     names = partial(check_names, limits=storage.name_limits, where=storage.url)  # before anything is written
     plan = plan_save(group, local, chunk_bytes, check_replicas, small_tensor_bytes, check=names)
     bar = watch(storage, progress, f"save {storage.url}", plan.bytes_of(group.rank), group.rank)
-    save_id = group.run_together(lambda: protocol.prepare(storage, overwrite) if group.rank == 0 else "", "preparing")
+    save_id = group.run_together(
+        lambda: protocol.prepare(storage, overwrite, group.size) if group.rank == 0 else "", "preparing", share=True
+    )
+    storage.guard = markers.Ownership(storage, save_id).check  # a save whose location is taken stops writing
     written: integrity.Written = {}
     try:
         nbytes = group.run_together(lambda: write_rank(storage, plan, local, group.rank, written), "writing shards")
         commit_save(storage, group, plan, save_id, written)
     except BaseException:
-        if save_id:  # rank 0: the heartbeat stops, and the next save may take the leftovers over
-            markers.abandon(storage, save_id)
+        markers.abandon(storage, save_id)  # rank 0: the heartbeat stops, and the next save may take it over
         bar.abort()
         raise
     bar.finish()
@@ -171,10 +173,13 @@ def load(
         allow_pickle: load values that were saved with ``save(..., allow_pickle=True)``. This runs
             code from the checkpoint: only for checkpoints you trust. Without it such a value
             raises ``UnsupportedValueError`` before anything is loaded.
-        allow_modified: load a checkpoint that another tool changed after it was committed, as it
-            is now (chunks in any valid shard layout, each chunk's crc32c still checked). Without
-            it, loading a tensor or value that changed raises ``ModifiedCheckpointError``
-            before anything is loaded.
+        allow_modified: load a checkpoint that another tool changed after it was committed, or
+            one without a commit record (no ``integrity`` or no ``attributes_crc32c`` in its
+            manifest: written before zarrckpt recorded one, or with the record removed), as it is
+            now (chunks in any valid shard layout, each chunk's crc32c still checked; an
+            unrecorded checkpoint is logged as loaded unchecked). Without it, loading a tensor or
+            value that changed, or anything of an unrecorded checkpoint, raises
+            ``ModifiedCheckpointError`` before anything is loaded.
         fan_out: a region that several ranks need (replicas: DDP, HSDP, replicated experts, plain
             tensors on every rank) is read from storage by one of them and sent to the others over
             the process group (:mod:`zarrckpt.engine.fanread`); ``False``: every rank reads all it needs.
@@ -187,7 +192,8 @@ def load(
         LayoutMismatchError: the target does not match the checkpoint (keys, shapes, dtypes);
             ``.differences`` lists every difference. Nothing is loaded.
         CorruptChunkError: a shard object is missing, truncated or fails a checksum.
-        ModifiedCheckpointError: chunks or metadata to load differ from what was committed.
+        ModifiedCheckpointError: chunks or metadata to load differ from what was committed, or the
+            checkpoint has no commit record to compare them with (and ``allow_modified`` is False).
         UnsupportedValueError: a value to load was saved pickled and ``allow_pickle`` is False.
         CheckpointNotFoundError: nothing at all is stored at ``url``.
         IncompleteCheckpointError: nothing was committed at ``url``, or it was overwritten meanwhile.

@@ -348,7 +348,8 @@ class _Job:
         try:
             if self.exchange is not None:
                 self._exchange(*self.exchange)
-            save_id = self.group.run_together(self._prepare, "preparing")
+            save_id = self.group.run_together(self._prepare, "preparing", share=True)
+            self.storage.guard = markers.Ownership(self.storage, save_id).check
             self.group.run_together(self._write_all, "writing shards")
             commit_save(self.storage, self.group, self.plan, save_id, self.written)
         except BaseException:
@@ -370,7 +371,7 @@ class _Job:
             done.set()
 
     def _prepare(self) -> str:
-        return protocol.prepare(self.storage, self.overwrite) if self.group.rank == 0 else ""
+        return protocol.prepare(self.storage, self.overwrite, self.group.size) if self.group.rank == 0 else ""
 
     def _write_all(self) -> None:
         rank = self.group.rank

@@ -42,7 +42,12 @@ class CheckpointExistsError(ZarrckptError, RuntimeError):
 
 
 class CheckpointSaveError(ZarrckptError):
-    """A save the CheckpointManager started failed; its cause is chained (``__cause__``)."""
+    """A save the CheckpointManager started failed; its cause is chained (``__cause__``).
+
+    ``skipped_step``: the step whose ``save()`` call raised this failure of an earlier (asynchronous)
+    save instead of saving it (None when that step was not due, or the failure is the step's own)."""
+
+    skipped_step: int | None = None
 
 
 class InvalidCheckpointError(ZarrckptError):

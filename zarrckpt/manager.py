@@ -26,10 +26,12 @@ from zarrckpt.errors import CheckpointSaveError, ZarrckptError
 from zarrckpt.lifecycle import (
     DEFAULT_GRACE_SECONDS,
     STEP_NAME,
+    Entry,
     await_dead_save,
     committed_steps,
     delete,
     is_leftover,
+    remove_leftover,
     scan,
 )
 from zarrckpt.preemption import SignalWatch
@@ -46,10 +48,12 @@ class CheckpointManager:
     """Save every ``interval`` steps to ``root_url``; keep the ``keep_last`` most recent
     checkpoints plus every ``keep_every``-th step; delete the rest in the background.
 
-    Every rank calls ``save``/``load_latest``; listing and deletion run on rank 0 only.
-    ``grace_seconds``: incomplete checkpoints whose save started longer ago than this are removed
-    by ``cleanup()`` even when they are newer than the latest commit (a failed series of saves
-    cannot pile up); younger ones may still be being written and are kept.
+    Every rank calls ``save``/``load_latest``; listing and deletion run on rank 0 only. Retention
+    deletes committed checkpoints only, each only while it still is one; ``cleanup()`` removes the
+    leftovers of saves and deletions that died (no heartbeat for the lease). A save still running,
+    this manager's or another's on the same root (a second job, a restarted job's predecessor), is
+    never touched. ``grace_seconds``: leftovers whose marker has no heartbeat (a zarrckpt before
+    heartbeats) count as dead once their save started this long ago.
     ``staging="background"`` (async saves): ``save()`` returns right after planning and the copy
     to host memory runs in the background; the loop calls ``wait_staged()`` before
     ``optimizer.step()``.
@@ -137,7 +141,9 @@ class CheckpointManager:
 
         Raises:
             CheckpointSaveError: this save failed (synchronous mode), or the previous
-                (asynchronous) one did; the cause is chained. Raised once per failed save.
+                (asynchronous) one did; the cause is chained. Raised once per failed save. When the
+                previous save's failure is raised, ``step`` is not saved: the message names it, and
+                ``skipped_step`` holds it (None when ``step`` was not due anyway).
         """
         if self.preempted is not None:
             raise ZarrckptError(
@@ -145,8 +151,16 @@ class CheckpointManager:
             )
         if self._watch is not None and self._signalled():
             return self._final_save(step, state_dict)
-        self._check_previous()
-        if step < 0 or (not force and step % self.interval):
+        due = step >= 0 and (force or step % self.interval == 0)
+        try:
+            self._check_previous()
+        except CheckpointSaveError as e:
+            if not due:
+                raise
+            skipped = CheckpointSaveError(f"{e}. Step {step} was not saved: call save({step}, ...) again to save it")
+            skipped.skipped_step = step
+            raise skipped from e.__cause__
+        if not due:
             return None
         future = self._start(step, state_dict, self.use_async)
         self._saving = (step, future)
@@ -260,12 +274,14 @@ class CheckpointManager:
         return step
 
     def cleanup(self, *, all_incomplete: bool = False) -> list[int]:
-        """Delete leftovers (rank 0): finish interrupted deletions, and remove incomplete
-        checkpoints older than the latest committed step or whose save started more than
-        ``grace_seconds`` ago; returns their steps.
+        """Delete leftovers (rank 0), in the background: finish deletions that died, and remove
+        incomplete checkpoints whose save died (no heartbeat for the lease, or its writer provably
+        gone), or whose marker, written by a zarrckpt without heartbeats, is older than
+        ``grace_seconds``; returns their steps. A save or deletion still running is never touched,
+        whoever runs it (another job saving to this root, a restarted job's predecessor).
 
-        ``all_incomplete=True`` removes every incomplete one: call it when no save can be
-        running, e.g. when a job restarts after a crash, before ``load_latest``.
+        ``all_incomplete=True`` also removes incomplete ones whose marker has no heartbeat, whatever
+        its age: call it when no save of such an older zarrckpt can be running.
         """
         if self.rank != 0:
             return []
@@ -274,18 +290,19 @@ class CheckpointManager:
             for e in scan(self.root, storage_options=self.storage_options)
             if (m := STEP_NAME.match(e.name))
         ]
-        newest = max((step for e, step in found if e.state == "committed"), default=-1)
-        stale = [
-            step
+        stale = {
+            step: e
             for e, step in found
-            if is_leftover(e, self.grace_seconds) or (e.state == "incomplete" and (all_incomplete or step < newest))
-        ]
-        self._delete(sorted(stale))
+            if is_leftover(e, self.grace_seconds) or (all_incomplete and e.state == "incomplete" and not e.lease)
+        }
+        for step, entry in sorted(stale.items()):
+            self._delete(step, entry)
         return sorted(stale)
 
     def _background(self, fn: Any) -> None:
+        future = self._deleter.submit(fn)  # (not under the lock: the work takes it)
         with self._lock:
-            self._deleting.append(self._deleter.submit(fn))
+            self._deleting.append(future)
 
     def _retain_after(self, saving: Future[None]) -> None:
         if saving.exception() is None:  # blocks until the save is done
@@ -296,21 +313,27 @@ class CheckpointManager:
         keep = set(steps[-self.keep_last :])
         if self.keep_every:
             keep |= {s for s in steps if s % self.keep_every == 0}
-        self._delete([s for s in steps if s not in keep])
+        for step in steps:
+            if step not in keep:
+                self._delete(step, None)
         self.cleanup()
 
-    def _delete(self, steps: list[int]) -> None:
-        for step in steps:
-            with self._lock:  # (retention after the next save may find it still listed: delete it once)
-                if step in self._doomed:
-                    continue
-                self._doomed.add(step)
-            log.info("deleting checkpoint %s", self.url(step))
-            self._background(partial(self._delete_one, step))
+    def _delete(self, step: int, leftover: Entry | None) -> None:
+        """Delete ``step`` in the background: the committed checkpoint retention chose (``leftover`` None),
+        or the leftover ``leftover``; either only while it still is what it was chosen as."""
+        with self._lock:  # (retention after the next save may find it still listed: delete it once)
+            if step in self._doomed:
+                return
+            self._doomed.add(step)
+        log.info("deleting %s %s", "checkpoint" if leftover is None else f"{leftover.state} leftover", self.url(step))
+        self._background(partial(self._delete_one, step, leftover))
 
-    def _delete_one(self, step: int) -> None:
+    def _delete_one(self, step: int, leftover: Entry | None) -> None:
         try:
-            delete(self.url(step), storage_options=self.storage_options, force=True)  # cleanup() chose it
+            if leftover is None:
+                delete(self.url(step), storage_options=self.storage_options, committed_only=True)
+            else:
+                remove_leftover(leftover, storage_options=self.storage_options)
         finally:
             with self._lock:
                 self._doomed.discard(step)

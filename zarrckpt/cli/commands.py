@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import zarrckpt
@@ -133,9 +135,24 @@ def cmd_latest(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
     return 0 if step is not None else 1
 
 
+@contextlib.contextmanager
+def _warnings_said() -> Iterator[None]:
+    """zarrckpt's warnings meanwhile go to stderr as ``warning: ...`` (a deletion's marker left for its lease)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter("warning: %(message)s"))
+    logger = logging.getLogger("zarrckpt")
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+
+
 def cmd_rm(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
     for url in args.url:  # in order; the first refusal stops (those before it are deleted, and said so)
-        zarrckpt.delete(url, storage_options=opts, force=args.force)
+        with _warnings_said():
+            zarrckpt.delete(url, storage_options=opts, force=args.force)
         if not args.json:
             print(f"deleted {url}")
     if args.json:
@@ -153,13 +170,20 @@ def cmd_cp(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
         dst_storage_options=dst_opts if args.to_storage_option else (opts if same_scheme else None),
         overwrite=args.overwrite,
         progress=args.progress or sys.stderr.isatty(),
+        allow_modified=args.allow_modified,
     )
     if args.json:
         emit_json(summary)
         return 0
+    checked = (
+        "every chunk checked at the destination against the commit record"
+        if summary["recorded"]
+        else "every chunk checked at the destination against its own crc32c only, committed WITHOUT a commit "
+        "record (reading the copy needs allow_modified=True)"
+    )
     print(
         f"copied {summary['src']} -> {summary['dst']}: {summary['tensors']} tensors, {summary['objects']} objects, "
-        f"{human(summary['bytes'])}, every chunk checked at the destination, in {summary['seconds']:.2f} s"
+        f"{human(summary['bytes'])}, {checked}, in {summary['seconds']:.2f} s"
     )
     return 0
 
@@ -277,7 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--grace",
         default="1h",
         metavar="DURATION",
-        help="keep incomplete checkpoints whose save started less than this long ago (default 1h; 30m, 90s, 2d)",
+        help="markers of zarrckpt without heartbeats only: keep those whose save started less than this long ago "
+        "(default 1h; 30m, 90s, 2d); a running save is never touched, a dead one is collected at once",
     )
     p.add_argument("--dry-run", action="store_true", help="list what would be removed, with sizes; remove nothing")
     p.set_defaults(func=cmd_gc)
@@ -302,6 +327,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="fsspec storage option for DST (default: --storage-option's when both URLs have one scheme)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint at DST")
+    p.add_argument(
+        "--allow-modified",
+        action="store_true",
+        help="copy a SRC without a commit record (written before zarrckpt recorded one, or with the record "
+        "removed), or changed after its commit, as it is: each chunk is checked against its own crc32c only, "
+        "and the copy is committed without a commit record (refused by load and open unless allow_modified=True)",
+    )
     p.set_defaults(func=cmd_cp)
     p = sub.add_parser("export", parents=[common, progress], help="write tensors as (sharded) Hugging Face safetensors")
     p.add_argument("url")

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from zarrckpt.engine import commit as protocol
+from zarrckpt.engine import markers
 from zarrckpt.engine.dist import Group
 from zarrckpt.engine.markers import abandon
 from zarrckpt.engine.writer import committed_manifest, write_metadata, write_rank
@@ -121,7 +122,9 @@ class ZarrWriter(StorageWriter):
         _check_keys(plans)
         zplan = build_save_plan([_parts(plan, _meta_tensor)[0].describe() for plan in plans], self.chunk_bytes)
         check_names(list(zplan.arrays.values()), self.storage.name_limits, self.storage.url)
-        self._save_id = protocol.prepare(self.storage, self.overwrite)
+        self.storage.guard = None  # (a reused writer: the last save's check is not this one's)
+        self._save_id = protocol.prepare(self.storage, self.overwrite, len(plans))
+        self.storage.guard = markers.Ownership(self.storage, self._save_id).check  # (this rank's writes)
         # DCP tells a writer nothing when a save fails after this: the save is abandoned (its
         # heartbeat stopped, so that the next save may take it over) at the next reset, or when
         # the writer is collected, unless finish commits it

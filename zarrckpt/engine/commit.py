@@ -1,42 +1,43 @@
 """The commit protocol: a checkpoint exists only once its manifest (the root zarr.json) exists.
 
-save:   prepare (refuse, or un-commit and remove an old checkpoint; create the pending marker,
-        create-only, so of two racing saves one goes on) -> every rank writes its shards and its
-        share of zarr.json documents, create-only -> commit (the manifest, create-only, last, after
-        checking that the pending marker is still this save's).
+save:   prepare (refuse, or delete an old checkpoint or a dead save's leftovers; create the pending
+        marker, create-only, so of two racing saves one goes on) -> every rank writes its shards and
+        its share of zarr.json documents, create-only, each rank stopping when it learns that the
+        location is no longer its save's -> commit (the manifest, create-only, last, between two
+        checks that the pending marker is still this save's).
 load:   read the manifest (one GET) -> read data, every chunk compared with the commit record (a
         chunk a later save replaced fails it) -> without that record (or with allow_modified),
         read the manifest again: a different save_id means the checkpoint was overwritten
         meanwhile, and the load fails instead of mixing.
-delete: replace the manifest with a tombstone (readers refuse the checkpoint from this one PUT on,
-        with no request of their own) -> write the deleting marker -> remove the manifest -> remove
-        the rest -> remove the marker. A deletion that dies half-way leaves the marker, or the
-        tombstone, either of which says what the leftover is.
+delete: :mod:`zarrckpt.engine.removal`: the deleting marker (create-only) -> a second look -> the
+        manifest replaced by a tombstone, or a tombstone created where none is (a save there can no
+        longer commit) -> the rest -> the tombstone -> the marker.
 
-Markers carry the save id, the start time and the writer (host, pid), so leftovers have an age.
-While a save runs, its writer rewrites the pending marker every HEARTBEAT_SECONDS: a marker the
-store has not seen rewritten for LEASE_SECONDS (its own clock: the object's modification time),
-or whose writer was on this host and is no longer running, belongs to a save that died, and the
-next save to that location takes it over (the deletion protocol, then its own marker). A writer
-that was only slow finds its marker gone and cannot commit (``commit`` checks it).
+Markers carry the save id, the start time and the writer, so leftovers have an age; a running save
+keeps a heartbeat object fresh (:mod:`zarrckpt.engine.markers`), and one whose heartbeat the store
+has not seen for the lease, or whose writer provably stopped, is dead: the next save to that
+location takes it over. A writer that was only slow finds its marker gone and cannot commit.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import uuid
-from typing import Any
 
 from zarrckpt.engine.markers import (
+    BEAT,
+    check_lease,
     lease_seconds,
     marker,
     marker_doc,
     pending_id,
     start_heartbeat,
     stop_heartbeat,
-    writer_gone,
 )
+from zarrckpt.engine.prefix import COMMITTED, DELETING_STATE, INCOMPLETE, look, manifest_id, state
+from zarrckpt.engine.removal import LocationBusy, LocationChanged, remove
 from zarrckpt.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -52,42 +53,86 @@ from zarrckpt.format.manifest import (
     PENDING,
     Manifest,
     ManifestHead,
-    tombstone,
     tombstone_marker,
 )
+from zarrckpt.storage.remote import CreatedCorrupt
 from zarrckpt.storage.store import Storage
 
-COMMITTED, INCOMPLETE, DELETING_STATE = "committed", "incomplete", "deleting"
+__all__ = ["COMMITTED", "DELETING_STATE", "INCOMPLETE", "LocationBusy", "LocationChanged", "remove", "state"]
 log = logging.getLogger("zarrckpt")
 GROUP_DOC_BYTES = 128  # a group's own zarr.json is smaller (a checkpoint's manifest is larger)
 
 
 def read_manifest(storage: Storage) -> Manifest:
-    """The committed manifest, or a clear error saying why there is none."""
-    return Manifest.loads(read_manifest_bytes(storage), storage.where(MANIFEST))
+    """The committed manifest, or a clear error saying why there is none.
+
+    A manifest that fails its checks (not JSON, invalid, or its ``attributes_crc32c`` or an array's
+    commit record does not match) is read again before that is believed, up to the storage's retry
+    policy's attempts: bytes damaged on the way differ from one read to the next, while the same
+    bytes twice are what is stored, reported (or returned, modified) as they are."""
+    where, attempts = storage.where(MANIFEST), storage.retry.attempts
+    raw = read_manifest_bytes(storage)
+    for attempt in range(1, attempts + 1):
+        try:
+            manifest = Manifest.loads(raw, where)
+        except InvalidCheckpointError:  # (bytes that are no text were read twice already: stored so)
+            if attempt == attempts or not raw.isascii() or (again := read_manifest_bytes(storage)) == raw:
+                raise
+        else:
+            if not manifest.modified or attempt == attempts or (again := read_manifest_bytes(storage)) == raw:
+                return manifest
+        log.info("read %s again: what the last read returned fails its checks (damaged on the way?)", where)
+        storage.traffic.add(retries=1)
+        raw = again
+    raise AssertionError("unreachable")
 
 
 def read_manifest_head(storage: Storage) -> ManifestHead:
     """The committed manifest's checkpoint-wide fields (:class:`ManifestHead`): one ranged read of
     its first :data:`HEAD_BYTES`; the whole manifest only when they do not settle them. Errors as
-    :func:`read_manifest`'s."""
+    :func:`read_manifest`'s. A manifest read whole in that one read whose attributes_crc32c fails is
+    read again (other bytes then: as :func:`read_manifest` reads it); one that is no JSON is reported
+    at once (a listing of many checkpoints costs one GET each); a prefix cannot be checked."""
     where = storage.where(MANIFEST)
     raw = read_manifest_bytes(storage, HEAD_BYTES)
-    if len(raw) < HEAD_BYTES:  # the whole document
-        return ManifestHead.parse(raw, where, whole=True)
     try:
-        return ManifestHead.parse(raw, where, whole=False)
+        if len(raw) >= HEAD_BYTES:
+            return ManifestHead.parse(raw, where, whole=False)
     except Unsettled:
-        return ManifestHead.parse(read_manifest_bytes(storage), where, whole=True)
+        return ManifestHead.of(read_manifest(storage))
+    manifest = Manifest.loads(raw, where)  # the whole document, checked whole
+    if manifest.modified and read_manifest_bytes(storage, HEAD_BYTES) != raw:  # damaged on the way?
+        manifest = read_manifest(storage)
+    return ManifestHead.of(manifest)
 
 
 def read_manifest_bytes(storage: Storage, end: int | None = None) -> bytes:
     """The committed manifest's bytes (unparsed; those before ``end`` when given), or a clear error
-    saying why there is none."""
-    try:
-        raw = storage.read(MANIFEST, 0, end)  # an open range: s3fs skips its HEAD for the size
-    except FileNotFoundError:
-        raise _why_no_manifest(storage) from None
+    saying why there is none.
+
+    Bytes that are no text (not UTF-8, as JSON is; zarrckpt writes ASCII) are read again, up to the
+    storage's retry policy's attempts, until they are, or the same bytes come back (what is stored):
+    a byte damaged on the way mostly shows so, at the cost of a scan (GB/s) instead of a parse."""
+
+    def text(raw: bytes) -> bool:
+        try:
+            return raw.isascii() or bool(raw.decode())
+        except UnicodeDecodeError as e:  # a prefix may end inside a character
+            return end is not None and len(raw) == end and e.start >= end - 3 and e.reason == "unexpected end of data"
+
+    raw = None
+    for attempt in range(storage.retry.attempts):
+        try:
+            got = storage.read(MANIFEST, 0, end)  # an open range: s3fs skips its HEAD for the size
+        except FileNotFoundError:
+            raise _why_no_manifest(storage) from None
+        if got == raw or text(got):
+            break
+        raw = got
+        if attempt + 1 < storage.retry.attempts:
+            log.info("read %s again: what was read is no text (damaged on the way?)", storage.where(MANIFEST))
+            storage.traffic.add(retries=1)
+    raw = got
     gone = tombstone_marker(raw)
     if gone is not None:
         raise IncompleteCheckpointError(
@@ -146,57 +191,64 @@ def _why_no_manifest(storage: Storage) -> ZarrckptError:
     return InvalidCheckpointError(f"{url!r} is not a zarrckpt checkpoint (no {MANIFEST} manifest; it holds {shown})")
 
 
-def prepare(storage: Storage, overwrite: bool) -> str:
+def prepare(storage: Storage, overwrite: bool, world_size: int | None = None) -> str:
     """Make the prefix ready for a new save and mark it pending; returns the new save id.
 
-    The pending marker is created create-only: of two saves starting at one location, exactly
-    one goes on and the other gets CheckpointExistsError before it has written anything.
+    What is there is looked at once, fresh: a committed checkpoint is refused (``overwrite``: deleted);
+    a save that died, or a deletion that died, is taken over (deleted); a save that may be running is
+    refused (``overwrite``: deleted, which fails it); a running deletion is refused either way. The
+    pending marker is created create-only: of two saves starting at one location, exactly one goes on
+    and the other gets CheckpointExistsError before it has written anything. ``world_size``: the
+    ranks that will write (in the marker: a deletion of a one-rank save whose process stopped need
+    not wait for other writers).
     """
-    names = storage.names()
-    dying = marker(storage, DELETING) if DELETING in names else _tombstone(storage) if MANIFEST in names else None
-    if dying is not None:  # a deletion (a marker, or only its tombstone: it died before the marker)
-        if not overwrite:
-            why = writer_gone(storage, names, DELETING if DELETING in names else MANIFEST, dying)
-            if why is None:
-                raise IncompleteCheckpointError(
-                    f"the checkpoint at {storage.url!r} is being deleted ({dying}); pass overwrite=True to finish "
-                    "that and save here, or wait: a deletion that died is finished by the next save once its "
-                    f"marker has gone {lease_seconds():.0f} s without a heartbeat"
+    seen = look(storage)
+    url = storage.url
+    try:
+        if seen.state == COMMITTED:
+            if not seen.zarrckpt:
+                raise ZarrckptError(f"refusing to write to {url!r}: its zarr.json is not a zarrckpt checkpoint")
+            if not overwrite:
+                raise CheckpointExistsError(
+                    f"Checkpoint already exists: a committed checkpoint is at {url!r} (overwrite=False); pass "
+                    "overwrite=True to replace it"
                 )
-            log.warning("finishing the deletion of %s before saving there: it died (%s)", storage.url, why)
-        remove(storage)
-    elif MANIFEST in names:
-        if not is_zarrckpt_manifest(storage):
-            raise ZarrckptError(f"refusing to write to {storage.url!r}: its zarr.json is not a zarrckpt checkpoint")
-        if not overwrite:
-            raise CheckpointExistsError(
-                f"Checkpoint already exists: a committed checkpoint is at {storage.url!r} (overwrite=False); pass "
-                "overwrite=True to replace it"
-            )
-        remove(storage)  # un-commit first: from here on readers see no checkpoint
-    elif names:
-        if PENDING not in names and not all(n.startswith(PENDING) for n in names):  # (a marker being created)
-            shown = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
-            raise ZarrckptError(
-                f"refusing to write to {storage.url!r}: it is not empty ({shown}) and holds no zarrckpt checkpoint"
-            )
-        if not overwrite:
-            why = writer_gone(storage, names)
-            if why is None:
+            remove(storage, expect=COMMITTED, save_id=seen.save_id, linger=False)  # readers see none from here on
+        elif seen.state == DELETING_STATE:
+            if seen.dead is None:
                 raise IncompleteCheckpointError(
-                    f"another save to {storage.url!r} is in progress or died ({marker(storage, PENDING)}); pass "
+                    f"the checkpoint at {url!r} is being deleted ({marker(storage, DELETING)}); wait for the "
+                    f"deletion to end: one that died is finished by the next save once its marker has gone "
+                    f"{lease_seconds():.0f} s without a heartbeat"
+                )
+            log.warning("finishing the deletion of %s before saving there: it died (%s)", url, seen.dead)
+            remove(storage, expect=DELETING_STATE, linger=False)
+        elif seen.state == INCOMPLETE:
+            if seen.dead is None and not overwrite:
+                raise IncompleteCheckpointError(
+                    f"another save to {url!r} is in progress or died ({marker(storage, PENDING)}); pass "
                     f"overwrite=True to replace it, or wait: a save that died is taken over once its marker has "
                     f"gone {lease_seconds():.0f} s without a heartbeat"
                 )
-            log.warning("taking over %s: the save that started it died (%s)", storage.url, why)
-        remove(storage)  # leftovers of a save that never committed
+            if seen.dead is not None:
+                log.warning("taking over %s: the save that started it died (%s)", url, seen.dead)
+            remove(storage, expect=INCOMPLETE, save_id=seen.save_id, force=overwrite, linger=False)
+        elif seen.names:
+            shown = ", ".join(sorted(seen.names)[:5]) + (", ..." if len(seen.names) > 5 else "")
+            raise ZarrckptError(
+                f"refusing to write to {url!r}: it is not empty ({shown}) and holds no zarrckpt checkpoint"
+            )
+    except LocationBusy as e:
+        raise IncompleteCheckpointError(f"{e}; this save wrote nothing") from e
+    except LocationChanged as e:
+        raise CheckpointExistsError(f"{e}; another save or deletion got there first: this save wrote nothing") from e
     save_id = uuid.uuid4().hex
-    doc = marker_doc(save_id)
+    doc = marker_doc(save_id, world_size)
     try:
         storage.create(PENDING, [json.dumps(doc).encode()])
     except FileExistsError:
         raise CheckpointExistsError(
-            f"another save started writing to {storage.url!r} at the same time ({marker(storage, PENDING)}); "
+            f"another save started writing to {url!r} at the same time ({marker(storage, PENDING)}); "
             "this one wrote nothing"
         ) from None
     start_heartbeat(storage, doc)
@@ -207,100 +259,89 @@ def commit(storage: Storage, manifest: Manifest) -> None:
     """Create the manifest (the commit point), then drop the pending marker.
 
     Called once every rank has written its shards and ``zarr.json`` documents. Refuses
-    (CheckpointExistsError) when the pending marker is no longer this save's, or another
-    manifest is already there: another save took the location over meanwhile.
+    (CheckpointExistsError) when the pending marker is no longer this save's before or right after
+    the manifest is created (then taken back), or when the manifest's place is taken: another save
+    committed there, or a deletion holds it (a tombstone). Once committed, a failure to remove the
+    pending marker is logged, not raised: the checkpoint is committed, and the marker harmless.
     """
-    mine = manifest.save_id
+    mine, url = manifest.save_id, storage.url
     if pending_id(storage) != mine:
         raise CheckpointExistsError(
-            f"not committing {storage.url!r}: another save took this location over while it was written "
+            f"not committing {url!r}: another save or a deletion took this location over while it was written "
             f"(pending marker: {marker(storage, PENDING) or 'missing'}); this save is abandoned"
         )
+    check_lease(storage, mine)  # (the create below relies on it)
     try:
-        storage.create(MANIFEST, [manifest.dumps()])
-    except FileExistsError:
+        storage.create(MANIFEST, [manifest.dumps()], repair=False)
+    except CreatedCorrupt:  # (a store that cannot check a write on its way: read back, it is not what was sent)
         raise CheckpointExistsError(
-            f"not committing {storage.url!r}: another save committed there first; this save is abandoned"
+            f"not committing {url!r}: its manifest, read back, is not what this save wrote (damaged on the way, or "
+            "replaced by a deletion of it); this save is abandoned: save again"
         ) from None
-    stop_heartbeat(storage, mine)  # before the marker goes: no beat may bring it back
-    if pending_id(storage) != mine:  # taken over between the check and the create: take the commit back
-        if _manifest_id(storage) == mine:
-            storage.delete(MANIFEST)
-        raise CheckpointExistsError(
-            f"not committing {storage.url!r}: another save took this location over while it committed"
-        )
-    storage.delete(PENDING)
-
-
-def remove(storage: Storage) -> None:
-    """Delete a checkpoint (committed or not) so that a deletion killed half-way stays visible.
-
-    A committed manifest is first replaced by a tombstone, so no reader loads the checkpoint from the
-    first step on; then the deleting marker goes first and last: a leftover always says what it is.
-    """
-    committed = _manifest_id(storage)  # None: no manifest, a tombstone already, or not a valid one
-    doc = marker_doc(committed or "")
-    if committed is not None:
-        storage.write(MANIFEST, [tombstone(doc)])  # readers refuse from here on
-    storage.write(DELETING, [json.dumps(doc).encode()])
-    start_heartbeat(storage, doc, DELETING)  # a live deletion is never taken for a dead one
+    except FileExistsError:
+        taken = is_tombstone(storage)
+        by = "a deletion took it over (a tombstone holds its place)" if taken else "another save committed first"
+        raise CheckpointExistsError(f"not committing {url!r}: {by}; this save is abandoned") from None
+    stop_heartbeat(storage, mine)  # before the marker goes: no beat may land after it
     try:
-        storage.delete(MANIFEST)
-        storage.delete_all(keep=[DELETING])
-    finally:
-        stop_heartbeat(storage, doc["save_id"], DELETING)  # before the marker goes: no beat may bring it back
-    storage.delete(DELETING)
-    storage.prune()
+        holder = pending_id(storage)
+    except ZarrckptError as e:
+        log.warning("committed %s, but could not read its pending marker back (%s): `zarrckpt verify` it", url, e)
+        return
+    if holder is None and manifest_id(storage)[0] == mine and _all_there(storage, manifest):
+        log.info("committed %s; its pending marker was removed meanwhile (gc tidies committed checkpoints)", url)
+        return
+    if holder != mine:  # taken over before the create, after the first check: take the commit back
+        if manifest_id(storage)[0] == mine:
+            storage.delete(MANIFEST, guarded=False)
+        raise CheckpointExistsError(f"not committing {url!r}: another save or a deletion took this location over")
+    try:
+        storage.delete(PENDING, guarded=False)
+        storage.delete(BEAT, guarded=False)
+    except ZarrckptError as e:
+        log.warning(
+            "committed %s, but removing its pending marker failed (%s): the checkpoint is committed and loads; "
+            "`zarrckpt gc` removes the marker",
+            url,
+            e,
+        )
 
 
-def state(names: set[str]) -> str | None:
-    """What a prefix holding the top-level entries ``names`` is: committed, incomplete, deleting, or None."""
-    if DELETING in names:
-        return DELETING_STATE
-    if MANIFEST in names:
-        return COMMITTED
-    if any(n.startswith(PENDING) for n in names):  # the marker, or its temporary file (killed creating it)
-        return INCOMPLETE
-    return None
+def _all_there(storage: Storage, manifest: Manifest) -> bool:
+    """Whether every object of ``manifest`` is stored (one listing): a commit whose marker is gone was
+    either taken over before its manifest was created (a deletion swept its objects first) or
+    committed, its marker then tidied away; only the objects tell."""
+    stored = storage.sizes()
+    for meta in manifest.arrays.values():
+        if f"{meta.path}/zarr.json" not in stored:
+            return False
+        if meta.constant is None:
+            grid = [range(-(-n // s)) for n, s in zip(meta.shape, meta.shard_shape, strict=True)]
+            if any(meta.shard_path(idx) not in stored for idx in itertools.product(*grid)):
+                return False
+    return True
 
 
 def is_zarrckpt_manifest(storage: Storage) -> bool:
     """True when the root zarr.json is a zarrckpt manifest (even an invalid one): ours to replace or delete."""
-    try:
-        doc = json.loads(storage.read(MANIFEST, 0))
-    except (FileNotFoundError, ValueError):
-        return False
-    if not isinstance(doc, dict) or doc.get("node_type") != "group" or not isinstance(doc.get("attributes"), dict):
-        return False  # (an array's zarr.json carries zarrckpt attributes too)
-    return "zarrckpt" in doc["attributes"]
+    return manifest_id(storage)[1]
 
 
 def is_tombstone(storage: Storage) -> bool:
     """True when the root zarr.json is a tombstone: a deletion started (and may have died) there."""
-    return _tombstone(storage) is not None
-
-
-def _tombstone(storage: Storage) -> dict[str, Any] | None:
-    """The deleting marker in the root zarr.json when it is a tombstone; else None."""
     try:
-        return tombstone_marker(storage.read(MANIFEST, 0))
+        return tombstone_marker(storage.read(MANIFEST, 0, HEAD_BYTES)) is not None
     except FileNotFoundError:
-        return None
-
-
-def _manifest_id(storage: Storage) -> str | None:
-    try:  # only the save id matters: skip building every array's metadata (0.4 s for 4,000 arrays)
-        current = json.loads(storage.read(MANIFEST, 0))["attributes"]["zarrckpt"]["save_id"]
-    except (FileNotFoundError, ValueError, KeyError, TypeError):
-        return None
-    return current if isinstance(current, str) else None
+        return False
 
 
 def check_unchanged(storage: Storage, save_id: str) -> None:
     """Fail if the checkpoint was overwritten or deleted since its manifest was read (a copy checked
     before its commit counts as unchanged while its own pending marker is there)."""
-    if _manifest_id(storage) != save_id and pending_id(storage) != save_id:
-        raise IncompleteCheckpointError(
-            f"the checkpoint at {storage.url!r} was overwritten or deleted while it was being read; "
-            "the data read may mix two saves and was discarded — load again"
-        )
+    for _ in range(2):  # (looked at twice before it is believed: an answer damaged on the way says otherwise once)
+        if manifest_id(storage)[0] == save_id or pending_id(storage) == save_id:
+            return
+    raise IncompleteCheckpointError(
+        f"the checkpoint at {storage.url!r} was overwritten or deleted while it was being read; "
+        "the data read may mix two saves and was discarded — load again"
+    )

@@ -249,10 +249,11 @@ class Group:
         if self.active:
             torch_dist.barrier(group=self.pg)
 
-    def run_together(self, fn: Callable[[], T], what: str) -> T:
+    def run_together(self, fn: Callable[[], T], what: str, *, share: bool = False) -> T:
         """Run ``fn`` on this rank; if it fails on any rank, raise on every rank.
 
         The failing rank re-raises its own exception; the others raise a ZarrckptError naming it.
+        ``share``: every rank returns rank 0's result (JSON), sent along in the same collective.
         """
         result: T | None = None
         error: BaseException | None = None
@@ -260,14 +261,16 @@ class Group:
             result = fn()
         except Exception as e:
             error = e
-        status = self.all_gather_json(None if error is None else f"{type(error).__name__}: {error}")
+        failure = None if error is None else f"{type(error).__name__}: {error}"
+        shared = share and self.rank == 0 and error is None
+        status = self.all_gather_json([failure, result] if shared else [failure])
         if error is not None:
             raise error
-        failed = [(r, msg) for r, msg in enumerate(status) if msg is not None]
+        failed = [(r, s[0]) for r, s in enumerate(status) if s[0] is not None]
         if failed:
             rank, msg = failed[0]
             raise ZarrckptError(f"{what} failed on rank {rank}: {msg}")
-        return result  # type: ignore[return-value]
+        return status[0][1] if share else result  # type: ignore[return-value]
 
 
 class Transfers:

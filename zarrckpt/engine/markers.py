@@ -1,11 +1,15 @@
 """The markers of the commit protocol (:mod:`zarrckpt.engine.commit`): their documents, their ages,
-and the heartbeat a running save gives its pending marker.
+who wrote them and whether that writer still runs, and the heartbeats of running saves and deletions.
 
-A pending or deleting marker is a small JSON object: the save id, when it started, its writer
-(host, pid), and the time of its last heartbeat. While a save or a deletion runs, its writer
-rewrites its marker every HEARTBEAT_SECONDS. A marker the store has not seen rewritten for the
-lease (its modification time: the store's clock), or whose writer ran on this host and is gone,
-belongs to a save or deletion that died (:func:`writer_gone`).
+A pending or deleting marker is a small JSON object: the save id, when it started, its writer (host,
+pid, and where the system tells them, the boot and PID namespace that make the pid mean something),
+and the time of its last heartbeat. A pending marker is created once and never rewritten: a running
+save's heartbeat is a separate object, :data:`BEAT`, rewritten every HEARTBEAT_SECONDS (so a beat that
+lands after a deletion can never bring the marker back, which the commit checks). A running
+deletion rewrites its deleting marker. A marker whose freshest object the store has not seen
+rewritten for the lease (their modification times: the store's clock) belongs to a save or deletion
+that died (:func:`writer_gone`); the writer's pid settles it sooner only when it ran under this very
+kernel and PID namespace.
 """
 
 from __future__ import annotations
@@ -16,14 +20,17 @@ import os
 import socket
 import threading
 from datetime import UTC, datetime
+from functools import cache
 from typing import Any, ClassVar
 
-from zarrckpt.errors import ZarrckptError
+from zarrckpt.engine import clock
+from zarrckpt.errors import CheckpointExistsError, ZarrckptError
 from zarrckpt.format.manifest import PENDING
 from zarrckpt.storage.store import Storage
 
 log = logging.getLogger("zarrckpt")
-HEARTBEAT_SECONDS = 10.0  # a running save rewrites its pending marker this often
+HEARTBEAT_SECONDS = 10.0  # a running save rewrites its heartbeat object this often (at most; heartbeat_seconds())
+BEAT = PENDING + ".beat"  # a running save's heartbeat object (its name starts with the marker's)
 
 
 def lease_seconds() -> float:
@@ -36,10 +43,97 @@ def lease_seconds() -> float:
         raise ZarrckptError(f"ZARRCKPT_LEASE_SECONDS must be a number of seconds, not {env!r}") from None
 
 
-def marker_doc(save_id: str) -> dict[str, Any]:
+def heartbeat_seconds() -> float:
+    """How often a running save or deletion renews its marker: every HEARTBEAT_SECONDS, or a third
+    of a shorter lease."""
+    return min(HEARTBEAT_SECONDS, lease_seconds() / 3)
+
+
+def _lapse_seconds() -> float:
+    """How long a marker's holder may go without a beat landing before it stops relying on its lease:
+    a heartbeat short of the lease, so that what it sends next still lands before anyone may take over."""
+    return lease_seconds() - heartbeat_seconds()
+
+
+# -- who wrote a marker -------------------------------------------------------------------------
+def writer_identity() -> dict[str, Any]:
+    """This process as a marker names it: host and pid, and (Linux) the boot id, PID namespace and
+    the pid's start time, without which another reader cannot tell whether the pid is this process."""
+    return dict(_identity(os.getpid()))
+
+
+@cache
+def _identity(pid: int) -> tuple[tuple[str, Any], ...]:
+    return tuple({"host": socket.gethostname(), "pid": pid, **_kernel(), **_started(pid)}.items())
+
+
+@cache
+def _kernel() -> dict[str, str]:
+    """This kernel's boot id and this process's PID namespace ({} where the system does not say)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        pidns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return {}
+    return {"boot": boot, "pidns": pidns} if boot and pidns else {}
+
+
+def _started(pid: int) -> dict[str, int]:
+    stat = proc_stat(pid)
+    return {} if stat is None else {"start": stat[1]}
+
+
+def proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, start time in clock ticks since boot) of process ``pid`` in this PID namespace; None
+    when there is no such process (or no /proc to ask)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _here(writer: dict[str, Any]) -> bool:
+    """Whether ``writer`` ran under this kernel and PID namespace, so that its pid names a process here.
+    A shared hostname proves nothing (containers, pods of one job); the boot id and namespace do."""
+    mine = writer_identity()
+    return bool(mine.get("boot")) and all(writer.get(k) == mine[k] for k in ("boot", "pidns"))
+
+
+def _gone_here(writer: dict[str, Any]) -> str | None:
+    """Why ``writer`` (a marker's) no longer runs, when it provably ran here; None: it may run."""
+    pid, start = writer.get("pid"), writer.get("start")
+    if not isinstance(pid, int) or not _here(writer):
+        return None
+    stat = proc_stat(pid)
+    if stat is None:
+        return f"its writer, process {pid} on this host, is gone"
+    if stat[0] in ("Z", "X"):
+        return f"its writer, process {pid} on this host, has exited"
+    if isinstance(start, int) and stat[1] != start:
+        return f"its writer, process {pid} on this host, is gone (another process has its pid now)"
+    return None
+
+
+def _is_me(writer: dict[str, Any]) -> bool:
+    mine = writer_identity()
+    return all(writer.get(k) == mine.get(k) for k in ("host", "pid", "boot", "pidns", "start"))
+
+
+# -- markers and their ages ---------------------------------------------------------------------
+def token(doc: dict[str, Any]) -> Any:
+    """What names a marker's holder in this process's registries: a deletion's own id (several
+    deletions may delete the same save), else the save id."""
+    return doc.get("deletion") or doc.get("save_id")
+
+
+def marker_doc(save_id: str, world_size: int | None = None) -> dict[str, Any]:
+    """A marker's document; ``world_size``: a pending marker's, the ranks writing the save."""
     started = now()
-    writer = {"host": socket.gethostname(), "pid": os.getpid()}
-    return {"save_id": save_id, "started": started, "heartbeat": started, "writer": writer}
+    doc = {"save_id": save_id, "started": started, "heartbeat": started, "writer": writer_identity()}
+    return doc if world_size is None else {**doc, "world_size": world_size}
 
 
 def marker(storage: Storage, name: str) -> dict[str, Any]:
@@ -60,81 +154,125 @@ def leftover_age(storage: Storage, names: set[str], name: str) -> float | None:
     """Seconds since the save or deletion marked by the marker ``name`` started: its ``started``
     time, else the marker's (or its temporary file's) modification time; None when unknown."""
     age = age_seconds(marker(storage, name))
-    if age is None:
-        ages = [storage.age(n) for n in sorted(names) if n.startswith(name)]
-        age = min((a for a in ages if a is not None), default=None)
-    return age
+    return _freshest(storage, names, name) if age is None else age
+
+
+def _freshest(storage: Storage, names: set[str], name: str) -> float | None:
+    """Seconds since the store last saw one of the objects ``name`` begins (the marker, its heartbeat
+    object, their temporary files) written; None when none is there."""
+    ages = []
+    for n in sorted(names):
+        if n.startswith(name):
+            stamp = storage.modified(n)
+            if stamp is not None:
+                ages.append((clock.wall() - stamp).total_seconds())
+    return min(ages, default=None)
 
 
 def writer_gone(
     storage: Storage, names: set[str], name: str = PENDING, doc: dict[str, Any] | None = None
 ) -> str | None:
     """Why the save (or, ``name=DELETING``, the deletion) whose marker ``name`` is in ``names`` is
-    dead, or None while it may be running: its writer ran on this host and is gone, or the marker
-    has gone ``lease_seconds()`` without a heartbeat (the store's modification time; the marker's
-    own times without one). ``doc``: the marker's content when it is held elsewhere (a tombstone)."""
+    dead, or None while it may be running: no object of its marker (the marker, its heartbeat
+    object) has been written for ``lease_seconds()`` (the store's modification times; the marker's
+    own times without them); or its writer provably ran here and is gone; or it failed in this
+    process. ``doc``: the marker's content when it is held elsewhere (a tombstone)."""
     doc = marker(storage, name) if doc is None else doc
     writer: dict[str, Any] = doc["writer"] if isinstance(doc.get("writer"), dict) else {}
-    pid = writer.get("pid")
-    if writer.get("host") == socket.gethostname() and isinstance(pid, int) and not _alive(pid):
-        return f"its writer, process {pid} on this host, is gone"
-    if name == PENDING and (storage.url, doc.get("save_id")) in _ABANDONED and pid == os.getpid():
+    gone = _gone_here(writer)
+    if gone is not None:
+        return gone
+    if (storage.url, name, token(doc), doc.get("started")) in _ABANDONED and _is_me(writer):
         return "it failed in this process, which abandoned it"
     if doc and "heartbeat" not in doc:  # a writer of a zarrckpt without heartbeats: only the grace period tells
         return None
-    age = storage.age(name) if name in names else None
+    age = _freshest(storage, names, name)
     if age is None:
         age = age_seconds({"started": doc.get("heartbeat") or doc.get("started")})
-    if age is None:
-        ages = [storage.age(n) for n in sorted(names) if n.startswith(name)]  # a marker killed mid-create
-        age = min((a for a in ages if a is not None), default=None)
     if age is not None and age >= lease_seconds():
         return f"no heartbeat for {age:.0f} s"
     return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+def writers_stopped(storage: Storage, doc: dict[str, Any], name: str = PENDING) -> bool:
+    """Whether no writer of the save whose pending marker is ``doc`` can write any more: there is no
+    marker (the save never got to write, or a deletion took it already), or the save ran on one rank
+    whose process provably stopped (gone from this host, or abandoned the save in this process)."""
+    if not doc:
+        return True
+    writer: dict[str, Any] = doc["writer"] if isinstance(doc.get("writer"), dict) else {}
+    if doc.get("world_size") != 1:
         return False
-    except (PermissionError, OSError):
-        return True  # another user's, or unknowable: running for all we know
-    return True
+    abandoned = (storage.url, name, token(doc), doc.get("started")) in _ABANDONED and _is_me(writer)
+    return abandoned or _gone_here(writer) is not None
 
 
-_ABANDONED: set[tuple[str, str]] = set()  # (url, save id) of the saves this process abandoned
+def has_lease(doc: dict[str, Any]) -> bool:
+    """Whether a marker's writer keeps it alive with heartbeats (every zarrckpt since they exist):
+    an empty document (a marker gone, or only its heartbeat object left) counts as one."""
+    return not doc or "heartbeat" in doc
 
 
+_ABANDONED: set[tuple[str, str, Any, Any]] = set()  # (url, marker, save id, started): what this process abandoned
+_STARTED: dict[tuple[str, str, str], str] = {}  # (url, marker, save id) -> start time of a marker this process wrote
+_LOST: dict[tuple[str, str], str] = {}  # (url, save id) -> why a save of this process lost its location
+
+
+# -- heartbeats ---------------------------------------------------------------------------------
 class _Heartbeat:
-    """Rewrites a running save's pending marker (or a running deletion's deleting marker) every
-    HEARTBEAT_SECONDS on a thread, until it is stopped or the marker is no longer this one's (the
-    save was taken over)."""
+    """Keeps a running save alive (rewrites its heartbeat object :data:`BEAT`) or a running deletion
+    (rewrites its deleting marker) every HEARTBEAT_SECONDS on a thread, until stopped, or until the
+    marker is no longer this one's: the location was taken over, which the save's writers then learn
+    (:class:`Ownership`)."""
 
     _running: ClassVar[dict[tuple[str, str, str], _Heartbeat]] = {}  # (url, marker, save id) -> its heartbeat
     _lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, storage: Storage, doc: dict[str, Any], name: str) -> None:
         self.storage, self.doc, self.name = storage, doc, name
+        self.last_ok = clock.monotonic()  # when the marker (or a beat) was last written for sure
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="zarrckpt-heartbeat", daemon=True)
 
     def start(self) -> None:
+        key = (self.storage.url, self.name, token(self.doc))
         with self._lock:
-            self._running[(self.storage.url, self.name, self.doc["save_id"])] = self
+            self._running[key] = self
+            _STARTED[key] = self.doc["started"]
         self.thread.start()
 
-    def _ours(self) -> bool:
+    def lapsed(self) -> bool:
+        """Whether the lease may have run out for others: no beat landed for the lease less a heartbeat."""
+        return clock.monotonic() - self.last_ok > _lapse_seconds()
+
+    def beat(self) -> bool:
+        """One heartbeat; False when the marker is no longer this one's, or its lease may have run out
+        (nothing is written then: the save or deletion has lost its location)."""
         found = marker(self.storage, self.name)
-        return all(found.get(k) == self.doc[k] for k in ("save_id", "started", "writer"))
+        ours = all(found.get(k) == self.doc[k] for k in ("save_id", "started", "writer"))
+        if not ours or self.lapsed():
+            if self.name == PENDING:
+                _LOST[(self.storage.url, self.doc["save_id"])] = (
+                    f"its pending marker is gone or another save's ({found or 'missing'}): a deletion or "
+                    "another save took the location over"
+                    if not ours
+                    else f"its heartbeat lapsed for over {_lapse_seconds():.0f} s"
+                )
+            return False
+        started = clock.monotonic()
+        if self.name == PENDING:
+            doc = {"save_id": self.doc["save_id"], "heartbeat": now()}
+            self.storage.write(BEAT, [json.dumps(doc).encode()], guarded=False)
+        else:
+            self.storage.write(self.name, [json.dumps({**self.doc, "heartbeat": now()}).encode()], guarded=False)
+        self.last_ok = started  # (the lease runs from when the beat was sent)
+        return True
 
     def _run(self) -> None:
-        while not self.stopped.wait(HEARTBEAT_SECONDS):
+        while not clock.wait(self.stopped, heartbeat_seconds()):
             try:
-                if not self._ours():
+                if not self.beat():
                     return  # committed, abandoned or taken over: not ours to touch any more
-                beat = {**self.doc, "heartbeat": now()}
-                self.storage.write(self.name, [json.dumps(beat).encode()])
             except Exception as e:  # the save itself will meet the storage's trouble
                 log.debug("heartbeat of %s failed: %s", self.storage.url, e)
 
@@ -148,9 +286,45 @@ class _Heartbeat:
             beat.thread.join()
 
 
+def _lapsed_error(storage: Storage, name: str) -> CheckpointExistsError:
+    what = "save" if name == PENDING else "deletion"
+    return CheckpointExistsError(
+        f"stopped the {what} at {storage.url!r}: its heartbeat has not reached the store for over "
+        f"{_lapse_seconds():.0f} s, so another process may have taken the location over"
+    )
+
+
+def check_lease(storage: Storage, save_id: str, name: str = PENDING) -> None:
+    """Before a request that relies on holding marker ``name`` of ``save_id`` (a deletion: its
+    :func:`token`): raise
+    CheckpointExistsError when its heartbeat, running in this process, has not landed for the lease
+    less a heartbeat (others may take the location over from then on); nothing to check where no such
+    heartbeat runs here."""
+    with _Heartbeat._lock:
+        beat = _Heartbeat._running.get((storage.url, name, save_id))
+    if beat is None:
+        return
+    if beat.lapsed():
+        raise _lapsed_error(storage, name)
+    clock.relying_until(beat.last_ok + lease_seconds())
+
+
+def stop_holding(storage: Storage, save_id: str, name: str = PENDING) -> None:
+    """Stop the heartbeat of marker ``name`` (of ``save_id``, a deletion's :func:`token`), then check
+    its lease as :func:`check_lease` does, for the request that follows (deleting the marker)."""
+    with _Heartbeat._lock:
+        beat = _Heartbeat._running.get((storage.url, name, save_id))
+    _Heartbeat.stop(storage.url, save_id, name)
+    if beat is None:
+        return
+    if beat.lapsed():
+        raise _lapsed_error(storage, name)
+    clock.relying_until(beat.last_ok + lease_seconds())
+
+
 def start_heartbeat(storage: Storage, doc: dict[str, Any], name: str = PENDING) -> None:
     """Rank 0 of a save whose pending marker ``doc`` was just created (or a deletion, ``name=DELETING``):
-    keep it fresh until the save commits or the deletion ends (:func:`stop_heartbeat`), or it is abandoned."""
+    keep it alive until the save commits or the deletion ends (:func:`stop_heartbeat`), or it is abandoned."""
     _Heartbeat(storage, doc, name).start()
 
 
@@ -159,15 +333,53 @@ def stop_heartbeat(storage: Storage, save_id: str, name: str = PENDING) -> None:
     _Heartbeat.stop(storage.url, save_id, name)
 
 
-def abandon(storage: Storage, save_id: str) -> None:
-    """A save that will not commit: stop its heartbeat, so that the next save may take it over (at
-    once from this process, elsewhere once its lease runs out; its objects stay until then)."""
-    _ABANDONED.add((storage.url, save_id))
-    _Heartbeat.stop(storage.url, save_id, PENDING)
+def abandon(storage: Storage, save_id: str, name: str = PENDING) -> None:
+    """A save (or, ``name=DELETING``, a deletion) that will not go on: stop its heartbeat, so that the
+    next save may take it over (at once from this process, elsewhere once its lease runs out; its
+    objects stay until then)."""
+    started = _STARTED.get((storage.url, name, save_id))
+    if started is not None:
+        _ABANDONED.add((storage.url, name, save_id, started))
+    _Heartbeat.stop(storage.url, save_id, name)
+
+
+class Ownership:
+    """A save's check, before each object it writes, that the location is still its own: a save whose
+    location was taken over (by a deletion, ``gc`` after its lease ran out, or another save) stops
+    writing there and fails, instead of leaving objects that no marker accounts for. Free on the rank
+    whose heartbeat learns it; elsewhere one read of the pending marker at most every
+    HEARTBEAT_SECONDS of writing (none for a shorter save)."""
+
+    def __init__(self, storage: Storage, save_id: str) -> None:
+        self.storage, self.save_id = storage, save_id
+        self._checked = clock.monotonic()
+        self._lock = threading.Lock()
+
+    def check(self, *, fresh: bool = False) -> None:
+        """Raise CheckpointExistsError when the location is known to be another's now, or this rank's
+        heartbeat lapsed; ``fresh``: read the pending marker now, whenever it was read last."""
+        if not self.save_id:
+            return
+        key = (self.storage.url, self.save_id)
+        if key not in _LOST and (fresh or clock.monotonic() - self._checked >= heartbeat_seconds()):
+            with self._lock:
+                if fresh or clock.monotonic() - self._checked >= heartbeat_seconds():
+                    found = pending_id(self.storage)
+                    self._checked = clock.monotonic()
+                    if found != self.save_id:
+                        _LOST[key] = "its pending marker is another save's" if found else "its pending marker is gone"
+        why = _LOST.get(key)
+        if why is None:
+            check_lease(self.storage, self.save_id)
+            return
+        raise CheckpointExistsError(
+            f"stopped writing to {self.storage.url!r}: {why}; a deletion (`zarrckpt rm --force`, `gc` after "
+            "its lease ran out) or another save took the location over. This save is abandoned uncommitted."
+        )
 
 
 def now() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")
+    return clock.wall().isoformat(timespec="seconds")
 
 
 def age_seconds(doc: dict[str, Any]) -> float | None:
@@ -178,4 +390,4 @@ def age_seconds(doc: dict[str, Any]) -> float | None:
         return None
     if started.tzinfo is None:
         started = started.replace(tzinfo=UTC)
-    return (datetime.now(UTC) - started).total_seconds()
+    return (clock.wall() - started).total_seconds()

@@ -163,7 +163,9 @@ def committed_manifest(
 
 
 def _put(storage: Storage, path: str, parts: list[bytes] | list[Any]) -> int:
-    """Create one object; another writer's object already there means this save lost a race."""
+    """Create one object (after the storage's ``guard``: the save still holds the location,
+    :class:`~zarrckpt.engine.markers.Ownership`); another writer's object already there means this save
+    lost a race."""
     try:
         storage.write(path, parts, create_only=storage.atomic_create)
     except FileExistsError:

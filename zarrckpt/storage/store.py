@@ -72,6 +72,10 @@ class Storage:
         self.verify_writes = verify_writes
         self._jitter = random.Random()  # private: never perturb the global RNG a trainer checkpoints
         self.traffic = Traffic()  # requests and bytes so far (Checkpoint.stats())
+        # called before each request that changes the store (writes, creates, deletes; fresh=True before one
+        # that would replace an object this writer created): the commit protocol's check that this process
+        # still holds the location (markers.Ownership for a save, a deletion's lease); None: no check
+        self.guard: Callable[..., None] | None = None
 
     @property
     def caps(self) -> ReadCaps:
@@ -141,17 +145,20 @@ class Storage:
         raise AssertionError("unreachable")
 
     # -- single objects -------------------------------------------------------------------
-    def write(self, path: str, parts: Sequence[Buffer], *, create_only: bool = False) -> None:
+    def write(self, path: str, parts: Sequence[Buffer], *, create_only: bool = False, guarded: bool = True) -> None:
         """Write one object from its parts; remote stores get exactly one PUT (per attempt).
 
         A retried write rewrites the whole object, so a write that failed after it landed is harmless.
         ``create_only``: fail with FileExistsError when the object already exists with other
         content, atomically on stores that can (local files, S3, GCS); elsewhere the check
-        and the write are two requests (see :meth:`create`).
+        and the write are two requests (see :meth:`create`). ``guarded=False``: without the
+        :attr:`guard` (a heartbeat, which keeps the lease the guard checks).
         """
         if create_only:
             self.create(path, parts)
             return
+        if guarded:
+            self._guard()
         full = self._abs(path)
 
         def put() -> None:  # one attempt: the write, and its check
@@ -161,15 +168,17 @@ class Storage:
 
         self._request("writing", path, put, missing_ok=False)
 
-    def create(self, path: str, parts: Sequence[Buffer]) -> None:
+    def create(self, path: str, parts: Sequence[Buffer], *, repair: bool = True) -> None:
         """Write a new object, or raise FileExistsError when another writer's object is already there.
 
         Exactly one of several racing creators succeeds on stores with create-only writes (local
         files: a hard link; S3: ``If-None-Match: *``; GCS: ``ifGenerationMatch=0``). A create that
         finds the object already holding *these* bytes succeeds: it is a retry of a write that
         landed. Elsewhere a logged warning says the check is not atomic. Checked end to end as
-        :meth:`write` is; an object this create made but that arrived damaged is overwritten.
+        :meth:`write` is; an object this create made but that arrived damaged is overwritten (after the
+        :attr:`guard`, fresh), or, without ``repair``, raises CreatedCorrupt.
         """
+        self._guard()
         full = self._abs(path)
 
         def put() -> bool:  # one attempt; True: this create made the object
@@ -185,7 +194,10 @@ class Storage:
         try:
             if self._request("creating", path, put, missing_ok=False):
                 return
-        except CreatedCorrupt:  # the object is this writer's, only damaged: write it again until it checks
+        except CreatedCorrupt:  # the object was this writer's, only damaged: write it again until it checks,
+            if not repair:  # (or another writer replaced it since: the caller decides)
+                raise
+            self._guard(fresh=True)  # unless the location is another's now (then the object may be its too)
             self.write(path, parts)
             return
         if not self._holds(path, b"".join(parts)):
@@ -245,16 +257,19 @@ class Storage:
         self.traffic.add(bytes_read=len(got))
         return got
 
-    def age(self, path: str) -> float | None:
-        """Seconds since the object at ``path`` was last modified (None if absent or unknown)."""
+    def modified(self, path: str) -> datetime | None:
+        """When the store last saw the object at ``path`` written, in UTC (None if absent or unknown)."""
         full = self._abs(path)
         try:
             stamp: datetime = self._request("checking", path, lambda: self.fs.modified(full))
         except (FileNotFoundError, NotImplementedError, StorageError):
             return None
-        if stamp.tzinfo is None:
-            stamp = stamp.replace(tzinfo=UTC)
-        return (datetime.now(UTC) - stamp).total_seconds()
+        return stamp.replace(tzinfo=UTC) if stamp.tzinfo is None else stamp
+
+    def age(self, path: str) -> float | None:
+        """Seconds since the object at ``path`` was last modified (None if absent or unknown)."""
+        stamp = self.modified(path)
+        return None if stamp is None else (datetime.now(UTC) - stamp).total_seconds()
 
     def size(self, path: str) -> int:
         """The size in bytes of the object at ``path``; FileNotFoundError when absent."""
@@ -265,8 +280,15 @@ class Storage:
         full = self._abs(path)
         return bool(self._request("checking", path, lambda: self.fs.exists(full)))
 
-    def delete(self, path: str) -> None:
-        """Delete one object; a missing object is fine (so is a retry of a delete that landed)."""
+    def _guard(self, *, fresh: bool = False) -> None:
+        if self.guard is not None:
+            self.guard(fresh=fresh)
+
+    def delete(self, path: str, *, guarded: bool = True) -> None:
+        """Delete one object; a missing object is fine (so is a retry of a delete that landed).
+        ``guarded=False``: without the :attr:`guard` (a marker of this process's own, checked already)."""
+        if guarded:
+            self._guard()
         full = self._abs(path)
         with contextlib.suppress(FileNotFoundError):
             self._request("deleting", path, lambda: self.fs.rm_file(full))
@@ -298,11 +320,13 @@ class Storage:
                 out[name] = None if e.get("type") == "directory" else int(e.get("size") or 0)
         return out
 
-    def delete_all(self, keep: Collection[str] = ()) -> None:
+    def delete_all(self, keep: Collection[str] = (), *, check: bool = True) -> list[str]:
         """Delete everything under the root but the objects ``keep`` names (the root may remain).
 
         With ``keep``, the rest is listed and deleted in batches; the kept objects stay, so a
-        marker written first can say what the prefix is until the very end.
+        marker written first can say what the prefix is until the very end. A last listing tells
+        what is left (a key a bulk delete refused inside a 200 answer, an object written meanwhile):
+        a StorageError names it, or, without ``check``, the paths left are returned.
         """
         kept = {self._abs(k) for k in keep}
         if keep or self.client == "gcsfs":
@@ -312,20 +336,25 @@ class Storage:
                 # which a run's data order may depend on: one DELETE per object, retried here instead
                 self.run_all(lambda full: self.delete(full[len(self.root) :].lstrip("/")), doomed, writing=True)
             elif doomed:
+                self._guard()
                 with contextlib.suppress(FileNotFoundError):
                     self._request("deleting", "", lambda: self.fs.rm(doomed))
             self.prune()
         else:
+            self._guard()
             with contextlib.suppress(FileNotFoundError):
                 self._request("deleting", "", lambda: self.fs.rm(self.root, recursive=True))
         self.backend.forget()
         # One listing more: a bulk delete can answer 200 and refuse some keys, which s3fs ignores.
         left = sorted(self._objects() - kept) if keep else ([] if self.is_empty() else sorted(self._objects()))
+        if not check:
+            return [full[len(self.root) :].lstrip("/") for full in left]
         if left:
             raise StorageError(
                 f"deleting {self.where('')} left {len(left)} object(s) the store did not delete, e.g. "
                 f"{left[0]!r}: check the delete permission (s3:DeleteObject) and retry"
             )
+        return []
 
     def _objects(self) -> set[str]:
         """Every object under the root (full paths on the filesystem)."""
