@@ -134,6 +134,27 @@ def test_last_checkpoint_is_the_newest_committed_last(tmp_path: Path) -> None:
     assert last_checkpoint(str(tmp_path)) == f"{tmp_path}/last-v1.ckpt"
 
 
+def test_last_checkpoint_falls_back_to_the_newest_committed_checkpoint(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No ``last*.ckpt`` committed (the job was killed re-saving ``last.ckpt`` in place, after the old
+    one was deleted): the newest committed checkpoint Lightning saved, by global step, and a WARNING
+    saying which and why; before, None, and the fit started from step 0."""
+    import logging
+
+    io = ZarrCheckpointIO()
+    io.save_checkpoint({"global_step": 6, "w": torch.ones(1)}, tmp_path / "epoch=0-step=6.ckpt")
+    io.save_checkpoint({"global_step": 4, "w": torch.ones(1)}, tmp_path / "epoch=1-step=4.ckpt")  # later, older
+    zarrckpt.save({"global_step": 9, "w": torch.ones(1)}, tmp_path / "other.ckpt")  # not Lightning's
+    (tmp_path / "last.ckpt").mkdir()
+    (tmp_path / "last.ckpt" / ".zarrckpt-pending.json").write_text("{}")  # its re-save, killed
+    with caplog.at_level(logging.WARNING, logger="zarrckpt"):
+        assert last_checkpoint(str(tmp_path)) == f"{tmp_path}/epoch=0-step=6.ckpt"
+    assert (
+        "last.ckpt is incomplete" in caplog.text and "resuming from epoch=0-step=6.ckpt (global step 6)" in caplog.text
+    )
+
+
 def test_keys_no_store_takes_and_map_location(tmp_path: Path) -> None:
     checkpoint = {
         "state_dict": {"a.b": torch.ones(2)},  # a dot inside a key: its tensor keeps a path of its own
@@ -182,6 +203,10 @@ def test_ckpt_path_last_on_s3_with_zarr_model_checkpoint(
     url, options = s3_url
     for name, value in (("ENDPOINT_URL", "endpoint_url"), ("ACCESS_KEY_ID", "key"), ("SECRET_ACCESS_KEY", "secret")):
         monkeypatch.setenv(f"AWS_{name}", options[value])
+    import s3fs  # (Lightning opens s3:// with the environment's endpoint: no instance an earlier test cached)
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    monkeypatch.setattr(s3fs.S3FileSystem, "cachable", False)
 
     def fit(steps: int, callback: type[ModelCheckpoint], **extra: Any) -> tuple[Any, Counting]:
         trainer = L.Trainer(

@@ -220,3 +220,34 @@ def test_load_from_ray_checkpoints_on_s3(s3_url: tuple[str, dict[str, Any]]) -> 
     assert state["step"] == 7 and torch.equal(state["w"], torch.arange(6.0))
     with pytest.raises(zarrckpt.CheckpointNotFoundError, match="nothing there"):
         load(state, ray.train.Checkpoint(f"{path}-missing", fsspec_s3))
+
+
+def test_load_without_a_committed_ray_checkpoint_resumes_from_the_newest_committed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Ray registered nothing (the job was killed between its first commit and its report), or Ray's
+    latest holds no committed checkpoint: ``load(state)`` resumes from the run directory's newest
+    committed checkpoint, saying so, instead of from scratch; one that does not fit the state is not
+    loaded (another job's leftover), and a torn Ray checkpoint with nothing to fall back on still raises."""
+    import logging
+
+    def fresh() -> dict[str, Any]:
+        return {"w": torch.zeros(2), "step": 0}
+
+    Worker(monkeypatch, tmp_path, None)
+    assert load(state := fresh()) is None and state["step"] == 0  # nothing anywhere: a fresh start
+    zarrckpt.save({"w": torch.ones(2), "step": 2}, tmp_path / "step_0000000002")  # committed, never reported
+    with caplog.at_level(logging.WARNING, logger="zarrckpt"):
+        assert load(state := fresh()) == str(tmp_path / "step_0000000002") and state["step"] == 2
+    assert "Ray has no checkpoint to resume from: resuming from" in caplog.text
+    (tmp_path / "step_0000000006").mkdir()
+    (tmp_path / "step_0000000006" / ".zarrckpt-pending.json").write_text("{}")  # Ray's latest, torn
+    Worker(monkeypatch, tmp_path, "step_0000000006")
+    assert load(state := fresh()) == str(tmp_path / "step_0000000002") and state["step"] == 2
+    zarrckpt.save({"other": torch.ones(3)}, tmp_path / "step_0000000004")  # committed, another layout
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="zarrckpt"), pytest.raises(zarrckpt.IncompleteCheckpointError):
+        load(state := fresh())
+    assert "does not fit the state" in caplog.text and state["step"] == 0
+    Worker(monkeypatch, tmp_path, None)
+    assert load(state := fresh()) is None and state["step"] == 0 and torch.equal(state["w"], torch.zeros(2))

@@ -21,6 +21,11 @@ pickled ``optimizer.bin`` / ``scheduler.bin`` / ``custom_checkpoint_<i>.pkl`` an
   of saved process ``r % N``.
 
 Nothing is pickled unless ``allow_pickle`` (a custom object whose ``state_dict()`` holds other types).
+
+Restarts: ``load_state()`` resumes from the newest committed checkpoint (a save killed part way is
+never one); ``save_state`` first waits for a save that died at its URL (a restart saves the next
+iteration, which its predecessor may have died writing, maybe on another host: then for its lease,
+``$ZARRCKPT_LEASE_SECONDS``, 30 s by default) and takes it over. A save that still runs is never touched.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import zarrckpt
+from zarrckpt.integrations.restarts import make_way
 
 __all__ = ["checkpoints_root", "load_state", "save_state"]
 
@@ -65,7 +71,9 @@ def save_state(
     goes to ``<project_dir>/checkpoints/step_<iteration, 10 digits>`` (Accelerate's ``checkpoint_<iteration>``
     in ``zarrckpt.CheckpointManager``'s naming, so ``zarrckpt latest`` and :func:`zarrckpt.latest_step`
     find it), and once it is committed the oldest ones beyond ``total_limit`` are deleted. Like
-    Accelerate, it then adds one to ``project_configuration.iteration``.
+    Accelerate, it then adds one to ``project_configuration.iteration``. A save that died at that URL
+    (the job killed while saving it, on this host or another) is taken over once it counts as dead:
+    its writer gone from this host, or its marker the lease without a heartbeat (it waits for that).
 
     Args:
         accelerator: the ``Accelerator`` whose prepared objects are saved.
@@ -83,12 +91,15 @@ def save_state(
         ZarrckptError: no ``url`` and automatic naming is off; an optimizer holds parameters of no
             prepared model, or of several; a data loader is a torchdata ``StatefulDataLoader``.
         CheckpointExistsError: a checkpoint is already at the URL (automatic naming: that iteration).
+        IncompleteCheckpointError: another save to the URL still runs (it is never replaced).
         SaveLayoutError, UnsupportedValueError, StorageError: as for :func:`zarrckpt.save`.
     """
     config = accelerator.project_configuration
     iteration = int(config.iteration)
     state = _state(accelerator, accelerator.process_index, saving=True, url=url)
     saved = str(url) if url is not None else f"{checkpoints_root(accelerator)}/step_{iteration:010d}"
+    if _rank() == 0:
+        make_way(saved, storage_options)
     zarrckpt.save(
         state,
         saved,

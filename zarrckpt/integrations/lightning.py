@@ -7,6 +7,11 @@ rank 0; ``ZarrModelParallelStrategy`` is Lightning's ``ModelParallelStrategy`` w
 its own shards of the model and optimizer states, and which loads on any number of ranks;
 ``ZarrModelCheckpoint`` makes ``fit(ckpt_path="last")`` find the newest committed one on object stores.
 
+Restarts: :func:`last_checkpoint` (and ``ZarrModelCheckpoint``) resume from the newest committed
+``last*.ckpt``, or, when none is (a re-save in place killed), the newest committed checkpoint; a save
+first waits for a save that died at its URL to count as dead (on another host: its lease), takes it
+over, and never replaces a save that still runs.
+
 A Lightning checkpoint is a nested dict of tensors (the model's ``state_dict``, the optimizers'
 states) and bookkeeping (loops, callbacks, schedulers, hyper-parameters), whose keys can be anything
 (a callback's state key holds its arguments, a file path). The tensors become arrays named by their
@@ -18,23 +23,23 @@ rest is one value, ``lightning`` (the dict without its tensors, and each tensor'
 
 from __future__ import annotations
 
+import logging
 import re
-from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 import zarrckpt
+from zarrckpt.integrations.lightning_state import ROOT_DOCUMENT, load_dict, save_dict
+from zarrckpt.integrations.restarts import make_way
+from zarrckpt.lifecycle import read_head
 
 __all__ = ["ZarrCheckpointIO", "ZarrModelCheckpoint", "ZarrModelParallelStrategy", "last_checkpoint"]
-ROOT_DOCUMENT = "zarr.json"  # a checkpoint's root document, written by its commit (docs/FORMAT.md)
-
-_SEGMENT = re.compile(r"^(?!__)[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$")  # dotted names ("layer.weight") too
-Path = list[Any]  # dict keys and list indices from the checkpoint's root to a tensor
+log = logging.getLogger("zarrckpt")
 
 
 class ZarrCheckpointIO(CheckpointIO):
@@ -64,13 +69,22 @@ class ZarrCheckpointIO(CheckpointIO):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Save ``checkpoint`` at ``path``, replacing a checkpoint already there (as Lightning does
-        with ``last.ckpt``: the old one is deleted first, so a save that fails loses both).
+        with ``last.ckpt``: the old one is deleted first, so a save that fails loses both; a restart
+        resumes from the newest committed checkpoint then, see :func:`last_checkpoint`). A save that
+        died at ``path`` is taken over once it counts as dead (on another host: its lease).
 
         Lightning calls it on one rank (rank 0 under DDP): this process saves alone, never waiting
-        for the other ranks of a process group."""
+        for the other ranks of a process group.
+
+        Raises:
+            IncompleteCheckpointError: another save to ``path`` still runs (it is never replaced).
+        """
         options = storage_options if storage_options is not None else self.storage_options
         self._wait()
-        self._pending = _save(checkpoint, str(path), options, self.allow_pickle, _this_process_alone(), self.async_save)
+        make_way(str(path), options)  # (this process saves alone)
+        self._pending = save_dict(
+            checkpoint, str(path), options, self.allow_pickle, _this_process_alone(), self.async_save
+        )
 
     def _wait(self) -> None:
         """Wait for the save in the background, if any (raising its failure)."""
@@ -93,7 +107,7 @@ class ZarrCheckpointIO(CheckpointIO):
             FileNotFoundError: nothing is stored at ``path`` (Lightning's contract).
         """
         self._wait()
-        return _load(str(path), self.storage_options, self.allow_pickle, _this_process_alone(), {}, map_location)
+        return load_dict(str(path), self.storage_options, self.allow_pickle, _this_process_alone(), {}, map_location)
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the checkpoint at ``path`` (no checkpoint there: nothing to do, as Lightning expects)."""
@@ -140,12 +154,15 @@ class ZarrModelParallelStrategy(ModelParallelStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Every rank saves its shards of ``checkpoint`` at ``filepath`` (rank 0's path), replacing a
-        checkpoint already there, as ``ZarrCheckpointIO`` does."""
+        checkpoint already there, as ``ZarrCheckpointIO`` does (a save that died there taken over, a
+        running one refused)."""
         url = str(self.broadcast(str(filepath)))
         sharded: dict[str, Any] = {k: checkpoint.pop(k) for k in ("state_dict", "optimizer_states") if k in checkpoint}
         bookkeeping = self.broadcast(checkpoint)  # rank 0's on every rank: ranks' metrics may differ
         options = storage_options if storage_options is not None else self.storage_options
-        _save({**bookkeeping, **sharded}, url, options, self.allow_pickle, None)
+        if self.is_global_zero:
+            make_way(url, options)
+        save_dict({**bookkeeping, **sharded}, url, options, self.allow_pickle, None)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load the model's and optimizers' shards this rank holds now (whatever the ranks that saved
@@ -162,7 +179,7 @@ class ZarrModelParallelStrategy(ModelParallelStrategy):
         assert self.model is not None and self.lightning_module is not None
         model = get_model_state_dict(self.model)  # DTensors of this layout, filled in place
         optimizers = [get_optimizer_state_dict(self.model, o) for o in self.optimizers]
-        rest = _load(
+        rest = load_dict(
             url, self.storage_options, self.allow_pickle, None, {"state_dict": model, "optimizer_states": optimizers}
         )
         strict = self.lightning_module.strict_loading
@@ -181,12 +198,13 @@ class ZarrModelParallelStrategy(ModelParallelStrategy):
 
 
 class ZarrModelCheckpoint(ModelCheckpoint):
-    """``ModelCheckpoint`` with which ``fit(..., ckpt_path="last")`` finds the newest committed
-    ``last*.ckpt`` on any store. Lightning's own lookup lists the directory through fsspec and
-    compares the entries' modification times, which an object store gives no prefix: on ``s3://`` /
-    ``gs://`` it finds nothing, warns and trains from scratch. This one names each committed last
-    checkpoint by its root document (``.../last.ckpt/zarr.json``, written when the save committed),
-    which ``ZarrCheckpointIO`` and ``ZarrModelParallelStrategy`` load as the checkpoint.
+    """``ModelCheckpoint`` with which ``fit(..., ckpt_path="last")`` finds :func:`last_checkpoint`'s
+    choice on any store (the newest committed ``last*.ckpt``, else the newest committed checkpoint).
+    Lightning's own lookup compares the modification times fsspec reports, which an object store gives
+    no prefix (on ``s3://`` / ``gs://`` it finds nothing and trains from scratch), and takes a killed
+    ``last.ckpt`` for one. This one names the checkpoint by its root document
+    (``.../last.ckpt/zarr.json``, written when the save committed), which ``ZarrCheckpointIO`` and
+    ``ZarrModelParallelStrategy`` load as the checkpoint.
 
     Args:
         storage_options: for listing the checkpoints (as given to ``ZarrCheckpointIO``); Lightning
@@ -201,93 +219,11 @@ class ZarrModelCheckpoint(ModelCheckpoint):
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:
         if self.dirpath is None:
             return set()
-        root = str(self.dirpath).rstrip("/")
-        found = zarrckpt.list_checkpoints(root, storage_options=self.storage_options)
-        last = [name for name, state in found.items() if state == "committed" and _LAST.match(name)]
-        return {f"{root}/{name}/{ROOT_DOCUMENT}" for name in last}
+        chosen = _newest(str(self.dirpath), self.storage_options, warn=trainer.is_global_zero)
+        return {f"{chosen}/{ROOT_DOCUMENT}"} if chosen else set()
 
 
 _LAST = re.compile(r"^last(-v?\d+)?\.ckpt$")
-
-
-def _save(
-    checkpoint: dict[str, Any],
-    url: str,
-    options: Any,
-    allow_pickle: bool,
-    group: dist.ProcessGroup | None,
-    background: bool = False,
-) -> zarrckpt.AsyncSave | None:
-    """Save a Lightning checkpoint dict: its tensors as arrays named by their place, the rest one
-    value (in the ``background``: the save in flight, its tensors already copied)."""
-    tensors: dict[str, torch.Tensor] = {}
-    places: list[tuple[Path, str]] = []
-    skeleton = _split(checkpoint, [], tensors, places)
-    _unclash(tensors, places)
-    state: dict[str, Any] = {"lightning": (skeleton, places)}  # a tuple: one value, not flattened
-    for key, tensor in tensors.items():  # "tensors.<its path>" or "unnamed.<n>"
-        space, _, name = key.partition(".")
-        state.setdefault(space, {})[name] = tensor
-    how = {"storage_options": options, "overwrite": True, "allow_pickle": allow_pickle, "process_group": group}
-    if background:
-        return zarrckpt.async_save(state, url, **how)
-    zarrckpt.save(state, url, **how)
-    return None
-
-
-def _load(
-    url: str,
-    options: Any,
-    allow_pickle: bool,
-    group: dist.ProcessGroup | None,
-    into: dict[str, Any],
-    map_location: Any | None = None,
-) -> dict[str, Any]:
-    """The Lightning checkpoint dict saved at ``url``. Tensors whose place is also a tensor's in
-    ``into`` (a DTensor of the model's layout now) are loaded into that one; the others into new
-    CPU tensors, moved as ``map_location`` says."""
-    url = url.rstrip("/").removesuffix(f"/{ROOT_DOCUMENT}")  # a checkpoint named by its root document
-    try:
-        ckpt = zarrckpt.open(url, storage_options=options)
-    except zarrckpt.CheckpointNotFoundError as e:
-        raise FileNotFoundError(f"Checkpoint file not found: {url} ({e})") from e
-    saved = ckpt.metadata.get("lightning")
-    if not (isinstance(saved, tuple) and len(saved) == 2):
-        raise zarrckpt.InvalidCheckpointError(
-            f"{url} is a zarrckpt checkpoint but not one Lightning saved (it has no 'lightning' value)"
-        )
-    target: dict[str, Any] = {"lightning": None}
-    given: set[str] = set()
-    for path, key in saved[1]:
-        space, _, name = key.partition(".")
-        mine = _find(into, path)
-        if mine is None:
-            meta = ckpt[key]
-            mine = torch.empty(meta.shape, dtype=meta.dtype)
-        else:
-            given.add(key)
-        target.setdefault(space, {})[name] = mine
-    zarrckpt.load(target, url, storage_options=options, allow_pickle=allow_pickle, process_group=group)
-    skeleton, places = target.pop("lightning")
-    move = _mover(map_location)
-    placed = {
-        f"{space}.{name}": t if f"{space}.{name}" in given else move(t)
-        for space, named in target.items()
-        for name, t in named.items()
-    }
-    rebuilt: dict[str, Any] = _join(skeleton, {tuple(p): key for p, key in places}, placed, [])
-    return rebuilt
-
-
-def _find(tree: Any, path: Path) -> torch.Tensor | None:
-    """The tensor at ``path`` in a nested dict / list, or None."""
-    for step in path:
-        inside = step in tree if isinstance(tree, dict) else isinstance(tree, list) and 0 <= step < len(tree)
-        if inside:
-            tree = tree[step]
-        else:
-            return None
-    return tree if isinstance(tree, torch.Tensor) else None
 
 
 _solo: list[Any] = [None, None]  # [the default group it was made in, the group of this process alone]
@@ -308,73 +244,55 @@ def _this_process_alone() -> dist.ProcessGroup | None:
 
 
 def last_checkpoint(dirpath: str, *, storage_options: dict[str, Any] | None = None) -> str | None:
-    """The URL of the newest committed ``last*.ckpt`` checkpoint in a ``ModelCheckpoint`` directory,
-    for ``trainer.fit(..., ckpt_path=last_checkpoint(dirpath))`` where Lightning's own
-    ``ckpt_path="last"`` finds nothing (it looks for files, on local paths)."""
+    """The URL of the checkpoint to resume from in a ``ModelCheckpoint`` directory, for
+    ``trainer.fit(..., ckpt_path=last_checkpoint(dirpath))`` where Lightning's own ``ckpt_path="last"``
+    finds nothing (it looks for files, on local paths): the newest committed ``last*.ckpt`` (by the
+    global step it saved, then its commit time). When none is committed (``last.ckpt`` is re-saved in
+    place: a save killed after the old one was deleted leaves none), the newest committed checkpoint
+    there (a top-k one), logged at WARNING. None: no checkpoint Lightning saved is committed there."""
+    return _newest(dirpath, storage_options)
+
+
+def _newest(dirpath: str, options: dict[str, Any] | None, warn: bool = True) -> str | None:
     root = dirpath.rstrip("/")
-    found = [
-        (name, state)
-        for name, state in zarrckpt.list_checkpoints(root, storage_options=storage_options).items()
-        if state == "committed" and _LAST.match(name)
-    ]
-    if not found:
+    found = zarrckpt.list_checkpoints(root, storage_options=options)
+    committed = [name for name, state in found.items() if state == "committed"]
+    lasts = _ranked(root, [name for name in committed if _LAST.match(name)], options)
+    ranked = lasts or _ranked(root, committed, options)
+    if not ranked:
         return None
+    chosen = max(ranked, key=lambda name: (*ranked[name], name))
+    if warn and not lasts:
+        torn = ", ".join(f"{name} is {state}" for name, state in sorted(found.items()) if _LAST.match(name))
+        why = f"{torn}: its save, or its re-save in place, was killed or still runs" if torn else "none saved"
+        log.warning(
+            "no last*.ckpt in %s is committed (%s): resuming from %s (global step %d), the newest committed "
+            "checkpoint there",
+            root,
+            why,
+            chosen,
+            ranked[chosen][0],
+        )
+    return f"{root}/{chosen}"
 
-    def step(name: str) -> int:
-        saved = zarrckpt.open(f"{root}/{name}", storage_options=storage_options).metadata.get("lightning")
-        skeleton = saved[0] if isinstance(saved, tuple) and saved and isinstance(saved[0], dict) else {}
-        found_step = skeleton.get("global_step", -1)
-        return found_step if isinstance(found_step, int) else -1
 
-    return f"{root}/{max((name for name, _ in found), key=lambda n: (step(n), n))}"
+def _ranked(root: str, names: list[str], options: dict[str, Any] | None) -> dict[str, tuple[int, str]]:
+    """The global step and commit time of each of ``names`` that Lightning saved (one ranged GET each)."""
+    with ThreadPoolExecutor(min(16, max(1, len(names)))) as pool:
+        found = dict(zip(names, pool.map(lambda name: _saved_at(f"{root}/{name}", options), names), strict=True))
+    return {name: at for name, at in found.items() if at is not None}
 
 
-def _split(obj: Any, path: Path, tensors: dict[str, torch.Tensor], places: list[tuple[Path, str]]) -> Any:
-    """``obj`` with its tensors taken out (None in their place, their key and path recorded)."""
-    if isinstance(obj, torch.Tensor):
-        key = "tensors." + ".".join(map(str, path))
-        if not path or not all(_SEGMENT.match(str(p)) for p in path) or key in tensors:
-            key = f"unnamed.{len(places)}"  # a path no store takes as a name: numbered, apart from the named
-        tensors[key] = obj.detach()
-        places.append((list(path), key))
+def _saved_at(url: str, options: dict[str, Any] | None) -> tuple[int, str] | None:
+    """(global step, commit time) from the manifest's first bytes: the ``lightning`` value is a tuple
+    in typed JSON (docs/FORMAT.md section 6). None: not Lightning's, or gone meanwhile."""
+    try:
+        head = read_head(url, storage_options=options)
+    except zarrckpt.ZarrckptError as e:
+        log.debug("not a checkpoint to resume from: %s (%s)", url, e)
         return None
-    if isinstance(obj, dict):  # (an AttributeDict of hyper-parameters comes back a dict, which Lightning takes)
-        return {k: _split(v, [*path, k], tensors, places) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        items = [_split(v, [*path, i], tensors, places) for i, v in enumerate(obj)]
-        return items if isinstance(obj, list) else tuple(items)
-    return obj
-
-
-def _unclash(tensors: dict[str, torch.Tensor], places: list[tuple[Path, str]]) -> None:
-    """Renumber the tensors whose key is also the start of another's (``a.b`` and ``a.b.c``: one would
-    be a group and an array at once)."""
-    prefixes = {key.rsplit(".", n)[0] for key in tensors for n in range(1, key.count(".") + 1)}
-    clashing = prefixes & tensors.keys()
-    for n, (path, key) in enumerate(places):
-        if key in clashing:
-            tensors[f"unnamed.{n}"] = tensors.pop(key)
-            places[n] = (path, f"unnamed.{n}")
-
-
-def _join(obj: Any, where: dict[tuple[Any, ...], str], tensors: dict[str, torch.Tensor], path: Path) -> Any:
-    """The skeleton with every tensor back in its place."""
-    key = where.get(tuple(path))
-    if key is not None:
-        return tensors[key]
-    if isinstance(obj, dict):
-        return {k: _join(v, where, tensors, [*path, k]) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        items = [_join(v, where, tensors, [*path, i]) for i, v in enumerate(obj)]
-        return items if isinstance(obj, list) else tuple(items)
-    return obj
-
-
-def _mover(map_location: Any | None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """What torch's loader does to a CPU tensor for a ``map_location``: a device, a string, a dict or None."""
-    if map_location is None or callable(map_location):
-        return lambda t: t  # Lightning's default maps storages to where they are: the CPU here
-    if isinstance(map_location, dict):
-        target = map_location.get("cpu", "cpu")
-        return lambda t: t.to(target)
-    return lambda t: t.to(map_location)
+    typed = head.values.get("lightning")
+    saved = typed.get("__zarrckpt__") if isinstance(typed, dict) else None
+    skeleton = saved[1][0] if isinstance(saved, list) and saved[0] == "tuple" and saved[1] else None
+    step = skeleton.get("global_step") if isinstance(skeleton, dict) else None
+    return (step, head.created) if type(step) is int else None

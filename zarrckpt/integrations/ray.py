@@ -31,12 +31,17 @@ A job killed between a commit and its report leaves a committed checkpoint Ray n
 its restart resumes from an older step and saves that step again. So a save at a step after the
 one ``ray.train.get_checkpoint()`` resumed from replaces what is there (``overwrite=True``, decided
 the same way on every worker, without looking at the storage); any other existing checkpoint raises
-:class:`zarrckpt.CheckpointExistsError`. Ray Train v2 only (the default of Ray 2.60): v1 has no
-``NO_UPLOAD`` reports.
+:class:`zarrckpt.CheckpointExistsError`. When Ray has no checkpoint to resume from at all (the job
+was killed between its first commit and its report), :func:`load` resumes from the newest committed
+``step_`` checkpoint of the run directory instead of starting from scratch (logged at WARNING).
+Before every save, rank 0 waits for a save that died at its URL (killed, maybe on another host: then
+for its lease) to count as dead, and the save takes it over; a save that still runs is never touched.
+Ray Train v2 only (the default of Ray 2.60): v1 has no ``NO_UPLOAD`` reports.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Mapping, MutableMapping
@@ -45,13 +50,16 @@ from typing import Any
 
 import pyarrow.fs
 import ray.train
+import torch.distributed as dist
 
 import zarrckpt
+from zarrckpt.integrations.restarts import make_way
 
 __all__ = ["checkpoint_url", "load", "report", "save"]
 
 _STEP_DIR = re.compile(r"^step_(\d{10})$")  # zarrckpt.CheckpointManager's names, which zarrckpt.latest_step reads
 _HOW = "save it with zarrckpt.integrations.ray.report (or save), or load it the way it was saved"
+log = logging.getLogger("zarrckpt")
 _saved_here: set[str] = set()  # URLs this worker process saved: saving one twice is refused, as in zarrckpt.save
 
 
@@ -92,11 +100,15 @@ def save(
 
     A checkpoint already committed at a step after the one this run resumed from (Ray's
     ``get_checkpoint()``) was never reported (its run died between the commit and the report) and
-    is replaced; any other one already there raises :class:`zarrckpt.CheckpointExistsError`.
+    is replaced; any other one already there raises :class:`zarrckpt.CheckpointExistsError`. A save
+    that died there (a restart saves the step its predecessor was killed saving, maybe on another
+    host) is taken over once it counts as dead: its writer gone from this host, or its marker the
+    lease without a heartbeat (rank 0 waits for that).
 
     Raises:
         ZarrckptError: not called inside a Ray Train worker, or a bad ``step`` / ``checkpoint_dir_name``.
         CheckpointExistsError: a checkpoint is already there (see above).
+        IncompleteCheckpointError: another save there still runs (it is never replaced).
     """
     url, checkpoint, options = _target(step, checkpoint_dir_name, storage_options, save_options)
     zarrckpt.save(state_dict, url, storage_options=options, **save_options)
@@ -174,6 +186,10 @@ def load(
         storage_options: as for :func:`save`.
         load_options: passed to :func:`zarrckpt.load` (``strict``, ``keys``, ``cast``, ...).
 
+    Without ``checkpoint``, when Ray has none (its job was killed between its first commit and its
+    report) or Ray's holds no committed checkpoint, the newest committed ``step_`` checkpoint of the
+    run directory is loaded (logged at WARNING); one that does not fit ``state_dict`` is not (logged).
+
     Returns:
         The URL loaded, or None when there is nothing to resume from (``state_dict`` untouched).
 
@@ -183,16 +199,26 @@ def load(
         IncompleteCheckpointError: its save never committed.
         ZarrckptError: no ``checkpoint`` given outside a Ray Train worker.
     """
+    resuming = checkpoint is None
     if checkpoint is None:
         checkpoint = _in_worker(ray.train.get_checkpoint, "load() without a checkpoint")
         if checkpoint is None:
-            return None
+            return _unreported(state_dict, "Ray has no checkpoint to resume from", storage_options, load_options)
     if isinstance(checkpoint, ray.train.Checkpoint):
         url = checkpoint_url(checkpoint)
         options = storage_options if storage_options is not None else _fsspec_options(checkpoint.filesystem)
         try:
             zarrckpt.load(state_dict, url, storage_options=options, **load_options)
-        except zarrckpt.CheckpointNotFoundError as e:
+        except (zarrckpt.CheckpointNotFoundError, zarrckpt.IncompleteCheckpointError) as e:
+            fallback = (
+                _unreported(state_dict, f"Ray's latest, {url}, is not committed ({e})", storage_options, load_options)
+                if resuming
+                else None
+            )
+            if fallback is not None:
+                return fallback
+            if isinstance(e, zarrckpt.IncompleteCheckpointError):
+                raise
             raise zarrckpt.CheckpointNotFoundError(
                 f"Ray checkpoint {url} holds no zarrckpt checkpoint{_listing(checkpoint)}: {_HOW}"
             ) from e
@@ -202,6 +228,42 @@ def load(
     url = os.fspath(checkpoint)
     zarrckpt.load(state_dict, url, storage_options=storage_options, **load_options)
     return url
+
+
+def _unreported(
+    state_dict: MutableMapping[str, Any], why: str, storage_options: dict[str, Any] | None, load_options: dict[str, Any]
+) -> str | None:
+    """Load the newest committed ``step_`` checkpoint of the run directory, which Ray does not know:
+    a job killed between a commit and its report leaves one. None: there is none, or it does not fit."""
+    storage = _in_worker(ray.train.get_context, "load() without a checkpoint").get_storage()
+    root = _url(storage.storage_filesystem, storage.experiment_fs_path)
+    options = storage_options if storage_options is not None else _fsspec_options(storage.storage_filesystem)
+    steps = _agree(zarrckpt.committed_steps(root, storage_options=options) if _rank() == 0 else None)
+    if not steps:
+        return None
+    url = f"{root}/step_{steps[-1]:010d}"
+    try:
+        zarrckpt.load(state_dict, url, storage_options=options, **load_options)
+    except zarrckpt.LayoutMismatchError as e:  # (nothing loaded) another job's leftover: not ours to resume
+        log.warning(
+            "%s; %s, the newest committed checkpoint there, does not fit the state: starting afresh (%s)", why, url, e
+        )
+        return None
+    log.warning("%s: resuming from %s, the newest committed checkpoint of the run (never reported to Ray)", why, url)
+    return url
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _agree(value: Any) -> Any:
+    """Rank 0's ``value``, on every worker."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _target(
@@ -228,6 +290,8 @@ def _target(
         resumed = _step_of(ray.train.get_checkpoint())
         save_options["overwrite"] = resumed is None or step > resumed  # an unreported leftover: replace it
     options = storage_options if storage_options is not None else _fsspec_options(storage.storage_filesystem)
+    if _rank() == 0:
+        make_way(url, options)
     return url, checkpoint, options
 
 

@@ -7,7 +7,9 @@ calls the same ``load`` / ``save`` / ``maybe_wait_for_staging`` / ``maybe_wait_f
 ``close``. A checkpoint holds the keys torchtitan's DCP checkpoint holds (the model's flattened at
 the top, then ``optimizer``, ``lr_scheduler``, ``dataloader``, ``train_state``), each step in
 ``<folder>/step-N`` as a zarrckpt checkpoint: on local disk, ``s3://`` or ``gs://``, loadable on
-any other world size and sharding.
+any other world size and sharding. A restart resumes from the newest committed step (a save killed part
+way is never one), and each save first takes over a save that died at its URL (on another host: once its
+lease ran out); a save that still runs there is never touched.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools import filesystem
 
 import zarrckpt
+from zarrckpt.integrations.restarts import make_way
 
 __all__ = ["ZarrCheckpointManager", "committed_steps", "latest_step"]
 
@@ -76,6 +79,8 @@ class ZarrCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  # (to
       background, overlapping the next forward and backward pass until ``maybe_wait_for_staging()``
       (which the trainer calls right before ``optimizers.step()``). The last step is saved
       synchronously, the model only in ``export_dtype`` unless ``last_save_model_only=False``.
+      A save that died at that step's URL (a restarted job saves the step it was killed saving) is
+      taken over once it counts as dead; one that still runs there fails this save.
     - ``load(step=-1)``: the newest committed step in the folder (``load_step`` for another); step 0
       (a seed checkpoint) and model-only checkpoints load the model only; with no checkpoint in the
       folder, ``initial_load_path`` (the model only unless ``initial_load_model_only=False``): a
@@ -208,6 +213,8 @@ class ZarrCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  # (to
         self.maybe_wait_for_saving()  # one save in flight; a failed one raises here
         begin = time.monotonic()
         url = self.checkpoint_url(curr_step)
+        if self._rank == 0:
+            make_way(url, self.storage_options)
         if last_step:
             if self.last_save_model_only:
                 states = {
