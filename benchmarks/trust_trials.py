@@ -1,6 +1,7 @@
 """Writers and cleaners on one root, as real processes: does every save that returned OK stay saved?
 
     python benchmarks/trust_trials.py                       # 60 s each, local disk
+    python benchmarks/trust_trials.py --rgw                 # on a throwaway Ceph RGW server
     python benchmarks/trust_trials.py --url s3://bucket/t --storage-option endpoint_url=... --seconds 60
 
 Two trials, each for ``--seconds``:
@@ -190,11 +191,22 @@ def main() -> None:
     parser.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--trial", choices=["gc", "managers", "both"], default="both")
+    parser.add_argument("--rgw", action="store_true", help="on a throwaway Ceph RGW server started here")
     args = parser.parse_args()
     opts = dict(kv.split("=", 1) for kv in args.storage_option) or None
+    if args.rgw:
+        from zarrckpt.testing import rgw, unique_url
+
+        with rgw.rgw_server() as endpoint:
+            _trials(unique_url("s3"), rgw.rgw_storage_options(endpoint), args)
+    else:
+        _trials(args.url, opts, args)
+
+
+def _trials(url: str, opts: dict[str, Any] | None, args: argparse.Namespace) -> None:
     for trial, fn in (("gc", gc_race), ("managers", two_managers)):
         if args.trial in (trial, "both"):
-            root = f"{args.url.rstrip('/')}/{trial}-{int(time.time())}"
+            root = f"{url.rstrip('/')}/{trial}-{int(time.time())}"
             if "://" not in root:
                 Path(root).mkdir(parents=True, exist_ok=True)
             began = time.monotonic()

@@ -13,7 +13,7 @@ After every step and at the end the invariants of docs/FORMAT.md §6 are checked
 
 - I1 a save that returned OK stays committed, and verifies, until a deletion asked for it;
 - I2 no live save's location is taken away (its pending marker deleted, its manifest's place taken)
-  but by a deletion that was told to (``force``, ``overwrite``);
+  but by a deletion that was told to (``rm --force``);
 - I3 nothing is stored that ``ls`` cannot see: every non-empty location has a state;
 - I4 a load returns the data of one save that committed, never a mix, never an uncommitted one;
 - I5 once every actor has ended and the leases have run out, ``gc`` leaves committed checkpoints only.
@@ -102,7 +102,6 @@ class Save:
     save_id: str | None = None
     ok: bool = False
     done_at: int = -1  # the step at which it returned OK
-    forced: bool = False  # an overwrite: its deletion may take a live save's place
 
 
 class World:
@@ -131,7 +130,7 @@ class World:
         self.commit_step: dict[str, int] = {}  # save id -> the step that created its manifest
         self.lapsed: set[str] = set()  # locations whose save once went a lease without a heartbeat
         self.values: dict[str, int] = {}  # save id -> value (from its pending marker's creator)
-        self.forced: set[str] = set()  # procs allowed to take a live save's place (rm --force, overwrite)
+        self.forced: set[str] = set()  # procs allowed to take a live save's place (rm --force)
         self.asked: dict[str, list[int]] = {}  # url -> steps at which a requested deletion started there
 
     # -- actors -----------------------------------------------------------------------------
@@ -555,10 +554,10 @@ class Scenario:
     def _proc(self, kind: str, *, host: str = "here") -> Proc:
         return self.w.process(f"{kind}{len(self.w.procs)}", host=host)
 
-    def _record(self, proc: Proc, url: str, *, forced: bool = False) -> Save:
+    def _record(self, proc: Proc, url: str) -> Save:
         self.value += 1
         _VALUE[proc.name] = self.value
-        rec = Save(proc, url, self.value, forced=forced)
+        rec = Save(proc, url, self.value)
         self.w.saves.append(rec)
         return rec
 
@@ -568,9 +567,7 @@ class Scenario:
 
     def save(self, step: int, *, overwrite: bool = False, restart: bool = False, host: str = "here") -> None:
         proc = self._proc("restart" if restart else "overwrite" if overwrite else "save", host=host)
-        rec = self._record(proc, url_of(step), forced=overwrite)
-        if overwrite:
-            self.w.forced.add(proc.name)
+        rec = self._record(proc, url_of(step))
 
         def run() -> None:
             if restart:

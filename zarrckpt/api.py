@@ -61,7 +61,8 @@ def save(
             ``torch.distributed`` is not initialised).
         overwrite: replace a committed checkpoint (or the leftovers of a failed save) at ``url``.
             The old checkpoint is un-committed and deleted *before* the new one is written: if
-            this save then fails, both are lost. Without it an existing checkpoint is an error.
+            this save then fails, both are lost. Without it an existing checkpoint is an error. A
+            save still running there is never replaced (``IncompleteCheckpointError``).
         chunk_bytes: the largest inner chunk (the unit of a read and of a checksum); a shard under 8x this
             is cut into about 8 inner chunks of at least 256 KiB, so that a load into another layout wastes little.
         small_tensor_bytes: parts smaller than this (ranks' blocks of a tensor) are joined into
@@ -92,8 +93,8 @@ def save(
             ``/``, or a key that is also the prefix of another); nothing is written.
         CheckpointExistsError: a checkpoint exists and ``overwrite`` is False, or another save
             took the location over (of two racing saves, exactly one commits).
-        IncompleteCheckpointError: ``overwrite`` is False and ``url`` holds another save in
-            progress (or one that died before committing), or a deletion in progress.
+        IncompleteCheckpointError: ``url`` holds another save in progress (or, without
+            ``overwrite``, one that died less than the lease ago), or a deletion in progress.
         StorageError: the storage refused or failed a request (bucket, permissions, network).
         ZarrckptError: ``url`` holds files that are not a zarrckpt checkpoint (refused, even with
             ``overwrite``), or the save failed on another rank (named in the message).

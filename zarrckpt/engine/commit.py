@@ -195,8 +195,9 @@ def prepare(storage: Storage, overwrite: bool, world_size: int | None = None) ->
     """Make the prefix ready for a new save and mark it pending; returns the new save id.
 
     What is there is looked at once, fresh: a committed checkpoint is refused (``overwrite``: deleted);
-    a save that died, or a deletion that died, is taken over (deleted); a save that may be running is
-    refused (``overwrite``: deleted, which fails it); a running deletion is refused either way. The
+    a save that died, or a deletion that died, is taken over (deleted); a save or deletion that may
+    be running is refused, whatever ``overwrite`` (but a marker of a zarrckpt before heartbeats,
+    which only its age could retire: ``overwrite`` deletes it). The
     pending marker is created create-only: of two saves starting at one location, exactly one goes on
     and the other gets CheckpointExistsError before it has written anything. ``world_size``: the
     ranks that will write (in the marker: a deletion of a one-rank save whose process stopped need
@@ -224,11 +225,12 @@ def prepare(storage: Storage, overwrite: bool, world_size: int | None = None) ->
             log.warning("finishing the deletion of %s before saving there: it died (%s)", url, seen.dead)
             remove(storage, expect=DELETING_STATE, linger=False)
         elif seen.state == INCOMPLETE:
-            if seen.dead is None and not overwrite:
+            if seen.dead is None and (seen.lease or not overwrite):  # a running save is never replaced
                 raise IncompleteCheckpointError(
-                    f"another save to {url!r} is in progress or died ({marker(storage, PENDING)}); pass "
-                    f"overwrite=True to replace it, or wait: a save that died is taken over once its marker has "
-                    f"gone {lease_seconds():.0f} s without a heartbeat"
+                    f"another save to {url!r} is in progress, or died too recently to tell "
+                    f"({marker(storage, PENDING)}); wait: a save that died is taken over once its heartbeat has "
+                    f"gone {lease_seconds():.0f} s without reaching the store (`zarrckpt.lifecycle.await_dead_save` "
+                    "waits for that; overwrite=True replaces committed checkpoints and dead saves, never a running one)"
                 )
             if seen.dead is not None:
                 log.warning("taking over %s: the save that started it died (%s)", url, seen.dead)
