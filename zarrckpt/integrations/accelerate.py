@@ -36,7 +36,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.data_loader import SeedableRandomSampler
 from torch.distributed.checkpoint.state_dict import (
@@ -47,7 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import zarrckpt
-from zarrckpt.integrations.restarts import make_way
+from zarrckpt.integrations.restarts import from_rank_0, make_way, rank
 
 __all__ = ["checkpoints_root", "load_state", "save_state"]
 
@@ -98,7 +97,7 @@ def save_state(
     iteration = int(config.iteration)
     state = _state(accelerator, accelerator.process_index, saving=True, url=url)
     saved = str(url) if url is not None else f"{checkpoints_root(accelerator)}/step_{iteration:010d}"
-    if _rank() == 0:
+    if rank() == 0:
         make_way(saved, storage_options)
     zarrckpt.save(
         state,
@@ -108,12 +107,12 @@ def save_state(
         allow_pickle=allow_pickle,
         progress=progress,
     )
-    if url is None and config.total_limit is not None and _rank() == 0:  # retention, once this one is committed
+    if url is None and config.total_limit is not None and rank() == 0:  # retention, once this one is committed
         root = checkpoints_root(accelerator)
         steps = zarrckpt.committed_steps(root, storage_options=storage_options)
         for step in steps[: max(len(steps) - int(config.total_limit), 0)]:
             log.info("deleting checkpoint %s/step_%010d (total_limit=%d)", root, step, config.total_limit)
-            zarrckpt.delete(f"{root}/step_{step:010d}", storage_options=storage_options)
+            zarrckpt.delete(f"{root}/step_{step:010d}", storage_options=storage_options, committed_only=True)
     config.iteration = iteration + 1
     return saved
 
@@ -156,7 +155,7 @@ def load_state(
     """
     if url is None:
         root = checkpoints_root(accelerator)
-        step = _agree(zarrckpt.latest_step(root, storage_options=storage_options) if _rank() == 0 else None)
+        step = from_rank_0(zarrckpt.latest_step(root, storage_options=storage_options) if rank() == 0 else None)
         if step is None:
             raise zarrckpt.CheckpointNotFoundError(f"load_state: no committed checkpoint under {root}")
         url = f"{root}/step_{int(step):010d}"
@@ -353,16 +352,3 @@ class _RNG:
         torch.set_rng_state(state["torch"])
         if "cuda" in state:
             torch.cuda.set_rng_state_all([state["cuda"][str(i)] for i in range(len(state["cuda"]))])
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _agree(value: Any) -> Any:
-    """Rank 0's ``value``, on every rank."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]

@@ -50,10 +50,9 @@ from typing import Any
 
 import pyarrow.fs
 import ray.train
-import torch.distributed as dist
 
 import zarrckpt
-from zarrckpt.integrations.restarts import make_way
+from zarrckpt.integrations.restarts import from_rank_0, make_way, rank
 
 __all__ = ["checkpoint_url", "load", "report", "save"]
 
@@ -238,7 +237,7 @@ def _unreported(
     storage = _in_worker(ray.train.get_context, "load() without a checkpoint").get_storage()
     root = _url(storage.storage_filesystem, storage.experiment_fs_path)
     options = storage_options if storage_options is not None else _fsspec_options(storage.storage_filesystem)
-    steps = _agree(zarrckpt.committed_steps(root, storage_options=options) if _rank() == 0 else None)
+    steps = from_rank_0(zarrckpt.committed_steps(root, storage_options=options) if rank() == 0 else None)
     if not steps:
         return None
     url = f"{root}/step_{steps[-1]:010d}"
@@ -251,19 +250,6 @@ def _unreported(
         return None
     log.warning("%s: resuming from %s, the newest committed checkpoint of the run (never reported to Ray)", why, url)
     return url
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _agree(value: Any) -> Any:
-    """Rank 0's ``value``, on every worker."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _target(
@@ -290,7 +276,7 @@ def _target(
         resumed = _step_of(ray.train.get_checkpoint())
         save_options["overwrite"] = resumed is None or step > resumed  # an unreported leftover: replace it
     options = storage_options if storage_options is not None else _fsspec_options(storage.storage_filesystem)
-    if _rank() == 0:
+    if rank() == 0:
         make_way(url, options)
     return url, checkpoint, options
 

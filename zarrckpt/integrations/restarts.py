@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch.distributed as dist
+
 import zarrckpt
 from zarrckpt.lifecycle import await_dead_save
 
@@ -26,3 +28,17 @@ def make_way(url: str, storage_options: dict[str, Any] | None) -> None:
         return
     if why is not None:
         log.info("taking over %s: the save there died (%s)", url, why)
+
+
+def rank() -> int:
+    """This process's rank in the default group (0 without ``torch.distributed``)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def from_rank_0(value: Any) -> Any:
+    """Rank 0's ``value``, on every rank (which checkpoint to resume from: decided once, alike)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -275,7 +275,9 @@ class ZarrCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  # (to
                 steps = self.committed_steps()
                 for step in steps[: -self.keep_latest_k]:
                     logger.info("deleting %s (keep_latest_k=%d)", self.checkpoint_url(step), self.keep_latest_k)
-                    zarrckpt.delete(self.checkpoint_url(step), storage_options=self.storage_options)
+                    zarrckpt.delete(
+                        self.checkpoint_url(step), storage_options=self.storage_options, committed_only=True
+                    )
             except Exception:  # a failed deletion is retried after the next save, like torchtitan's
                 logger.exception("deleting old checkpoints in %s", self.folder)
 
