@@ -174,7 +174,7 @@ def test_leftovers_of_a_failed_save(tmp_path: Any) -> None:
     zarrckpt.save({"w": torch.ones(3)}, url)
     (tmp_path / "ck" / "zarr.json").unlink()
     (tmp_path / "ck" / ".zarrckpt-pending.json").write_text('{"save_id": "dead", "started": "then"}')
-    with pytest.raises(zarrckpt.IncompleteCheckpointError, match="in progress or died"):
+    with pytest.raises(zarrckpt.IncompleteCheckpointError, match="in progress, or died"):
         zarrckpt.save({"w": torch.full((3,), 2.0)}, url)
     zarrckpt.save({"w": torch.full((3,), 2.0)}, url, overwrite=True)
     got = {"w": torch.zeros(3)}
@@ -184,12 +184,14 @@ def test_leftovers_of_a_failed_save(tmp_path: Any) -> None:
 
 def test_a_save_that_lost_its_location_does_not_commit(tmp_path: Any) -> None:
     from zarrckpt.engine import commit as protocol
+    from zarrckpt.engine import markers
     from zarrckpt.format.manifest import Manifest
     from zarrckpt.storage.store import Storage
 
     storage = Storage(str(tmp_path / "ck"))
     first = protocol.prepare(storage, overwrite=False)
-    protocol.prepare(storage, overwrite=True)  # a second save takes over
+    markers.abandon(storage, first)  # it counts as dead (a running save is never replaced), yet goes on
+    protocol.prepare(storage, overwrite=False)  # a second save takes over
     with pytest.raises(zarrckpt.ZarrckptError, match="took this location over"):
         protocol.commit(storage, Manifest(first, {}, {}, 1))
     assert not (tmp_path / "ck" / "zarr.json").exists()
