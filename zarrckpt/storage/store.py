@@ -10,20 +10,18 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import itertools
 import logging
 import os
 import random
 import time
-from collections import deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from zarrckpt.errors import StorageError, ZarrckptError
 from zarrckpt.storage.caps import NameLimits, ReadCaps, default_concurrency
 from zarrckpt.storage.clients import isolate_randomness, open_filesystem
+from zarrckpt.storage.concurrency import run_bounded
 from zarrckpt.storage.local import Buffer, LocalBackend
 from zarrckpt.storage.localfs import LocalFiles
 from zarrckpt.storage.remote import CreatedCorrupt, RemoteBackend, UploadCorrupted
@@ -403,34 +401,7 @@ class Storage:
         run on the calling thread, in their turn (small reads of local files: handing each to a
         thread costs more than the read, and the threads contend for the GIL).
         """
-        limit = self.write_concurrency if writing else self.concurrency
-        it = iter(items)
-        head = list(itertools.islice(it, 2))
-        if limit <= 1 or len(head) < 2:
-            return [fn(item) for item in itertools.chain(head, it)]
-        results: list[R] = []
-        pending: deque[Future[R]] = deque()
-        with ThreadPoolExecutor(max_workers=limit, thread_name_prefix="zarrckpt") as pool:
-            try:
-                for item in itertools.chain(head, it):
-                    if len(pending) >= 4 * limit:
-                        results.append(pending.popleft().result())  # raises the first failure, in order
-                    if inline is None or not inline(item):
-                        pending.append(pool.submit(fn, item))
-                        continue
-                    done: Future[R] = Future()
-                    pending.append(done)
-                    try:
-                        done.set_result(fn(item))
-                    except Exception as e:  # raised in its turn, after the earlier items' failures
-                        done.set_exception(e)
-                        break
-                while pending:
-                    results.append(pending.popleft().result())
-            finally:
-                for fut in pending:  # after a failure, start nothing more
-                    fut.cancel()
-        return results
+        return run_bounded(fn, items, self.write_concurrency if writing else self.concurrency, inline)
 
 
 def _rebuild(

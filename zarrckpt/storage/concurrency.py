@@ -1,0 +1,44 @@
+"""Bounded concurrency over a stream of items (the storage layer's reads and writes)."""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def run_bounded(fn: Callable[[T], R], items: Iterable[T], limit: int, inline: Callable[[T], bool] | None) -> list[R]:
+    """Run ``fn`` over ``items``, at most ``limit`` at a time; results in order; re-raise the first
+    failure (see :meth:`zarrckpt.storage.store.Storage.run_all`)."""
+    it = iter(items)
+    head = list(itertools.islice(it, 2))
+    if limit <= 1 or len(head) < 2:
+        return [fn(item) for item in itertools.chain(head, it)]
+    results: list[R] = []
+    pending: deque[Future[R]] = deque()
+    with ThreadPoolExecutor(max_workers=limit, thread_name_prefix="zarrckpt") as pool:
+        try:
+            for item in itertools.chain(head, it):
+                if len(pending) >= 4 * limit:
+                    results.append(pending.popleft().result())  # raises the first failure, in order
+                if inline is None or not inline(item):
+                    pending.append(pool.submit(fn, item))
+                    continue
+                done: Future[R] = Future()
+                pending.append(done)
+                try:
+                    done.set_result(fn(item))
+                except Exception as e:  # raised in its turn, after the earlier items' failures
+                    done.set_exception(e)
+                    break
+            while pending:
+                results.append(pending.popleft().result())
+        finally:
+            for fut in pending:  # after a failure, start nothing more
+                fut.cancel()
+    return results
