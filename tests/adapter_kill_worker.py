@@ -219,7 +219,11 @@ def run_ray(args: argparse.Namespace, options: dict[str, Any] | None) -> None:
             print("killed in report", flush=True)
             os._exit(KILLED)
         known = json.loads(registry.read_text()) if registry.exists() else []
-        registry.write_text(json.dumps([*known, checkpoint.path]))
+        fresh = registry.with_suffix(
+            ".tmp"
+        )  # (replaced whole, as Ray persists its state: a kill leaves one or the other)
+        fresh.write_text(json.dumps([*known, checkpoint.path]))
+        fresh.replace(registry)
 
     ray.train.get_context = lambda: SimpleNamespace(get_storage=lambda: storage)
     ray.train.get_checkpoint = get_checkpoint
