@@ -18,6 +18,7 @@ from zarrckpt.engine import loader, markers
 from zarrckpt.engine.dist import Group
 from zarrckpt.engine.writer import commit_save, plan_save, write_rank
 from zarrckpt.format import integrity
+from zarrckpt.format.gcpause import gc_paused
 from zarrckpt.plan import stateful, targets
 from zarrckpt.plan.localstate import collect
 from zarrckpt.plan.names import check_names
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("zarrckpt")
 
 
+@gc_paused()  # the caller waits: 20,000 tensors make millions of small objects, none in a cycle
 def save(
     state_dict: Mapping[str, Any],
     url: URL,

@@ -148,6 +148,7 @@ class ZarrWriter(StorageWriter):
             results += [WriteResult(i, t.data.nbytes, data if n == 0 else {}) for n, (i, t) in enumerate(parts)]
         if objects:
             results += self._write_objects(objects, {item.index.fqn: item.index for item in plan.items})
+        self.storage.flush()  # this rank's objects are durable before rank 0 commits (finish)
         return _done(results)
 
     def _write_objects(self, objects: dict[str, Any], indexes: dict[str, Any]) -> list[WriteResult]:

@@ -241,9 +241,10 @@ class _Heartbeat:
             _STARTED[key] = self.doc["started"]
         self.thread.start()
 
-    def lapsed(self) -> bool:
-        """Whether the lease may have run out for others: no beat landed for the lease less a heartbeat."""
-        return clock.monotonic() - self.last_ok > _lapse_seconds()
+    def lapsed(self, lapse: float | None = None) -> bool:
+        """Whether the lease may have run out for others: no beat landed for the lease less a heartbeat
+        (``lapse``: that, when the caller has it)."""
+        return clock.monotonic() - self.last_ok > (_lapse_seconds() if lapse is None else lapse)
 
     def beat(self) -> bool:
         """One heartbeat; False when the marker is no longer this one's, or its lease may have run out
@@ -304,9 +305,10 @@ def check_lease(storage: Storage, save_id: str, name: str = PENDING) -> None:
         beat = _Heartbeat._running.get((storage.url, name, save_id))
     if beat is None:
         return
-    if beat.lapsed():
+    lease = lease_seconds()  # (once: this runs before every object a save writes)
+    if beat.lapsed(lease - min(HEARTBEAT_SECONDS, lease / 3)):
         raise _lapsed_error(storage, name)
-    clock.relying_until(beat.last_ok + lease_seconds())
+    clock.relying_until(beat.last_ok + lease)
 
 
 def stop_holding(storage: Storage, save_id: str, name: str = PENDING) -> None:
@@ -361,9 +363,10 @@ class Ownership:
         if not self.save_id:
             return
         key = (self.storage.url, self.save_id)
-        if key not in _LOST and (fresh or clock.monotonic() - self._checked >= heartbeat_seconds()):
+        every = heartbeat_seconds()
+        if key not in _LOST and (fresh or clock.monotonic() - self._checked >= every):
             with self._lock:
-                if fresh or clock.monotonic() - self._checked >= heartbeat_seconds():
+                if fresh or clock.monotonic() - self._checked >= every:
                     found = pending_id(self.storage)
                     self._checked = clock.monotonic()
                     if found != self.save_id:

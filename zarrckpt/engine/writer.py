@@ -120,8 +120,12 @@ def write_rank(
 
 def write_metadata(storage: Storage, docs: list[tuple[str, bytes]]) -> int:
     """Write group and array ``zarr.json`` documents (``plan.metadata_docs``): after every rank's
-    shards, so a generic Zarr reader never finds an array whose chunks are still missing."""
-    return sum(storage.run_all(lambda doc: _put(storage, doc[0], [doc[1]]), docs, writing=True))
+    shards, so a generic Zarr reader never finds an array whose chunks are still missing. Then the
+    durability barrier: every object this ``storage`` wrote (shards and documents) is on disk before
+    this returns, so before the commit (:meth:`~zarrckpt.storage.store.Storage.flush`)."""
+    nbytes = sum(storage.run_all(lambda doc: _put(storage, doc[0], [doc[1]]), docs, writing=True))
+    storage.flush()
+    return nbytes
 
 
 def commit_save(storage: Storage, group: Group, plan: ZarrSavePlan, save_id: str, written: integrity.Written) -> None:
@@ -164,10 +168,10 @@ def committed_manifest(
 
 def _put(storage: Storage, path: str, parts: list[bytes] | list[Any]) -> int:
     """Create one object (after the storage's ``guard``: the save still holds the location,
-    :class:`~zarrckpt.engine.markers.Ownership`); another writer's object already there means this save
-    lost a race."""
+    :class:`~zarrckpt.engine.markers.Ownership`), durable only after the barrier in
+    :func:`write_metadata`; another writer's object already there means this save lost a race."""
     try:
-        storage.write(path, parts, create_only=storage.atomic_create)
+        storage.write(path, parts, create_only=storage.atomic_create, durable=False)
     except FileExistsError:
         raise CheckpointExistsError(
             f"another save is writing to {storage.url!r}: {path} was created by another writer; "

@@ -40,12 +40,11 @@ def constant_of(bits: np.ndarray, name: str) -> bytes | None:
     them exactly; else None."""
     if bits.size == 0 or bits.nbytes > CHECK_BYTES:
         return None
-    import numpy as np
-
-    rows = np.ascontiguousarray(bits).reshape(-1).view(np.uint8).reshape(bits.size, -1)
-    if not (rows == rows[0]).all():
+    raw = bits.tobytes()  # C order; at most CHECK_BYTES
+    item = bits.itemsize
+    first = raw[:item]
+    if raw[item : 2 * item] not in (first, b"") or raw != first * bits.size:  # (most parts differ at once)
         return None
-    first = rows[0].tobytes()
     return first if storable(name, first) else None
 
 

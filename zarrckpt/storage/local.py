@@ -1,7 +1,9 @@
 """The local-files backend: whole files published atomically, pooled and vectored reads (os calls).
 
 A file is written aside, flushed to disk, then renamed into place (or, for a create, hard-linked:
-``FileExistsError``-free "exists" when the name is taken), so no reader ever sees it half-written.
+``FileExistsError``-free "exists" when the name is taken; :class:`Storage` then flushes its directory), so no
+reader ever sees it half-written. A save's shards and ``zarr.json`` documents instead go straight to
+their names, made durable by one barrier before the commit (:mod:`zarrckpt.storage.durable`).
 Listing, deleting and the rest go through :class:`~zarrckpt.storage.localfs.LocalFiles` (os calls).
 Every read opens through :func:`~zarrckpt.storage.localfs.open_regular`: a FIFO, socket, device or
 directory in place of an object is an error naming it, never a read that blocks or never ends.
@@ -17,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from zarrckpt.storage.caps import LOCAL_FILES, NameLimits, ReadCaps
+from zarrckpt.storage.durable import Unsynced, make_dirs, sync_path
 from zarrckpt.storage.localfs import open_regular
 
 Buffer = bytes | memoryview
@@ -34,6 +37,7 @@ class LocalBackend:
         self._made: set[str] = set()  # directories known to exist
         self._buffers: list[bytearray] = []  # reusable read buffers
         self._lock = threading.Lock()
+        self.unsynced = Unsynced()  # files created without a flush, until :meth:`flush`
 
     def name_limits(self, root: str) -> NameLimits:
         """The filesystem's NAME_MAX and PATH_MAX where ``root`` is (or would be)."""
@@ -51,9 +55,21 @@ class LocalBackend:
         publish(full, parts, False, self._made)
         return True
 
-    def create(self, full: str, parts: Sequence[Buffer]) -> bool | None:
-        """Write a new file: None (nothing written) when ``full`` already exists, else True."""
-        return True if publish(full, parts, True, self._made) else None
+    def create(self, full: str, parts: Sequence[Buffer], durable: bool = True) -> bool | None:
+        """Write a new file: None (nothing written) when ``full`` already exists, else True.
+        ``durable=False``: straight to its name, durable only after :meth:`flush` (a save's objects,
+        inside its pending checkpoint)."""
+        if durable:
+            return True if publish(full, parts, True, self._made) else None
+        return True if self.unsynced.create(full, parts, self._made) else None
+
+    def flush(self, root: str) -> None:
+        """Make every file created with ``durable=False`` durable: one barrier."""
+        self.unsynced.flush(root)
+
+    def settle(self, full: str) -> None:
+        """Flush the directory holding ``full`` (a new commit record or marker: its name survives a crash)."""
+        sync_path(os.path.dirname(full), data_only=False)
 
     def get(self, full: str, start: int | None, end: int | None) -> Any:
         return self.fs.cat_file(full, start=start, end=end)
@@ -121,6 +137,7 @@ class LocalBackend:
         """Drop what is known about the directory tree (after a deletion)."""
         self.fs.invalidate_cache()
         self._made.clear()
+        self.unsynced.forget()
 
     def _take_buffer(self, nbytes: int) -> bytearray:
         with self._lock:
@@ -149,9 +166,7 @@ def publish(full: str, parts: Sequence[Buffer], exclusive: bool, made: set[str])
     ``exclusive``, hard-link into place: False when the name already exists. ``made`` holds the
     directories known to exist (created here when missing)."""
     parent = os.path.dirname(full)
-    if parent not in made:
-        os.makedirs(parent, exist_ok=True)
-        made.add(parent)
+    make_dirs(parent, made)
     tmp = f"{full}.{uuid.uuid4().hex[:12]}.tmp"
     try:
         with open(tmp, "wb") as f:

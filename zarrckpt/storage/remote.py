@@ -77,11 +77,12 @@ class RemoteBackend:
         md5 = self._md5(data)
         return self._checked(full, data, md5, self.fs.pipe_file(full, data, **self._headers(md5)))
 
-    def create(self, full: str, parts: Sequence[Buffer]) -> bool | None:
+    def create(self, full: str, parts: Sequence[Buffer], durable: bool = True) -> bool | None:
         """Write a new object: None (nothing written) when the store says it exists; else whether it
         was checked end to end.
 
         Atomic on clients with create-only writes; elsewhere a check followed by a write (logged once).
+        (``durable`` is the local backend's: a stored object is durable once its request returns.)
 
         Raises:
             CreatedCorrupt: the object was made, but holds other bytes than were sent.

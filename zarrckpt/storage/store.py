@@ -143,17 +143,26 @@ class Storage:
         raise AssertionError("unreachable")
 
     # -- single objects -------------------------------------------------------------------
-    def write(self, path: str, parts: Sequence[Buffer], *, create_only: bool = False, guarded: bool = True) -> None:
+    def write(
+        self,
+        path: str,
+        parts: Sequence[Buffer],
+        *,
+        create_only: bool = False,
+        guarded: bool = True,
+        durable: bool = True,
+    ) -> None:
         """Write one object from its parts; remote stores get exactly one PUT (per attempt).
 
         A retried write rewrites the whole object, so a write that failed after it landed is harmless.
         ``create_only``: fail with FileExistsError when the object already exists with other
         content, atomically on stores that can (local files, S3, GCS); elsewhere the check
         and the write are two requests (see :meth:`create`). ``guarded=False``: without the
-        :attr:`guard` (a heartbeat, which keeps the lease the guard checks).
+        :attr:`guard` (a heartbeat, which keeps the lease the guard checks). ``durable=False`` (with
+        ``create_only``): see :meth:`create`.
         """
         if create_only:
-            self.create(path, parts)
+            self.create(path, parts, durable=durable)
             return
         if guarded:
             self._guard()
@@ -166,7 +175,7 @@ class Storage:
 
         self._request("writing", path, put, missing_ok=False)
 
-    def create(self, path: str, parts: Sequence[Buffer], *, repair: bool = True) -> None:
+    def create(self, path: str, parts: Sequence[Buffer], *, repair: bool = True, durable: bool = True) -> None:
         """Write a new object, or raise FileExistsError when another writer's object is already there.
 
         Exactly one of several racing creators succeeds on stores with create-only writes (local
@@ -174,14 +183,16 @@ class Storage:
         finds the object already holding *these* bytes succeeds: it is a retry of a write that
         landed. Elsewhere a logged warning says the check is not atomic. Checked end to end as
         :meth:`write` is; an object this create made but that arrived damaged is overwritten (after the
-        :attr:`guard`, fresh), or, without ``repair``, raises CreatedCorrupt.
+        :attr:`guard`, fresh), or, without ``repair``, raises CreatedCorrupt. ``durable=False``: local
+        files are written straight to their name and made durable only by :meth:`flush` (objects of a
+        pending save, whose readers wait for its commit); elsewhere a create is durable when it returns.
         """
         self._guard()
         full = self._abs(path)
 
         def put() -> bool:  # one attempt; True: this create made the object
             self.traffic.add(bytes_written=sum(map(len, parts)))
-            made = self.backend.create(full, parts)
+            made = self.backend.create(full, parts, durable)
             if made is not None and self._read_back(made):
                 try:
                     self._check_stored(full, parts)
@@ -191,6 +202,9 @@ class Storage:
 
         try:
             if self._request("creating", path, put, missing_ok=False):
+                local = self.backend
+                if durable and isinstance(local, LocalBackend):  # the new name too survives a crash
+                    self._request("flushing the directory of", path, lambda: local.settle(full))
                 return
         except CreatedCorrupt:  # the object was this writer's, only damaged: write it again until it checks,
             if not repair:  # (or another writer replaced it since: the caller decides)
@@ -200,6 +214,18 @@ class Storage:
             return
         if not self._holds(path, b"".join(parts)):
             raise FileExistsError(errno.EEXIST, "another writer created it first", self.where(path))
+
+    def flush(self) -> None:
+        """Make every object created with ``durable=False`` durable (local files: one barrier, see
+        :mod:`zarrckpt.storage.durable`; other stores: nothing to do). Never retried: a failed flush
+        leaves no way to know which bytes reached the disk, so the save must fail."""
+        if isinstance(self.backend, LocalBackend) and len(self.backend.unsynced):
+            try:
+                self.backend.flush(self.root)
+            except OSError as e:
+                raise StorageError(
+                    f"making the objects written under {self.url} durable failed: {describe(e)}; nothing was committed"
+                ) from e
 
     def _read_back(self, checked: bool) -> bool:
         """Whether to read a written object back: ``verify_writes`` True, or None (the default) and the

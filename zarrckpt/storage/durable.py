@@ -1,0 +1,169 @@
+"""Local files made durable with one barrier: direct create-only writes, then one sync before a commit.
+
+A save writes its objects straight to their names inside its pending checkpoint (the pending marker
+and its lease keep every other writer out, so no temporary name and link per file), without a
+flush per file. Before the commit record is written, :meth:`Unsynced.flush` makes all of them
+durable at once: ``syncfs(2)`` of their filesystem, or ``fdatasync(2)`` of each file (in parallel)
+and ``fsync(2)`` of each directory that gained an entry. ``ZARRCKPT_LOCAL_SYNC`` picks the way:
+
+- ``syncfs`` (default where the C library has it: Linux): one call; it also flushes other
+  processes' dirty data on the same filesystem, and only Linux 5.8+ reports write-back errors by it;
+- ``files``: one ``fdatasync`` per file and ``fsync`` per directory, 16 at a time; every error is
+  this save's.
+
+A file whose write failed half-way is removed at once (the save then fails, or retries the whole
+object); a crash leaves what was written, torn or not, under the pending marker, where nothing loads
+it and the next save there removes it (docs/FORMAT.md, "What a crash leaves").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+Buffer = bytes | memoryview
+MODES = ("syncfs", "files")
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+_THREADS = 16
+
+
+def sync_mode() -> str:
+    """``ZARRCKPT_LOCAL_SYNC`` (``syncfs`` or ``files``); ``syncfs`` where the C library has it."""
+    mode = os.environ.get("ZARRCKPT_LOCAL_SYNC", "").strip().lower()
+    if mode and mode not in MODES:
+        raise ValueError(f"ZARRCKPT_LOCAL_SYNC={mode!r}: expected one of {', '.join(MODES)}")
+    if mode == "syncfs" or not mode:
+        return "syncfs" if _syncfs_call() is not None else "files"
+    return mode
+
+
+def _syncfs_call() -> Any:
+    try:
+        return ctypes.CDLL(None, use_errno=True).syncfs
+    except (AttributeError, OSError):
+        return None
+
+
+def make_dirs(path: str, made: set[str], new: list[str] | None = None) -> None:
+    """Make the directory ``path`` and its missing parents (one ``mkdir`` per directory, no ``stat``);
+    ``made`` holds the directories known to exist, ``new`` receives those made here."""
+    if path in made:
+        return
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        make_dirs(os.path.dirname(path), made, new)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path)
+            if new is not None:
+                new.append(path)
+    else:
+        if new is not None:
+            new.append(path)
+    made.add(path)
+
+
+class Unsynced:
+    """The files one writer created without a flush, and the directories that gained entries."""
+
+    def __init__(self) -> None:
+        self._files: list[str] = []
+        self._dirs: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def create(self, full: str, parts: Sequence[Buffer], made: set[str]) -> bool:
+        """Write a new file at ``full`` straight to its name (no flush); False when the name exists."""
+        parent = os.path.dirname(full)
+        new: list[str] = []
+        make_dirs(parent, made, new)
+        try:
+            fd = os.open(full, _WRITE_FLAGS, 0o666)
+        except FileExistsError:
+            return False
+        try:
+            _write_all(fd, parts)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(full)  # never leave a torn object behind a failed write
+            raise
+        finally:
+            os.close(fd)
+        with self._lock:
+            self._files.append(full)
+            self._dirs.add(parent)
+            self._dirs.update(os.path.dirname(d) for d in new)
+        return True
+
+    def flush(self, root: str) -> None:
+        """Make every file created so far durable, with the directory entries naming them (one barrier)."""
+        with self._lock:
+            files, dirs = self._files, sorted(self._dirs)
+            self._files, self._dirs = [], set()
+        if not files:
+            return
+        if sync_mode() == "syncfs":
+            _syncfs(_existing(root))
+            return
+        with ThreadPoolExecutor(min(_THREADS, len(files) + len(dirs)), thread_name_prefix="zarrckpt-sync") as pool:
+            for done in [pool.submit(sync_path, f, True) for f in files]:
+                done.result()
+            for done in [pool.submit(sync_path, d, False) for d in dirs]:  # after the files: their names last
+                done.result()
+
+    def forget(self) -> None:
+        """(The files were deleted: nothing left to make durable.)"""
+        with self._lock:
+            self._files, self._dirs = [], set()
+
+
+def _write_all(fd: int, parts: Sequence[Buffer]) -> None:
+    views = [memoryview(p).cast("B") for p in parts]
+    if len(views) == 1:  # a document: one write, as a rule
+        n = os.write(fd, views[0])
+        views = [views[0][n:]]
+    views = [v for v in views if len(v)]
+    while views:
+        n = os.writev(fd, views[:512])  # stay under IOV_MAX
+        while n and views:
+            if n >= len(views[0]):
+                n -= len(views.pop(0))
+            else:
+                views[0], n = views[0][n:], 0
+
+
+def sync_path(path: str, data_only: bool) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return  # deleted since (an abandoned save's objects): nothing to keep
+    try:
+        (os.fdatasync if data_only and hasattr(os, "fdatasync") else os.fsync)(fd)
+    finally:
+        os.close(fd)
+
+
+def _syncfs(path: str) -> None:
+    call = _syncfs_call()
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if call(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"syncfs: {os.strerror(err)}", path)
+    finally:
+        os.close(fd)
+
+
+def _existing(path: str) -> str:
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
