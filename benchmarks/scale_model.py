@@ -84,7 +84,7 @@ def plan_of(descriptions: Sequence[RankDescription]) -> ZarrSavePlan:
 
 
 def decode(raws: Sequence[bytes]) -> list[RankDescription]:
-    """What every rank does with the gathered buffers (``Group.all_gather_json``, then ``writer.plan_save``)."""
+    """What every rank does with the gathered buffers (``Group.all_gather_json``, then ``saveplan.plan_save``)."""
     return [RankDescription.from_json(json.loads(raw)) for raw in raws]
 
 

@@ -1,4 +1,5 @@
-"""Planning from layouts (zarrckpt.plan.compact) against the planner that gathers every description.
+"""Planning from layouts (zarrckpt.engine.saveplan.plan_compact, over zarrckpt.plan.compact) against
+the planner that gathers every description.
 
 On real gloo ranks: the same state saved both ways must give the same objects, byte for byte
 (the manifest's save id and time aside), and every rank's plan must be the one
@@ -7,6 +8,7 @@ On real gloo ranks: the same state saved both ways must give the same objects, b
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -19,8 +21,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 import zarrckpt
+from zarrckpt.api import _save as save_with
 from zarrckpt.engine.dist import Group
-from zarrckpt.plan import blocks, compact
+from zarrckpt.engine.saveplan import plan_compact
+from zarrckpt.plan import blocks
 from zarrckpt.plan.localstate import collect
 from zarrckpt.plan.rankdesc import RankDescription
 from zarrckpt.plan.save import DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_TENSOR_BYTES, build_save_plan
@@ -69,7 +73,7 @@ def _compare_plans(rank: int, world: int, which: str, expect_compact: bool) -> N
     want = build_save_plan(
         [RankDescription.from_json(v) for v in views], DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_TENSOR_BYTES
     )
-    got = compact.plan_compact(group, local, DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_TENSOR_BYTES)
+    got = plan_compact(group, local, DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_TENSOR_BYTES)
     assert (got is not None) == expect_compact
     if got is None:
         return
@@ -104,8 +108,10 @@ def _held_by_rank(views: list[Any]) -> dict[str, tuple[list[int], list[Any]]]:
 
 
 def _save(rank: int, world: int, which: str, url: str, force: bool) -> None:
-    compact.FORCE_GATHER = force
-    zarrckpt.save(STATES[which](rank, world), url)
+    """``zarrckpt.save``, planned by gathering every description where ``force``."""
+    options = inspect.signature(zarrckpt.save).parameters
+    defaults = {k: p.default for k, p in options.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    save_with(STATES[which](rank, world), url, **defaults, force_gather=force)
 
 
 def _files(root: Path) -> dict[str, bytes]:

@@ -1,7 +1,8 @@
 """``save`` and ``load``: plan -> write -> commit, and open -> plan -> read.
 
-Each is a short pipeline over the layers below: the plans are :mod:`zarrckpt.plan.save` and
-:mod:`zarrckpt.plan.targets`, the I/O :mod:`zarrckpt.engine.writer` and :mod:`zarrckpt.engine.loader`.
+Each is a short pipeline over the layers below: the plans are :mod:`zarrckpt.engine.saveplan` (over
+:mod:`zarrckpt.plan.save`) and :mod:`zarrckpt.plan.targets`, the I/O :mod:`zarrckpt.engine.writer`
+and :mod:`zarrckpt.engine.loader`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from zarrckpt.display import ProgressOption, watch
 from zarrckpt.engine import commit as protocol
 from zarrckpt.engine import loader, markers
 from zarrckpt.engine.dist import Group
-from zarrckpt.engine.writer import commit_save, plan_save, write_rank
+from zarrckpt.engine.saveplan import plan_save
+from zarrckpt.engine.writer import commit_save, write_rank
 from zarrckpt.format import integrity
 from zarrckpt.format.gcpause import gc_paused
 from zarrckpt.plan import stateful, targets
@@ -101,13 +103,47 @@ def save(
         ZarrckptError: ``url`` holds files that are not a zarrckpt checkpoint (refused, even with
             ``overwrite``), or the save failed on another rank (named in the message).
     """
+    _save(
+        state_dict,
+        url,
+        storage_options=storage_options,
+        process_group=process_group,
+        overwrite=overwrite,
+        chunk_bytes=chunk_bytes,
+        small_tensor_bytes=small_tensor_bytes,
+        check_replicas=check_replicas,
+        allow_pickle=allow_pickle,
+        verify_after_save=verify_after_save,
+        progress=progress,
+    )
+
+
+def _save(
+    state_dict: Mapping[str, Any],
+    url: URL,
+    *,
+    storage_options: dict[str, Any] | None,
+    process_group: ProcessGroup | None,
+    overwrite: bool,
+    chunk_bytes: int,
+    small_tensor_bytes: int,
+    check_replicas: bool,
+    allow_pickle: bool,
+    verify_after_save: bool | None,
+    progress: ProgressOption,
+    force_gather: bool = False,
+) -> None:
+    """:func:`save`; ``force_gather`` (tests): plan from every rank's gathered description, as
+    before issue 28 (:func:`zarrckpt.engine.saveplan.plan_save`)."""
     group = Group(process_group)
     start = time.perf_counter()
     resolved, _ = stateful.resolve(state_dict)
     local = group.run_together(lambda: collect(resolved, allow_pickle), "collecting the state dict")
     storage = Storage(url, storage_options, verify_writes=verify_after_save)
     names = partial(check_names, limits=storage.name_limits, where=storage.url)  # before anything is written
-    plan = plan_save(group, local, chunk_bytes, check_replicas, small_tensor_bytes, check=names)
+    plan = plan_save(
+        group, local, chunk_bytes, check_replicas, small_tensor_bytes, check=names, force_gather=force_gather
+    )
     bar = watch(storage, progress, f"save {storage.url}", plan.bytes_of(group.rank), group.rank)
     save_id = group.run_together(
         lambda: protocol.prepare(storage, overwrite, group.size) if group.rank == 0 else "", "preparing", share=True

@@ -42,7 +42,8 @@ from zarrckpt.engine import commit as protocol
 from zarrckpt.engine import markers
 from zarrckpt.engine.dist import Group, side_group
 from zarrckpt.engine.exchange import gather_small
-from zarrckpt.engine.writer import commit_save, plan_save, write_rank
+from zarrckpt.engine.saveplan import plan_save
+from zarrckpt.engine.writer import commit_save, write_rank
 from zarrckpt.errors import ZarrckptError
 from zarrckpt.format import dtypes, integrity
 from zarrckpt.format.array import ArrayMeta

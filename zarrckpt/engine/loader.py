@@ -1,7 +1,8 @@
 """A load's I/O: the manifest read once per job, the reads (fanned out or not), the end-of-load check.
 
 The keys, targets and requests are planned by :mod:`zarrckpt.plan.targets`; ``zarrckpt.load``
-runs the two in turn, as ``zarrckpt.save`` runs :mod:`zarrckpt.plan.save` and :mod:`zarrckpt.engine.writer`.
+runs the two in turn, as ``zarrckpt.save`` runs :mod:`zarrckpt.engine.saveplan` (over
+:mod:`zarrckpt.plan.save`) and :mod:`zarrckpt.engine.writer`.
 """
 
 from __future__ import annotations

@@ -5,69 +5,23 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from zarrckpt.engine import commit as protocol
-from zarrckpt.engine import markers, replicas
+from zarrckpt.engine import markers
 from zarrckpt.engine.dist import Group
-from zarrckpt.engine.exchange import gather_small
 from zarrckpt.errors import CheckpointExistsError, ZarrckptError
 from zarrckpt.format import dtypes, integrity
 from zarrckpt.format.array import ArrayMeta
 from zarrckpt.format.layout import Shape, cell_box
 from zarrckpt.format.manifest import Manifest, library_name
 from zarrckpt.format.shard import chunk_crcs, chunks_per_shard, encode_shard
-from zarrckpt.plan.blocks import replica_vector
 from zarrckpt.plan.localstate import LocalState
-from zarrckpt.plan.rankdesc import RankDescription
-from zarrckpt.plan.save import ZarrSavePlan, build_save_plan
+from zarrckpt.plan.save import ZarrSavePlan
 from zarrckpt.storage.store import Storage
 
 log = logging.getLogger("zarrckpt")
-
-
-def plan_save(
-    group: Group,
-    local: LocalState,
-    chunk_bytes: int,
-    check_replicas: bool,
-    small_tensor_bytes: int,
-    *,
-    exchange: bool = True,
-    check: Callable[[list[ArrayMeta]], None] | None = None,
-) -> ZarrSavePlan:
-    """Every rank: its plan from the ranks' layouts (:mod:`zarrckpt.plan.compact`: a digest
-    all-gather, one broadcast per class of ranks, one MIN all-reduce, a gather to and a scatter from
-    rank 0; bytes per rank that do not grow with the job), or, where that cannot be used, from all
-    ranks' gathered descriptions; the same plan either way. Then check that replicated blocks hold
-    the same bytes (a MIN all-reduce of their digests, only when some are replicated), and hand
-    each small tensor's writer the parts it lacks (one exchange, only when there are such; not with
-    ``exchange=False``: the caller runs :func:`zarrckpt.engine.exchange.gather_small` itself).
-
-    ``check`` (the object-name check) sees every array of the plan before anything else: on rank 0,
-    whose error every rank raises, or on every rank where each has the whole plan."""
-    from zarrckpt.plan import compact
-
-    planned = None
-    if group.active and not compact.FORCE_GATHER:
-        planned = compact.plan_compact(group, local, chunk_bytes, small_tensor_bytes, group.to_group_rank, check)
-    if planned is None:
-        views = group.all_gather_json(local.describe().to_json())
-        plan = build_save_plan([RankDescription.from_json(v) for v in views], chunk_bytes, small_tensor_bytes)
-        if check is not None:
-            check(list(plan.arrays.values()))
-        if check_replicas:
-            replicas.check(group, plan, local)
-    else:
-        plan, n = planned.plan, planned.blocks
-        if check_replicas and n:  # the save's count: a rank holding none of them takes part too
-            low = group.all_reduce_min(replica_vector(n, planned.block_index, replicas.digests(plan, local)))
-            if (low[:n] != -low[n:]).any():
-                replicas.report(group, plan, local)  # the replicas differ: gather their digests for the message
-    if exchange:
-        gather_small(group, plan, local)
-    return plan
 
 
 def write_rank(

@@ -1,5 +1,8 @@
 """Save planning whose per-rank traffic does not grow with the job: layouts, not boxes (issue 28).
 
+Pure: what each step sends and what it makes of what it received, as bytes and objects;
+:func:`zarrckpt.engine.saveplan.plan_compact` runs the collectives.
+
 Instead of every rank all-gathering every rank's description (``O(world)`` bytes per rank), ranks
 are grouped into *classes*: ranks whose DTensors have the same layouts (:mod:`.meshlayout`: global
 shape, mesh, placements), e.g. the ranks of one pipeline stage. The collectives:
@@ -29,7 +32,7 @@ import json
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -47,20 +50,6 @@ from zarrckpt.plan.save import Held, ZarrSavePlan, metadata_shares, plan_held
 
 MAX_CLASSES = 256
 Check = Callable[[list[ArrayMeta]], None]  # a check of every array of the plan (object names), run by rank 0
-FORCE_GATHER = False  # tests: plan by gathering every description (the planner before issue 28)
-
-
-class Collectives(Protocol):
-    """What the protocol needs of a process group (:class:`zarrckpt.engine.dist.Group`)."""
-
-    rank: int
-    size: int
-
-    def all_gather_fixed(self, data: bytes) -> list[bytes]: ...  # every rank's equal-length ``data``
-    def broadcast_from(self, root: int, data: bytes) -> bytes: ...  # ``root``'s data
-    def all_reduce_min(self, values: np.ndarray) -> np.ndarray: ...  # int64, elementwise
-    def gather_to0(self, data: bytes) -> list[bytes]: ...  # every rank's data on rank 0, [] elsewhere
-    def scatter_from0(self, parts: list[bytes]) -> bytes: ...  # rank 0's parts[r] on rank r
 
 
 def canon(obj: Any) -> str:
@@ -169,6 +158,17 @@ class ClassDoc:
         return [m for m in self.members for _ in items], [x for _ in self.members for x in items]
 
 
+def flags_of(mine: Split, leaders: list[list[list[Any]]], ci: int) -> np.ndarray:
+    """This rank's flags for the MIN all-reduce (step C), one per item of every class leader's
+    ``plain`` (``leaders``): 1 for other classes' items, :func:`my_flags` for its own class's (``ci``)."""
+    at = [0]
+    for items in leaders:
+        at.append(at[-1] + len(items))
+    flags = np.ones(at[-1], dtype=np.int64)
+    flags[at[ci] : at[ci + 1]] = my_flags(mine, leaders[ci])
+    return flags
+
+
 def my_flags(mine: Split, leader: list[list[Any]]) -> np.ndarray:
     """1 per item of the leader's ``plain`` that this rank holds too; 0 for every item of a key of
     which this rank holds other parts as well (a key is common to a class whole or not at all)."""
@@ -248,8 +248,9 @@ def held_tables(
 
 @dataclass(frozen=True)
 class Planned:
-    """A rank's plan from :func:`plan_compact`, with the save's replicated blocks: ``blocks`` of them in
-    all, and the number of each this rank's plan holds (the replica check's vector)."""
+    """A rank's plan from :func:`zarrckpt.engine.saveplan.plan_compact`, with the save's replicated
+    blocks: ``blocks`` of them in all, and the number of each this rank's plan holds (the replica
+    check's vector)."""
 
     plan: ZarrSavePlan
     blocks: int
@@ -337,36 +338,3 @@ def local_plan(
     docs_ = tuple((p, d.encode()) for p, d in own["docs"])
     plan = replace(plan, arrays=arrays, owners=owners, docs=docs_, values={})
     return Planned(plan, got["blocks"], block_index(tensors, plan, got["class"]["starts"]))
-
-
-def plan_compact(
-    coll: Collectives,
-    local: LocalState,
-    chunk_bytes: int,
-    small_tensor_bytes: int,
-    to_group: Callable[[int], int] = lambda r: r,
-    check: Check | None = None,
-) -> Planned | None:
-    """This rank's plan by the protocol above (collective); None: plan by gathering every
-    description instead (every rank alike)."""
-    mine = split(local, to_group)
-    classes = classes_of(coll.all_gather_fixed(mine.digest()))
-    if len(classes) > MAX_CLASSES:
-        return None
-    docs = [coll.broadcast_from(m[0], mine.doc() if coll.rank == m[0] else b"") for m in classes]
-    leaders = [json.loads(d)["plain"] for d in docs]
-    at = [0]
-    for items in leaders:
-        at.append(at[-1] + len(items))
-    flags = np.ones(at[-1], dtype=np.int64)
-    ci = next(i for i, m in enumerate(classes) if coll.rank in m)
-    flags[at[ci] : at[ci + 1]] = my_flags(mine, leaders[ci])
-    cdocs = class_docs(classes, docs, coll.all_reduce_min(flags))
-    privates = [json.loads(raw) for raw in coll.gather_to0(wire(own_items(mine, cdocs[ci])))]
-    if coll.rank == 0:
-        planned, payloads = coordinate(cdocs, privates, coll.size, chunk_bytes, small_tensor_bytes, check)
-        coll.scatter_from0(payloads)
-        if planned is None:  # raises the error, or answers None (fall back), as on the other ranks
-            local_plan(cdocs, payloads[0], 0, coll.size, chunk_bytes, small_tensor_bytes)
-        return planned
-    return local_plan(cdocs, coll.scatter_from0([]), coll.rank, coll.size, chunk_bytes, small_tensor_bytes)

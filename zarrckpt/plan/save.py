@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import functools
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -166,6 +165,7 @@ def _plan(
     small_tensor_bytes: int,
     turns: Mapping[str, tuple[int, int]] | None,
 ) -> ZarrSavePlan:
+    """The grid pass (every array's grid and metadata, every problem found), then the writers pass."""
     problems: list[str] = []
     _drop_empty_prefixes(values, tensors.keys() | values.keys())
     validate_keys(sorted(tensors.keys() | values.keys()))
@@ -176,87 +176,145 @@ def _plan(
             distinct = {json.dumps(v, sort_keys=True) for v in copies}
             if len(distinct) > 1:
                 problems.append(f"{key}: ranks {ranks} hold different values; give per-rank state per-rank keys")
+    placed = _grids(tensors, world_size, chunk_bytes, small_tensor_bytes, problems)
+    if problems:
+        raise SaveLayoutError(
+            "nothing was written: the ranks' state does not describe each global tensor exactly once:\n  "
+            + "\n  ".join(problems[:50])
+        )
+    owners, replicated, gathers, started = _writers(placed, turns)
+    arrays = {key: meta for key, (meta, _) in placed.items()}
+    values_ = {k: v[1][0] for k, v in sorted(values.items())}
+    return ZarrSavePlan(arrays, owners, values_, world_size, frozenset(replicated), gathers, turns=started)
 
-    arrays: dict[str, ArrayMeta] = {}
-    owners: dict[str, dict[Shape, int]] = {}
-    replicated: set[str] = set()
-    grids: dict[tuple[tuple[int, ...], tuple[int, ...]], _Grid] = {}
-    gathers: dict[str, dict[Shape, Gather]] = {}
-    joins: dict[tuple[int, Shape], Joins] = {}  # by grid (cached above: ids stay valid)
-    turn = 0  # small shards' writers are taken in turn over the save
-    spread = 0  # so are replicated tensors' writers, among each shard's holders (all of them write a DDP state)
-    started: dict[str, tuple[int, int]] = {}
-    by_lists: dict[tuple[int, int], _Grid] = {}  # keys sharing the very lists (one layout): no tuples to hash
-    constants: dict[int, bytes | None] = {}  # by the specs list, as above
+
+@dataclass(frozen=True)
+class _Layout:
+    """What the keys held alike (the same holders of the very same specs: a weight and its Adam
+    moments) share: the grid, the constant, the stored shard and chunk shapes, the joined shards."""
+
+    grid: _Grid
+    constant: bytes | None
+    shard: Shape
+    chunk: Shape
+    joins: Joins | None  # small shards joined into ``shard`` (None: the grid's own shards)
+
+
+class _Layouts:
+    """Every key's :class:`_Layout`, made once per layout: found by the very same ``(ranks, specs)``
+    lists (the layout-based planner's class tables share them: nothing to hash), else by equal
+    holders of the same spec objects (a description shares one spec among equal parts). Keyed by
+    identity: the ``Held`` table holds those lists and specs for as long as this lives."""
+
+    def __init__(self) -> None:
+        self._by_lists: dict[tuple[int, int], _Layout] = {}
+        self._by_holders: dict[tuple[tuple[int, ...], tuple[int, ...]], _Layout] = {}
+
+    def of(self, ranks: list[int], specs: list[TensorSpec], make: Callable[[], _Layout | None]) -> _Layout | None:
+        """The layout of ``(ranks, specs)``: ``make()``'s when it is new (None: not made, not kept)."""
+        lists = (id(ranks), id(specs))
+        found = self._by_lists.get(lists)
+        if found is None:
+            holders = (tuple(ranks), tuple(map(id, specs)))
+            found = self._by_holders.get(holders)
+            if found is None:
+                found = make()
+                if found is None:
+                    return None
+                self._by_holders[holders] = found
+            self._by_lists[lists] = found
+        return found
+
+
+def _grids(
+    tensors: Held, world_size: int, chunk_bytes: int, small_tensor_bytes: int, problems: list[str]
+) -> dict[str, tuple[ArrayMeta, _Layout]]:
+    """The grid pass: every tensor's metadata and layout, in key order; what is wrong is added to
+    ``problems`` (past 50 of them, the keys left are skipped, but those of new layouts are checked)."""
+    placed: dict[str, tuple[ArrayMeta, _Layout]] = {}
+    layouts = _Layouts()
     for key in sorted(tensors):
         ranks, specs = tensors[key]
-        grid = by_lists.get((id(ranks), id(specs)))
-        if grid is None:
-            same = (tuple(ranks), tuple(map(id, specs)))
-            grid = grids.get(same)
-        if grid is None:
+
+        def make(key: str = key, ranks: list[int] = ranks, specs: list[TensorSpec] = specs) -> _Layout | None:
             found = _check(key, ranks, specs)
-            problems += found
+            problems.extend(found)
             if found or len(problems) > 50:
-                continue
-            grid = grids[same] = _grid(ranks, specs, world_size, chunk_bytes)
-        elif len(problems) > 50:
+                return None
+            return _layout(ranks, specs, world_size, chunk_bytes, small_tensor_bytes)
+
+        layout = layouts.of(ranks, specs, make)
+        if layout is None or len(problems) > 50:
             continue
-        by_lists[id(ranks), id(specs)] = grid
-        if turns is not None:
-            turn, spread = turns.get(key, (turn, spread))
-        at = (turn, spread)
-        first = specs[0]
-        constant = constants[id(specs)] if id(specs) in constants else _constant(first.dtype, specs)
-        constants[id(specs)] = constant
-        arrays[key] = ArrayMeta(
+        first, grid = specs[0], layout.grid
+        meta = ArrayMeta(
             key=key,
             shape=grid.shape,
             dtype=first.dtype,
-            shard_shape=grid.shard,
-            chunk_shape=grid.chunk,
+            shard_shape=layout.shard,
+            chunk_shape=layout.chunk,
             role=infer_role(key, first.dtype.startswith(("float", "bfloat")))
             if first.kind == ArrayKind.TENSOR
             else Role.OTHER,
             kind=first.kind,
             topology=dict(grid.topology),
             python_type=first.python_type,
-            constant=constant,
+            constant=layout.constant,
         )
-        owners[key] = grid.owners if constant is None else {}  # a constant array: metadata only
-        if grid.replicated and constant is None:  # equal constants are equal replicas
-            replicated.add(key)
-            owners[key] = {idx: held[spread % len(held)] for idx, held in grid.holders.items()}
-            spread += 1
-        itemsize = storage_dtype(first.dtype).itemsize
-        if constant is None and len(grid.owners) > 1 and small_tensor_bytes:
-            coarse = coarse_shard(grid.shape, grid.shard, itemsize, small_tensor_bytes)
-            if coarse != grid.shard:
-                chunk = inner_chunk_shape(coarse, itemsize, chunk_bytes)
-                arrays[key] = dataclasses.replace(arrays[key], shard_shape=coarse, chunk_shape=chunk)
-                found_joins = joins.get((id(grid), coarse))
-                if found_joins is None:
-                    found_joins = joins[id(grid), coarse] = Joins.of(
-                        grid.shape, grid.shard, coarse, grid.owners, ranks, specs, grid.replicated
-                    )
-                gathers[key] = found_joins.gathers(turn)
-                turn += len(gathers[key])
-                owners[key] = {idx: g.writer for idx, g in gathers[key].items()}
-        if key in gathers or key in replicated:
-            started[key] = at
-        meta = arrays[key]
-        if constant is None and (too_many := beyond_limits(meta.shape, meta.shard_shape, meta.chunk_shape)):
+        placed[key] = meta, layout
+        if layout.constant is None and (too_many := beyond_limits(meta.shape, meta.shard_shape, meta.chunk_shape)):
             problems.append(
                 f"{key}: {too_many}, which readers refuse as a crafted layout; save with a larger chunk_bytes "
                 f"(now {chunk_bytes}), or hold the tensor in fewer, larger parts"
             )
-    if problems:
-        raise SaveLayoutError(
-            "nothing was written: the ranks' state does not describe each global tensor exactly once:\n  "
-            + "\n  ".join(problems[:50])
-        )
-    values_ = {k: v[1][0] for k, v in sorted(values.items())}
-    return ZarrSavePlan(arrays, owners, values_, world_size, frozenset(replicated), gathers, turns=started)
+    return placed
+
+
+def _layout(
+    ranks: list[int], specs: list[TensorSpec], world_size: int, chunk_bytes: int, small_tensor_bytes: int
+) -> _Layout:
+    """The layout of holders that passed :func:`_check`: shards under ``small_tensor_bytes`` (of a
+    tensor in several shards, not constant) are joined into a coarser grid."""
+    grid = _grid(ranks, specs, world_size, chunk_bytes)
+    dtype = specs[0].dtype
+    constant = _constant(dtype, specs)
+    if constant is None and len(grid.owners) > 1 and small_tensor_bytes:
+        itemsize = storage_dtype(dtype).itemsize
+        coarse = coarse_shard(grid.shape, grid.shard, itemsize, small_tensor_bytes)
+        if coarse != grid.shard:
+            joins = Joins.of(grid.shape, grid.shard, coarse, grid.owners, ranks, specs, grid.replicated)
+            return _Layout(grid, constant, coarse, inner_chunk_shape(coarse, itemsize, chunk_bytes), joins)
+    return _Layout(grid, constant, grid.shard, grid.chunk, None)
+
+
+def _writers(
+    placed: Mapping[str, tuple[ArrayMeta, _Layout]], turns: Mapping[str, tuple[int, int]] | None
+) -> tuple[dict[str, dict[Shape, int]], set[str], dict[str, dict[Shape, Gather]], dict[str, tuple[int, int]]]:
+    """The writers pass, in key order: each shard's writer (``owners``), the replicated keys, the
+    joined small shards (``gathers``) and where each key's turns started (see :func:`plan_held`)."""
+    owners: dict[str, dict[Shape, int]] = {}
+    replicated: set[str] = set()
+    gathers: dict[str, dict[Shape, Gather]] = {}
+    started: dict[str, tuple[int, int]] = {}
+    turn = 0  # joined small shards' writers are taken in turn over the save
+    spread = 0  # so are replicated tensors' writers, among each shard's holders (all of them write a DDP state)
+    for key, (_, layout) in placed.items():
+        grid = layout.grid
+        if turns is not None:
+            turn, spread = turns.get(key, (turn, spread))
+        at = (turn, spread)
+        owners[key] = grid.owners if layout.constant is None else {}  # a constant array: metadata only
+        if grid.replicated and layout.constant is None:  # equal constants are equal replicas
+            replicated.add(key)
+            owners[key] = {idx: held[spread % len(held)] for idx, held in grid.holders.items()}
+            spread += 1
+        if layout.joins is not None:
+            gathers[key] = layout.joins.gathers(turn)
+            turn += len(gathers[key])
+            owners[key] = {idx: g.writer for idx, g in gathers[key].items()}
+        if key in gathers or key in replicated:
+            started[key] = at
+    return owners, replicated, gathers, started
 
 
 def _constant(dtype: str, specs: list[TensorSpec]) -> bytes | None:
