@@ -51,8 +51,12 @@ def plan_save(
     if group.active and not force_gather:
         planned = plan_compact(group, local, chunk_bytes, small_tensor_bytes, group.to_group_rank, check)
     if planned is None:
-        views = group.all_gather_json(local.describe().to_json())
-        plan = build_save_plan([RankDescription.from_json(v) for v in views], chunk_bytes, small_tensor_bytes)
+        if group.size == 1:  # (one process: its description as it is, not through JSON)
+            descriptions = [local.describe()]
+        else:
+            views = group.all_gather_json(local.describe().to_json())
+            descriptions = [RankDescription.from_json(v) for v in views]
+        plan = build_save_plan(descriptions, chunk_bytes, small_tensor_bytes)
         if check is not None:
             check(list(plan.arrays.values()))
         if check_replicas:
