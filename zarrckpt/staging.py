@@ -19,7 +19,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
@@ -155,10 +155,10 @@ class Handoff:
                 nbytes += batch[-1].data.nbytes
             return batch
 
-    def written(self, tensors: Sequence[LocalTensor]) -> None:
-        """Writer: ``tensors`` are written; their bytes leave the budget."""
+    def written(self, nbytes: int) -> None:
+        """Writer: tensors of ``nbytes`` (as put in) are written; their bytes leave the budget."""
         with self._cond:
-            self.in_flight -= sum(t.data.nbytes for t in tensors)
+            self.in_flight -= nbytes
             self._cond.notify_all()
 
 
@@ -188,6 +188,7 @@ def stage(
                     hostpool.recycle(host)
                     raise
             handoff.put(LocalTensor(**{**tensor.__dict__, "data": host}))
+            del host  # (the writer frees it: this frame must not hold it while the next copy waits for room)
             copied += 1
     except BaseException as e:
         handoff.finish(e)
@@ -222,9 +223,11 @@ def write_staged(
             some.add(tensor)
         shards = [shard for key in some.tensors for shard in mine.get(key, [])]
         nbytes += write_rank(storage, plan, some, rank, written, shards=shards, held_only=True)
+        done = sum(t.data.nbytes for t in batch)
         for tensor in batch:
             hostpool.recycle(tensor.data, keep_bytes=keep_bytes)
-        handoff.written(batch)
+        del some, batch, tensor  # a buffer the pool did not keep is freed before the stager copies more
+        handoff.written(done)
     return nbytes
 
 
