@@ -21,7 +21,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
 
 import torch
@@ -283,12 +282,12 @@ def write_local(
             handoff.abandon()
             done.set_exception(e)
 
-    threading.Thread(target=writer, name="zarrckpt-save-writer", daemon=True).start()
+    thread = threading.Thread(target=writer, name="zarrckpt-save-writer", daemon=True)
+    thread.start()
     try:
         stats = stage(handoff, moved)
-    except BaseException:
-        wait_for([done])  # the writer stops at the failed copy: nothing is written after this returns
-        raise
+    finally:
+        thread.join()  # it drains what was staged, or stops at a failed copy: nothing is written after this
     nbytes = done.result()
     log.info(
         "save staged %d parts in %.3fs (peak %d bytes staged, budget %d)",
