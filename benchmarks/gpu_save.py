@@ -7,10 +7,15 @@ Usage (on a machine with NVIDIA GPUs)::
 Each rank (default: one per visible GPU; gloo for zarrckpt's small collectives) holds its rows
 of a ~``--gib`` GiB FP32 state as ``zarrckpt.LocalShard`` blocks on ``cuda:<rank>`` and:
 
-1. saves it with ``zarrckpt.save`` (synchronous reference);
+1. saves it with ``zarrckpt.save`` twice (a sync save from GPU stages through pinned host buffers
+   within ``--staging-mib``, default the library's 512 MiB; the first call allocates them);
 2. calls ``zarrckpt.async_save`` twice (the first call allocates the pinned host staging
    buffers, the second reuses them): the time the call blocks, then the time to completion;
 3. loads it back into zeroed CUDA tensors with ``zarrckpt.load`` and checks every value.
+
+Below the table: sync save time / (``async_save`` + waiting) time, first calls and repeats, and the
+peak RSS growth during a sync save against the staging budget (a sync save holds no host copy of the
+state: the growth stays near the budget, not the state's size).
 
 Around each, GPU memory from PyTorch's caching allocator: ``memory_allocated`` and
 ``memory_reserved`` before, during (sampled every 5 ms by a thread while the save runs) and
@@ -18,7 +23,9 @@ after, and ``max_memory_allocated`` (reset before each call); pinned host memory
 ``torch.cuda.host_memory_stats()`` where this torch has it, and the process's peak RSS.
 
 Without a CUDA device it exits (status 1) with a message saying so; ``--cpu-dry-run`` runs the
-same steps on CPU tensors (memory columns then read 0) to check the script itself.
+same steps on CPU tensors (memory columns then read 0) to check the script itself; it adds two rows
+where the sync save stages its CPU tensors as it would GPU ones (``staging.write_local``'s ``moves``),
+to exercise that path.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +48,10 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
-from common import peak_rss_bytes, reset_peak_rss  # noqa: E402
+from common import peak_rss_bytes, reset_peak_rss, rss_bytes  # noqa: E402
 
 import zarrckpt  # noqa: E402
-from zarrckpt import release_staging  # noqa: E402
+from zarrckpt import api, release_staging, staging  # noqa: E402
 from zarrckpt.testing import spawn  # noqa: E402
 
 MIB = 2**20
@@ -102,6 +110,7 @@ def step(name: str, device: torch.device, fn: Any, blocking: Any = None) -> dict
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     reset_peak_rss()
+    rss_before = rss_bytes()
     probe = GpuMemory(device)
     before = probe.now()
     with probe:
@@ -132,6 +141,7 @@ def step(name: str, device: torch.device, fn: Any, blocking: Any = None) -> dict
         "max_memory_allocated": peak,
         "pinned_host_bytes": pinned_bytes(),
         "peak_rss": peak_rss_bytes(),
+        "rss_growth": peak_rss_bytes() - rss_before,
     }
 
 
@@ -145,28 +155,79 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> None:
         gen = torch.Generator(device=device).manual_seed(i)
         full_rows = torch.randn((hi - lo, cols), generator=gen, device=device) + lo  # rows differ per rank
         state[f"t{i}"] = zarrckpt.LocalShard(full_rows, (rows, cols), (lo, 0))
-    root = cfg["url"]
-    steps = [step("zarrckpt.save (sync)", device, lambda: zarrckpt.save(state, f"{root}/sync"))]
-    for staging in ("caller", "background"):
+    root, budget = cfg["url"], cfg["budget"]
+    release_staging()
+    steps = [
+        step(f"zarrckpt.save (sync) ({call} call)", device, lambda c=call: save(state, f"{root}/sync-{c}", budget))
+        for call in ("first", "repeat")
+    ]
+    if cfg["cpu"]:  # the staged path on CPU tensors, as GPU tensors take it
+        api.write_local = partial(staging.write_local, moves=lambda t: True)  # type: ignore[assignment]
+        release_staging()
+        for call in ("first", "repeat"):
+            url = f"{root}/sync-staged-{call}"
+            steps.append(
+                step(
+                    f"zarrckpt.save (sync, staged path forced) ({call} call)",
+                    device,
+                    lambda u=url: save(state, u, budget),
+                )
+            )
+        api.write_local = staging.write_local  # type: ignore[assignment]
+    for mode in ("caller", "background"):
         release_staging()  # each mode's first call allocates (and pins) its staging buffers
         for call in ("first", "repeat"):
             steps.append(
                 step(
-                    f"zarrckpt.async_save(staging={staging!r}) ({call} call)",
+                    f"zarrckpt.async_save(staging={mode!r}) ({call} call)",
                     device,
-                    lambda call=call, staging=staging: zarrckpt.async_save(
-                        state, f"{root}/async-{staging}-{call}", staging=staging
+                    lambda call=call, mode=mode: zarrckpt.async_save(
+                        state, f"{root}/async-{mode}-{call}", staging=mode
                     ),
                     lambda fut: fut.result(),
                 )
             )
     release_staging()
     target = {k: zarrckpt.LocalShard(torch.zeros_like(v.data), v.global_shape, v.offsets) for k, v in state.items()}
-    steps.append(step("zarrckpt.load", device, lambda: zarrckpt.load(target, f"{root}/sync")))
+    steps.append(step("zarrckpt.load", device, lambda: zarrckpt.load(target, f"{root}/sync-first")))
     for k, v in state.items():
         if not torch.equal(target[k].data, v.data):
             raise AssertionError(f"rank {rank}: {k} loaded wrong values")
     Path(cfg["out_dir"], f"rank{rank}.json").write_text(json.dumps(steps))
+
+
+def save(state: dict[str, Any], url: str, budget: int | None) -> None:
+    zarrckpt.save(state, url, staging_budget_bytes=budget)
+
+
+def summary(per_rank: list[list[dict[str, Any]]], nbytes: int, budget: int) -> list[str]:
+    """Sync save against async_save + waiting, and a sync save's RSS growth against its budget."""
+    names = [s["step"] for s in per_rank[0]]
+
+    def mx(name: str, key: str) -> float:
+        i = names.index(name)
+        return max((r[i][key] or 0) for r in per_rank)
+
+    lines = [
+        "",
+        f"Staging budget of a sync save: {budget / MIB:.0f} MiB per rank; state {nbytes / MIB:.0f} MiB in all.",
+        "",
+    ]
+    for call in ("first", "repeat"):
+        sync = mx(f"zarrckpt.save (sync) ({call} call)", "total_s")
+        for mode in ("caller", "background"):
+            other = mx(f"zarrckpt.async_save(staging={mode!r}) ({call} call)", "total_s")
+            lines.append(
+                f"- sync save / (async_save(staging={mode!r}) + wait), {call} calls: "
+                f"{sync:.3f} s / {other:.3f} s = {sync / other:.2f}"
+            )
+    for name in names:
+        if name.startswith("zarrckpt.save (sync"):
+            lines.append(
+                f"- peak RSS growth during `{name}`: {mx(name, 'rss_growth') / MIB:.0f} MiB "
+                f"(budget {budget / MIB:.0f} MiB, state per rank {nbytes / len(per_rank) / MIB:.0f} MiB)"
+            )
+    return lines
 
 
 def report(args: argparse.Namespace, per_rank: list[list[dict[str, Any]]], nbytes: int) -> str:
@@ -194,7 +255,8 @@ def report(args: argparse.Namespace, per_rank: list[list[dict[str, Any]]], nbyte
             f"{mx('reserved_before') / MIB:.0f} / {mx('reserved_sampled_max') / MIB:.0f} / "
             f"{mx('reserved_after') / MIB:.0f} | {mx('pinned_host_bytes') / MIB:.0f} | {mx('peak_rss') / MIB:.0f} |"
         )
-    return "\n".join(lines) + "\n"
+    budget = staging.save_budget(None if args.staging_mib is None else int(args.staging_mib * MIB))
+    return "\n".join(lines + summary(per_rank, nbytes, budget)) + "\n"
 
 
 def main() -> int:
@@ -203,6 +265,7 @@ def main() -> int:
     p.add_argument("--ranks", type=int, default=0, help="ranks (default: one per visible GPU)")
     p.add_argument("--url", default=None, help="where to save (default: a temp dir, deleted after)")
     p.add_argument("--out", type=Path, default=HERE / "results" / "gpu.md", help="markdown report")
+    p.add_argument("--staging-mib", type=float, default=None, help="sync save's staging budget (default: 512)")
     p.add_argument("--cpu-dry-run", action="store_true", help="run the same steps on CPU tensors (no GPU needed)")
     args = p.parse_args()
     if not args.cpu_dry_run and not torch.cuda.is_available():
@@ -217,7 +280,8 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="zarrckpt-gpu-")
     url = args.url or f"{tmp}/ckpt"
     try:
-        cfg = {"gib": args.gib, "url": url, "out_dir": tmp, "cpu": args.cpu_dry_run}
+        budget = None if args.staging_mib is None else int(args.staging_mib * MIB)
+        cfg = {"gib": args.gib, "url": url, "out_dir": tmp, "cpu": args.cpu_dry_run, "budget": budget}
         spawn(world, rank_main, cfg, timeout_s=1800.0)
         per_rank = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
     finally:

@@ -184,10 +184,10 @@ def test_manager_on_s3(s3_url: tuple[str, dict[str, Any]]) -> None:
 
 
 def test_staging_failure_commits_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from zarrckpt import asyncsave
+    from zarrckpt import hostpool
 
     calls = {"n": 0}
-    real = asyncsave._to_host
+    real = hostpool.to_host
 
     def flaky(t: torch.Tensor) -> torch.Tensor:
         calls["n"] += 1
@@ -195,10 +195,10 @@ def test_staging_failure_commits_nothing(tmp_path: Path, monkeypatch: pytest.Mon
             raise RuntimeError("device copy failed")
         return real(t)
 
-    monkeypatch.setattr(asyncsave, "_to_host", flaky)
+    monkeypatch.setattr(hostpool, "to_host", flaky)
     with pytest.raises(RuntimeError, match="device copy failed"):
         zarrckpt.async_save(_state(1.0), str(tmp_path / "ck"))
-    monkeypatch.setattr(asyncsave, "_to_host", real)
+    monkeypatch.setattr(hostpool, "to_host", real)
     future = zarrckpt.async_save(_state(2.0), str(tmp_path / "other"))  # waits for the abandoned one
     future.result(timeout=60)
     with pytest.raises(zarrckpt.IncompleteCheckpointError):

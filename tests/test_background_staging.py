@@ -1,6 +1,6 @@
 """async_save(..., staging="background"): returns after planning; the copy runs on a staging thread.
 
-A gate in front of the copy (``asyncsave._to_host``) holds staging, so the tests see the call
+A gate in front of the copy (``hostpool.to_host``) holds staging, so the tests see the call
 return before anything is copied without relying on timing.
 """
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import zarrckpt
-from zarrckpt import asyncsave
+from zarrckpt import asyncsave, hostpool
 
 RAMP = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32)  # so no tensor is a constant array (no shards)
 
@@ -34,13 +34,13 @@ def _loaded(url: Path) -> dict[str, Any]:
 def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
     """Staging copies wait for this event (set it to let them run)."""
     opened = threading.Event()
-    real = asyncsave._to_host
+    real = hostpool.to_host
 
     def gated(t: torch.Tensor) -> torch.Tensor:
         assert opened.wait(60), "the test never opened the staging gate"
         return real(t)
 
-    monkeypatch.setattr(asyncsave, "_to_host", gated)
+    monkeypatch.setattr(hostpool, "to_host", gated)
     yield opened
     opened.set()
     zarrckpt.release_staging()
@@ -71,7 +71,7 @@ def test_caller_staging_is_done_when_the_call_returns(tmp_path: Path) -> None:
 
 
 def _failing_copy(monkeypatch: pytest.MonkeyPatch, at: int) -> None:
-    real = asyncsave._to_host
+    real = hostpool.to_host
     calls = {"n": 0}
 
     def flaky(t: torch.Tensor) -> torch.Tensor:
@@ -80,7 +80,7 @@ def _failing_copy(monkeypatch: pytest.MonkeyPatch, at: int) -> None:
             raise RuntimeError("device copy failed")
         return real(t)
 
-    monkeypatch.setattr(asyncsave, "_to_host", flaky)
+    monkeypatch.setattr(hostpool, "to_host", flaky)
 
 
 def test_a_staging_failure_fails_both_futures_and_commits_nothing(

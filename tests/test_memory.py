@@ -1,4 +1,4 @@
-"""Host memory stays bounded: async staging within its budget, loads within concurrency x chunk."""
+"""Host memory stays bounded: async and sync-from-GPU staging within the budget, loads within concurrency x chunk."""
 
 from __future__ import annotations
 
@@ -29,4 +29,5 @@ def test_extra_rss_is_bounded(tmp_path: Path) -> None:
     per_worker = LOCAL_WRITE_CONCURRENCY * (DEFAULT_CHUNK_BYTES + 4)
     assert extra["async_save"] <= budget + per_worker + SLACK, extra
     assert extra["save"] <= per_worker + SLACK, extra
+    assert extra["save_staged"] <= budget + per_worker + SLACK, extra  # not the 256 MiB state
     assert extra["load"] <= per_worker + SLACK, extra

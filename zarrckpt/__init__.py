@@ -39,7 +39,7 @@ from zarrckpt.types import URL, ArrayKind, Role, SourceKind
 
 if TYPE_CHECKING:
     from zarrckpt.api import load, save
-    from zarrckpt.asyncsave import AsyncSave, StagingStats, async_save
+    from zarrckpt.asyncsave import AsyncSave, async_save
     from zarrckpt.checkpoint import Checkpoint, open
     from zarrckpt.convert.export import export_safetensors
     from zarrckpt.convert.importer import import_checkpoint
@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from zarrckpt.lifecycle import collect_garbage, committed_steps, delete, latest_step, list_checkpoints
     from zarrckpt.manager import CheckpointManager
     from zarrckpt.plan.localstate import LocalShard
+    from zarrckpt.staging import StagingStats
     from zarrckpt.tensorview import TensorView, UncheckedReadWarning
     from zarrckpt.transfer import copy_checkpoint
     from zarrckpt_dtypes.zarr_types import register_zarr_dtypes
@@ -58,7 +59,7 @@ _LAZY = {
     "save": "zarrckpt.api",
     "async_save": "zarrckpt.asyncsave",
     "AsyncSave": "zarrckpt.asyncsave",
-    "StagingStats": "zarrckpt.asyncsave",
+    "StagingStats": "zarrckpt.staging",
     "release_staging": "zarrckpt.hostpool",
     "Checkpoint": "zarrckpt.checkpoint",
     "open": "zarrckpt.checkpoint",

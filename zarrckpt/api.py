@@ -18,13 +18,14 @@ from zarrckpt.engine import commit as protocol
 from zarrckpt.engine import loader, markers
 from zarrckpt.engine.dist import Group
 from zarrckpt.engine.saveplan import plan_save
-from zarrckpt.engine.writer import commit_save, write_rank
+from zarrckpt.engine.writer import commit_save
 from zarrckpt.format import integrity
 from zarrckpt.format.gcpause import gc_paused
 from zarrckpt.plan import stateful, targets
 from zarrckpt.plan.localstate import collect
 from zarrckpt.plan.names import check_names
 from zarrckpt.plan.save import DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_TENSOR_BYTES
+from zarrckpt.staging import save_budget, write_local
 from zarrckpt.storage.store import Storage
 from zarrckpt.types import URL
 
@@ -48,11 +49,17 @@ def save(
     allow_pickle: bool = False,
     verify_after_save: bool | None = None,
     progress: ProgressOption = False,
+    staging_budget_bytes: int | None = None,
 ) -> None:
     """Save ``state_dict`` as a Zarr v3 checkpoint at ``url``; every rank calls it.
 
     Each rank writes only the shards it owns; a replicated region is written once, by its
     lowest rank. Returns once the checkpoint is committed.
+
+    Tensors on the CPU are written straight from their memory. Tensors elsewhere (GPU) are copied
+    to pinned host buffers on the calling thread, each written as soon as it lands, with at most
+    ``staging_budget_bytes`` staged but not yet written (a part larger than that alone): no host
+    copy of the whole state is made, and the copies overlap the writes (:mod:`zarrckpt.staging`).
 
     Args:
         state_dict: a nested dict of tensors (plain, DTensor or :class:`~zarrckpt.LocalShard`),
@@ -86,6 +93,9 @@ def save(
         progress: ``True``: a progress line with rate and ETA on stderr (rank 0's writes); a callable
             ``fn(done_bytes, total_bytes)``: called on every rank after each object it writes (from
             I/O threads) and once at the end with ``done_bytes == total_bytes``.
+        staging_budget_bytes: the bound on host memory holding copies of GPU tensors not yet written;
+            None: ``$ZARRCKPT_SAVE_STAGING_BYTES``, else 512 MiB. Buffers are kept for the next save
+            up to this size (``zarrckpt.release_staging()`` frees them).
 
     Raises:
         SaveLayoutError: the ranks' tensors do not cover every global tensor exactly once, ranks
@@ -115,6 +125,7 @@ def save(
         allow_pickle=allow_pickle,
         verify_after_save=verify_after_save,
         progress=progress,
+        staging_budget_bytes=staging_budget_bytes,
     )
 
 
@@ -131,12 +142,14 @@ def _save(
     allow_pickle: bool,
     verify_after_save: bool | None,
     progress: ProgressOption,
+    staging_budget_bytes: int | None,
     force_gather: bool = False,
 ) -> None:
     """:func:`save`; ``force_gather`` (tests): plan from every rank's gathered description, as
     before issue 28 (:func:`zarrckpt.engine.saveplan.plan_save`)."""
     group = Group(process_group)
     start = time.perf_counter()
+    budget = save_budget(staging_budget_bytes)
     resolved, _ = stateful.resolve(state_dict)
     local = group.run_together(lambda: collect(resolved, allow_pickle), "collecting the state dict")
     storage = Storage(url, storage_options, verify_writes=verify_after_save)
@@ -151,7 +164,9 @@ def _save(
     storage.guard = markers.Ownership(storage, save_id).check  # a save whose location is taken stops writing
     written: integrity.Written = {}
     try:
-        nbytes = group.run_together(lambda: write_rank(storage, plan, local, group.rank, written), "writing shards")
+        nbytes = group.run_together(
+            lambda: write_local(storage, plan, local, group.rank, written, budget=budget), "writing shards"
+        )
         commit_save(storage, group, plan, save_id, written)
     except BaseException:
         markers.abandon(storage, save_id)  # rank 0: the heartbeat stops, and the next save may take it over

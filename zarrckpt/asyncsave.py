@@ -21,12 +21,9 @@ they never interleave with the training loop's collectives.
 from __future__ import annotations
 
 import atexit
-import enum
 import logging
 import os
 import threading
-import time
-from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
@@ -43,17 +40,14 @@ from zarrckpt.engine import markers
 from zarrckpt.engine.dist import Group, side_group
 from zarrckpt.engine.exchange import gather_small
 from zarrckpt.engine.saveplan import plan_save
-from zarrckpt.engine.writer import commit_save, write_rank
+from zarrckpt.engine.writer import commit_save
 from zarrckpt.errors import ZarrckptError
 from zarrckpt.format import dtypes, integrity
-from zarrckpt.format.array import ArrayMeta
-from zarrckpt.format.layout import Shape
-from zarrckpt.hostpool import recycle as _recycle
-from zarrckpt.hostpool import to_host as _to_host
 from zarrckpt.plan import stateful
 from zarrckpt.plan.localstate import LocalState, LocalTensor, collect
 from zarrckpt.plan.names import check_names
 from zarrckpt.plan.save import DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_TENSOR_BYTES, ZarrSavePlan
+from zarrckpt.staging import Handoff, StagingStats, stage, write_staged
 from zarrckpt.storage.store import Storage
 from zarrckpt.types import URL
 
@@ -78,19 +72,6 @@ class _Background:
 
 
 _background = _Background()
-
-
-@dataclass(frozen=True)
-class StagingStats:
-    """How the copy to host memory went, on this rank (known once ``async_save`` returns)."""
-
-    tensors: int = 0
-    """Local tensors copied."""
-    seconds: float = 0.0
-    """Time the copies took (what the caller waited for them)."""
-    peak_bytes: int = 0
-    """The most bytes staged but not yet written at any moment (at most the staging budget, unless one
-    tensor alone is larger)."""
 
 
 class AsyncSave(Future[None]):
@@ -187,7 +168,7 @@ def async_save(
         names = partial(check_names, limits=storage.name_limits, where=storage.url)  # raises here, at the call
         plan = plan_save(group, local, chunk_bytes, check_replicas, small_tensor_bytes, exchange=not later, check=names)
         background = side_group(process_group) if group.active else group
-        handoff = _Handoff(staging_budget_bytes)
+        handoff = Handoff(staging_budget_bytes)
         expected: dict[int, tuple[LocalTensor, int]] | None = None
         if os.environ.get("ZARRCKPT_CHECK_STAGING", "") not in ("", "0"):
             expected = {id(t): (t, _digest(t.data)) for t in local.parts()}  # (t: its id is not reused)
@@ -209,93 +190,9 @@ def _digest(t: torch.Tensor) -> int:
     return crc32c.crc32c(dtypes.as_numpy(t.detach().cpu().contiguous()).reshape(-1).view("u1").data)
 
 
-class HandoffState(enum.Enum):
-    """Where the handoff of staged tensors from the stager to the writer stands."""
-
-    STAGING = "staging"  # the stager is copying tensors and putting them in
-    STAGED = "staged"  # every tensor was put in; the writer drains the rest
-    STAGE_FAILED = "stage failed"  # a copy failed: the writer abandons the save, uncommitted
-    ABANDONED = "abandoned"  # the writer failed: the stager stops copying
-
-
-class _Handoff:
-    """Staged tensors passed from the stager to the writer, in order, within a byte budget.
-
-    States (:class:`HandoffState`) only move forward: ``STAGING`` -> ``STAGED`` or ``STAGE_FAILED``,
-    and from any of them to ``ABANDONED`` when the writer fails. Staged-but-unwritten bytes never
-    exceed ``budget`` (a tensor larger than it goes alone).
-    """
-
-    def __init__(self, budget: int | None) -> None:
-        self.budget = budget
-        self.state = HandoffState.STAGING
-        self.error: BaseException | None = None  # what stopped staging (STAGE_FAILED)
-        self.in_flight = 0  # staged bytes not yet written
-        self.peak = 0
-        self._queue: deque[LocalTensor] = deque()
-        self._cond = threading.Condition()
-
-    def room_for(self, nbytes: int) -> bool:
-        """Stager: block until ``nbytes`` more fit in the budget; False when the writer gave up."""
-        with self._cond:
-            self._cond.wait_for(lambda: self.state is HandoffState.ABANDONED or self._fits(nbytes))
-            return self.state is not HandoffState.ABANDONED
-
-    def _fits(self, nbytes: int) -> bool:
-        return self.budget is None or self.in_flight == 0 or self.in_flight + nbytes <= self.budget
-
-    def put(self, tensor: LocalTensor) -> None:
-        """Stager: hand one staged tensor to the writer."""
-        with self._cond:
-            self.in_flight += tensor.data.nbytes
-            self.peak = max(self.peak, self.in_flight)
-            self._queue.append(tensor)
-            self._cond.notify_all()
-
-    def finish(self, error: BaseException | None = None) -> None:
-        """Stager: every tensor is in (``STAGED``), or ``error`` stopped the copy (``STAGE_FAILED``)."""
-        with self._cond:
-            if self.state is HandoffState.STAGING:
-                self.state = HandoffState.STAGED if error is None else HandoffState.STAGE_FAILED
-                self.error = error
-            self._cond.notify_all()
-
-    def abandon(self) -> None:
-        """Writer: the save failed; the stager stops at its next tensor."""
-        with self._cond:
-            self.state = HandoffState.ABANDONED
-            self._cond.notify_all()
-
-    def wait_staged(self) -> None:
-        """Writer: block until staging is over (either way)."""
-        with self._cond:
-            self._cond.wait_for(lambda: self.state is not HandoffState.STAGING)
-
-    def take(self) -> LocalTensor | None:
-        """Writer: the next staged tensor; None once all were taken.
-
-        Raises:
-            ZarrckptError: staging failed on this rank (naming what stopped it); nothing may be committed.
-        """
-        with self._cond:
-            self._cond.wait_for(lambda: bool(self._queue) or self.state is not HandoffState.STAGING)
-            if self.state is HandoffState.STAGE_FAILED:
-                raise ZarrckptError(
-                    f"async_save: staging the state in host memory failed on this rank ({self.error}); "
-                    "nothing was committed"
-                ) from self.error
-            return self._queue.popleft() if self._queue else None
-
-    def written(self, tensor: LocalTensor) -> None:
-        """Writer: ``tensor`` is written; its bytes leave the budget."""
-        with self._cond:
-            self.in_flight -= tensor.data.nbytes
-            self._cond.notify_all()
-
-
 def _stage(
     staged: Future[StagingStats],
-    handoff: _Handoff,
+    handoff: Handoff,
     local: LocalState,
     expected: dict[int, tuple[LocalTensor, int]] | None,
     after: threading.Event | None = None,
@@ -303,31 +200,26 @@ def _stage(
     """Copy each local tensor to host memory within the budget (on the caller's or the staging
     thread), once ``after`` is set (the writer's small-tensor exchange, which changes ``local``);
     ``staged`` gets the statistics or the error, and so does the writer."""
-    start = time.perf_counter()
-    copied = 0
+
+    def unchanged(tensor: LocalTensor, host: torch.Tensor) -> None:
+        held, want = (None, 0) if expected is None else expected.get(id(tensor), (None, 0))
+        if held is tensor and _digest(host) != want:  # (a joined small tensor is a copy: not checked)
+            raise ZarrckptError(
+                f"async_save: {tensor.key!r} changed before it was staged (ZARRCKPT_CHECK_STAGING): the state "
+                "was modified (optimizer.step()?) before wait_staged() returned; nothing was committed"
+            )
+
     try:
         if after is not None:
             after.wait()
-        for tensor in local.parts():
-            if not handoff.room_for(tensor.data.nbytes):
-                break  # the writer failed: its error is the save's
-            host = _to_host(tensor.data)
-            held, want = (None, 0) if expected is None else expected.get(id(tensor), (None, 0))
-            if held is tensor and _digest(host) != want:  # (a joined small tensor is a copy: not checked)
-                _recycle(host)
-                raise ZarrckptError(
-                    f"async_save: {tensor.key!r} changed before it was staged (ZARRCKPT_CHECK_STAGING): the state "
-                    "was modified (optimizer.step()?) before wait_staged() returned; nothing was committed"
-                )
-            handoff.put(LocalTensor(**{**tensor.__dict__, "data": host}))
-            copied += 1
+        stats = stage(handoff, local.parts(), None if expected is None else unchanged)
     except BaseException as e:
-        handoff.finish(e)
+        handoff.finish(e)  # (a no-op when stage() already told the writer)
         staged.set_exception(e)
         return
-    handoff.finish()
-    stats = StagingStats(copied, time.perf_counter() - start, handoff.peak)
-    log.info("async save staged %d tensors in %.3fs, peak %d bytes staged", copied, stats.seconds, stats.peak_bytes)
+    log.info(
+        "async save staged %d tensors in %.3fs, peak %d bytes staged", stats.tensors, stats.seconds, stats.peak_bytes
+    )
     staged.set_result(stats)
 
 
@@ -339,7 +231,7 @@ class _Job:
     plan: ZarrSavePlan
     group: Group
     overwrite: bool
-    handoff: _Handoff
+    handoff: Handoff
     bar: Meter  # progress (inactive unless asked for)
     exchange: tuple[LocalState, threading.Event] | None = None  # the small-tensor exchange to run first, and its end
     written: integrity.Written = field(default_factory=dict)  # chunk checksums, for the manifest
@@ -375,16 +267,4 @@ class _Job:
         return protocol.prepare(self.storage, self.overwrite, self.group.size) if self.group.rank == 0 else ""
 
     def _write_all(self) -> None:
-        rank = self.group.rank
-        mine: dict[str, list[tuple[ArrayMeta, Shape]]] = {}
-        for meta, idx in self.plan.shards_of(rank):
-            mine.setdefault(meta.key, []).append((meta, idx))
-        if self.handoff.budget is None:  # no bound: let the copy the caller waits on finish before writes compete
-            self.handoff.wait_staged()
-        while (tensor := self.handoff.take()) is not None:
-            one = LocalState({tensor.key: [tensor]}, {})
-            write_rank(
-                self.storage, self.plan, one, rank, self.written, shards=mine.get(tensor.key, []), held_only=True
-            )
-            _recycle(tensor.data)
-            self.handoff.written(tensor)
+        write_staged(self.storage, self.plan, self.handoff, self.group.rank, self.written)
