@@ -20,7 +20,7 @@ from zarrckpt.format.manifest import DELETING, PENDING
 from zarrckpt.testing import free_port
 
 WORLD = 2
-TRIALS = 20
+TRIALS = int(os.environ.get("ZARRCKPT_KILL_TRIALS", "20"))  # benchmarks: more
 
 
 def _start(root: str, step: int) -> list[subprocess.Popen[str]]:

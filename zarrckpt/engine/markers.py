@@ -295,17 +295,17 @@ def _lapsed_error(storage: Storage, name: str) -> CheckpointExistsError:
     )
 
 
-def check_lease(storage: Storage, save_id: str, name: str = PENDING) -> None:
+def check_lease(storage: Storage, save_id: str, name: str = PENDING, lease: float | None = None) -> None:
     """Before a request that relies on holding marker ``name`` of ``save_id`` (a deletion: its
     :func:`token`): raise
     CheckpointExistsError when its heartbeat, running in this process, has not landed for the lease
     less a heartbeat (others may take the location over from then on); nothing to check where no such
-    heartbeat runs here."""
+    heartbeat runs here. ``lease``: :func:`lease_seconds`, when the caller has it."""
     with _Heartbeat._lock:
         beat = _Heartbeat._running.get((storage.url, name, save_id))
     if beat is None:
         return
-    lease = lease_seconds()  # (once: this runs before every object a save writes)
+    lease = lease_seconds() if lease is None else lease
     if beat.lapsed(lease - min(HEARTBEAT_SECONDS, lease / 3)):
         raise _lapsed_error(storage, name)
     clock.relying_until(beat.last_ok + lease)
@@ -354,6 +354,8 @@ class Ownership:
 
     def __init__(self, storage: Storage, save_id: str) -> None:
         self.storage, self.save_id = storage, save_id
+        self._lease = lease_seconds()  # (read once: this check runs before every object a save writes)
+        self._every = min(HEARTBEAT_SECONDS, self._lease / 3)  # heartbeat_seconds()
         self._checked = clock.monotonic()
         self._lock = threading.Lock()
 
@@ -363,7 +365,7 @@ class Ownership:
         if not self.save_id:
             return
         key = (self.storage.url, self.save_id)
-        every = heartbeat_seconds()
+        every = self._every
         if key not in _LOST and (fresh or clock.monotonic() - self._checked >= every):
             with self._lock:
                 if fresh or clock.monotonic() - self._checked >= every:
@@ -373,7 +375,7 @@ class Ownership:
                         _LOST[key] = "its pending marker is another save's" if found else "its pending marker is gone"
         why = _LOST.get(key)
         if why is None:
-            check_lease(self.storage, self.save_id)
+            check_lease(self.storage, self.save_id, lease=self._lease)
             return
         raise CheckpointExistsError(
             f"stopped writing to {self.storage.url!r}: {why}; a deletion (`zarrckpt rm --force`, `gc` after "

@@ -67,7 +67,7 @@ def write_rank(
         record.setdefault(meta.key, {})[integrity.shard_number(meta, idx)] = crcs  # one key per shard: thread-safe
         return nbytes
 
-    nbytes = sum(storage.run_all(write_shard, jobs, writing=True))
+    nbytes = storage.write_all(write_shard, jobs, size=lambda job: job[2].nbytes)
     log.info("rank %d wrote %d shards, %.1f MB in %.2fs", rank, len(jobs), nbytes / 1e6, time.perf_counter() - start)
     return nbytes
 
@@ -77,7 +77,7 @@ def write_metadata(storage: Storage, docs: list[tuple[str, bytes]]) -> int:
     shards, so a generic Zarr reader never finds an array whose chunks are still missing. Then the
     durability barrier: every object this ``storage`` wrote (shards and documents) is on disk before
     this returns, so before the commit (:meth:`~zarrckpt.storage.store.Storage.flush`)."""
-    nbytes = sum(storage.run_all(lambda doc: _put(storage, doc[0], [doc[1]]), docs, writing=True))
+    nbytes = storage.write_all(lambda doc: _put(storage, doc[0], [doc[1]]), docs, size=lambda doc: len(doc[1]))
     storage.flush()
     return nbytes
 
@@ -85,7 +85,8 @@ def write_metadata(storage: Storage, docs: list[tuple[str, bytes]]) -> int:
 def commit_save(storage: Storage, group: Group, plan: ZarrSavePlan, save_id: str, written: integrity.Written) -> None:
     """After every rank wrote its shards: the ``zarr.json`` documents, then rank 0 commits the
     manifest with the record of every chunk written (gathered from all ranks, one collective)."""
-    views = group.gather_json(integrity.to_json(written))
+    record = integrity.to_json(written)  # (JSON already: one process keeps it as it is)
+    views = [record] if group.size == 1 else group.gather_json(record)
     group.run_together(lambda: write_metadata(storage, plan.metadata_of(group.rank)), "writing metadata")
 
     def commit() -> None:

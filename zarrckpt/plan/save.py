@@ -80,12 +80,13 @@ def metadata_shares(arrays: list[ArrayMeta], world_size: int) -> list[list[tuple
     return [_docs(nodes[rank::world_size]) for rank in range(world_size)]
 
 
+_DOCUMENT = json.JSONEncoder(allow_nan=False)  # one encoder for every document (json.dumps with options makes one each)
+
+
 def _docs(nodes: Sequence[tuple[str, ArrayMeta | None]]) -> list[tuple[str, bytes]]:
     group = json.dumps(group_json()).encode()
-    return [
-        (f"{path}/zarr.json", group if a is None else json.dumps(a.to_json(), allow_nan=False).encode())
-        for path, a in nodes
-    ]
+    encode = _DOCUMENT.encode
+    return [(f"{path}/zarr.json", group if a is None else encode(a.to_json()).encode()) for path, a in nodes]
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from zarrckpt.errors import StorageError, ZarrckptError
+
 Buffer = bytes | memoryview
 MODES = ("syncfs", "files")
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
@@ -36,7 +38,7 @@ def sync_mode() -> str:
     """``ZARRCKPT_LOCAL_SYNC`` (``syncfs`` or ``files``); ``syncfs`` where the C library has it."""
     mode = os.environ.get("ZARRCKPT_LOCAL_SYNC", "").strip().lower()
     if mode and mode not in MODES:
-        raise ValueError(f"ZARRCKPT_LOCAL_SYNC={mode!r}: expected one of {', '.join(MODES)}")
+        raise ZarrckptError(f"ZARRCKPT_LOCAL_SYNC={mode!r} is not a way to sync: set it to one of {', '.join(MODES)}")
     if mode == "syncfs" or not mode:
         return "syncfs" if _syncfs_call() is not None else "files"
     return mode
@@ -54,16 +56,16 @@ def make_dirs(path: str, made: set[str], new: list[str] | None = None) -> None:
     ``made`` holds the directories known to exist, ``new`` receives those made here."""
     if path in made:
         return
+    parent = os.path.dirname(path)
+    if parent != path and parent not in made:
+        make_dirs(parent, made, new)  # parents first: a mkdir that fails for want of one costs a call
     try:
         os.mkdir(path)
     except FileExistsError:
         pass
-    except FileNotFoundError:
-        make_dirs(os.path.dirname(path), made, new)
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(path)
-            if new is not None:
-                new.append(path)
+    except OSError:  # an ancestor on a read-only or foreign mount answers EROFS or EACCES, though it exists
+        if not os.path.isdir(path):
+            raise
     else:
         if new is not None:
             new.append(path)
@@ -83,6 +85,8 @@ class Unsynced:
 
     def create(self, full: str, parts: Sequence[Buffer], made: set[str]) -> bool:
         """Write a new file at ``full`` straight to its name (no flush); False when the name exists."""
+        if not self._files:
+            sync_mode()  # a bad ZARRCKPT_LOCAL_SYNC fails the save before its first object, not at the end
         parent = os.path.dirname(full)
         new: list[str] = []
         make_dirs(parent, made, new)
@@ -105,20 +109,27 @@ class Unsynced:
         return True
 
     def flush(self, root: str) -> None:
-        """Make every file created so far durable, with the directory entries naming them (one barrier)."""
+        """Make every file created so far durable, with the directory entries naming them (one barrier).
+
+        Raises:
+            StorageError: the sync itself failed (never to be retried: which bytes reached the disk
+                is unknown after a failed sync, and a second one may report success).
+            OSError: opening a file or directory for it failed (a retry may succeed: the files stay
+                listed until a flush succeeds).
+        """
         with self._lock:
-            files, dirs = self._files, sorted(self._dirs)
-            self._files, self._dirs = [], set()
+            files, dirs = list(self._files), sorted(self._dirs)
         if not files:
             return
         if sync_mode() == "syncfs":
             _syncfs(_existing(root))
-            return
-        with ThreadPoolExecutor(min(_THREADS, len(files) + len(dirs)), thread_name_prefix="zarrckpt-sync") as pool:
-            for done in [pool.submit(sync_path, f, True) for f in files]:
-                done.result()
-            for done in [pool.submit(sync_path, d, False) for d in dirs]:  # after the files: their names last
-                done.result()
+        else:
+            with ThreadPoolExecutor(min(_THREADS, len(files) + len(dirs)), thread_name_prefix="zarrckpt-sync") as pool:
+                _each(pool, [(f, True) for f in files])
+                _each(pool, [(d, False) for d in dirs])  # after the files: their names last
+        with self._lock:
+            del self._files[: len(files)]
+            self._dirs.difference_update(dirs)
 
     def forget(self) -> None:
         """(The files were deleted: nothing left to make durable.)"""
@@ -141,13 +152,29 @@ def _write_all(fd: int, parts: Sequence[Buffer]) -> None:
                 views[0], n = views[0][n:], 0
 
 
+def _each(pool: ThreadPoolExecutor, paths: list[tuple[str, bool]]) -> None:
+    """:func:`sync_path` of every path on ``pool``; the first failure cancels what has not started."""
+    futures = [pool.submit(sync_path, path, data_only) for path, data_only in paths]
+    try:
+        for done in futures:
+            done.result()
+    except BaseException:
+        for future in futures:
+            future.cancel()
+        raise
+
+
 def sync_path(path: str, data_only: bool) -> None:
+    """``fdatasync`` (``data_only``) or ``fsync`` of the file or directory ``path``; nothing when it is gone."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         return  # deleted since (an abandoned save's objects): nothing to keep
     try:
-        (os.fdatasync if data_only and hasattr(os, "fdatasync") else os.fsync)(fd)
+        try:
+            (os.fdatasync if data_only and hasattr(os, "fdatasync") else os.fsync)(fd)
+        except OSError as e:
+            raise _failed("fsync", path, e) from e
     finally:
         os.close(fd)
 
@@ -158,9 +185,16 @@ def _syncfs(path: str) -> None:
     try:
         if call(fd) != 0:
             err = ctypes.get_errno()
-            raise OSError(err, f"syncfs: {os.strerror(err)}", path)
+            raise _failed("syncfs", path, OSError(err, os.strerror(err)))
     finally:
         os.close(fd)
+
+
+def _failed(call: str, path: str, e: OSError) -> StorageError:
+    return StorageError(
+        f"{call} of {path} failed ({e.strerror or e}): which of the bytes written reached the disk is unknown, "
+        "so this save is not committed; check the disk (space, errors in the kernel log) and save again"
+    )
 
 
 def _existing(path: str) -> str:

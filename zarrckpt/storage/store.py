@@ -217,15 +217,13 @@ class Storage:
 
     def flush(self) -> None:
         """Make every object created with ``durable=False`` durable (local files: one barrier, see
-        :mod:`zarrckpt.storage.durable`; other stores: nothing to do). Never retried: a failed flush
-        leaves no way to know which bytes reached the disk, so the save must fail."""
-        if isinstance(self.backend, LocalBackend) and len(self.backend.unsynced):
-            try:
-                self.backend.flush(self.root)
-            except OSError as e:
-                raise StorageError(
-                    f"making the objects written under {self.url} durable failed: {describe(e)}; nothing was committed"
-                ) from e
+        :mod:`zarrckpt.storage.durable`; other stores: nothing to do). A failed sync is never retried
+        (after one, which bytes reached the disk is unknown): StorageError, and the save fails."""
+        local = self.backend
+        if isinstance(local, LocalBackend) and len(local.unsynced):
+            self._request(
+                "making durable the objects written under", "", lambda: local.flush(self.root), missing_ok=False
+            )
 
     def _read_back(self, checked: bool) -> bool:
         """Whether to read a written object back: ``verify_writes`` True, or None (the default) and the
@@ -428,6 +426,18 @@ class Storage:
         thread costs more than the read, and the threads contend for the GIL).
         """
         return run_bounded(fn, items, self.write_concurrency if writing else self.concurrency, inline)
+
+    def write_all(self, fn: Callable[[T], int], items: Iterable[T], size: Callable[[T], int]) -> int:
+        """Run the writes ``fn`` over ``items`` (each returning the bytes it wrote) with bounded
+        concurrency; their total. On local files, writes under :data:`SMALL_LOCAL_WRITE` bytes run on
+        the calling thread, in their turn, as small reads do: a thread per object costs more than the
+        write, and the threads contend for the GIL (20,000 small tensors on tmpfs: 3.3 s in 8 threads,
+        1.5 s on one)."""
+        local = isinstance(self.backend, LocalBackend)
+        return sum(self.run_all(fn, items, writing=True, inline=lambda item: local and size(item) < SMALL_LOCAL_WRITE))
+
+
+SMALL_LOCAL_WRITE = 256 * 1024  # local files: a write this small runs on the calling thread
 
 
 def _rebuild(
