@@ -429,15 +429,36 @@ class Storage:
 
     def write_all(self, fn: Callable[[T], int], items: Iterable[T], size: Callable[[T], int]) -> int:
         """Run the writes ``fn`` over ``items`` (each returning the bytes it wrote) with bounded
-        concurrency; their total. On local files, writes under :data:`SMALL_LOCAL_WRITE` bytes run on
-        the calling thread, in their turn, as small reads do: a thread per object costs more than the
-        write, and the threads contend for the GIL (20,000 small tensors on tmpfs: 3.3 s in 8 threads,
-        1.5 s on one)."""
-        local = isinstance(self.backend, LocalBackend)
-        return sum(self.run_all(fn, items, writing=True, inline=lambda item: local and size(item) < SMALL_LOCAL_WRITE))
+        concurrency; their total. On local files, writes under :data:`SMALL_LOCAL_WRITE` bytes go to
+        the threads in runs of up to :data:`LOCAL_BATCH`: a thread per small object costs more than
+        writing it, while one thread for all of them waits alone whenever the filesystem blocks
+        (20,000 small tensors: on tmpfs 3.3 s one per thread, 2.0 s in runs, 1.4 s on one thread; on this
+        VM's ext4, whose metadata writes stall, 8.7-11.6 s in runs against 10.3-23.7 s on one thread)."""
+        if not isinstance(self.backend, LocalBackend):
+            return sum(self.run_all(fn, items, writing=True))
+        return sum(self.run_all(lambda run: sum(map(fn, run)), _runs(items, size), writing=True))
 
 
-SMALL_LOCAL_WRITE = 256 * 1024  # local files: a write this small runs on the calling thread
+SMALL_LOCAL_WRITE = 256 * 1024  # local files: writes this small are handed to the threads in runs
+LOCAL_BATCH = 64
+
+
+def _runs(items: Iterable[T], size: Callable[[T], int]) -> Iterator[list[T]]:
+    """``items`` in order, each large one alone, small ones in runs of up to LOCAL_BATCH."""
+    run: list[T] = []
+    for item in items:
+        if size(item) >= SMALL_LOCAL_WRITE:
+            if run:
+                yield run
+                run = []
+            yield [item]
+            continue
+        run.append(item)
+        if len(run) == LOCAL_BATCH:
+            yield run
+            run = []
+    if run:
+        yield run
 
 
 def _rebuild(
