@@ -50,8 +50,8 @@ class ArrayMeta:
     constant: bytes | None = None  # a constant array: every element's bytes (little-endian); no shard objects
     committed_crc32c: bytes = field(default=b"", compare=False, repr=False)  # integrity.py: the commit's record
 
-    @property
-    def path(self) -> str:
+    @functools.cached_property
+    def path(self) -> str:  # (cached: a save of 20,000 tensors asks for it 400,000 times)
         return key_to_path(self.key)
 
     @property

@@ -76,8 +76,8 @@ def coverage_problems(key: str, shape: Shape, claims: Sequence[Claim], limit: in
     problems (uncovered or doubly covered regions, boxes outside the tensor); empty when fine.
     """
     problems: list[str] = []
-    if len(claims) == 1 and claims[0].box == Box.full(shape) and all(shape):
-        return problems  # one rank holds it whole (a per-rank tensor): nothing to count
+    if claims and all(shape) and all(c.box == Box.full(shape) for c in claims):
+        return problems  # one rank holds it whole, or every holder a replica of all of it: nothing to count
     if not shape:  # a 0-d tensor: treat as one element
         shape, claims = (1,), [Claim(c.rank, Box((0,), (1,))) for c in claims if not c.box.offsets]
     full = Box.full(shape)

@@ -352,10 +352,11 @@ def _grid(ranks: list[int], specs: list[TensorSpec], world_size: int, chunk_byte
     itemsize = storage_dtype(first.dtype).itemsize
     topology = {k: v for k, v in first.topology.items() if v is not None}
     topology.update(world_size=world_size, holders=len(set(ranks)))
-    if len(specs) == 1 and shape and all(shape) and first.box == Box.full(shape):  # one rank holds it whole
-        return _Grid(
-            shape, shape, _chunk_of(shape, itemsize, chunk_bytes), {(0,) * len(shape): ranks[0]}, topology, False
-        )
+    if shape and all(shape) and all(t.box == Box.full(shape) for t in specs):  # held whole, by one or replicas
+        zero, replicated = (0,) * len(shape), len(specs) > 1
+        holders = {zero: tuple(sorted(set(ranks)))} if replicated else {}  # (as holders_of_cells gives them)
+        chunk = _chunk_of(shape, itemsize, chunk_bytes)
+        return _Grid(shape, shape, chunk, {zero: min(ranks)}, topology, replicated, holders)
     claims = [Claim(r, t.box) for r, t in zip(ranks, specs, strict=True)]
     shard = shard_shape_for(shape, [c.box for c in claims])
     chunk = _chunk_of(shard, itemsize, chunk_bytes)
