@@ -15,7 +15,7 @@ _MANY_SAVE = (
     "an array per tensor is two objects (a shard and its `zarr.json`; the file counts are in section 7) and "
     "two directories. Since issue 39 they are created in place and made durable by one barrier per rank "
     "(`syncfs`, 0.8 s here) instead of a temporary file, fsync and link each. On tmpfs, where the filesystem "
-    "costs nothing, the same save took 5.3 s on 1 rank (DCP 8.0 s) and 7.2 s on 4 (DCP 10.4 s) on "
+    "costs nothing, the same save took 5.3 s on 1 rank (DCP 8.0 s) and 6.4 s on 4 (DCP 10.4 s) on "
     "2026-12-05: what is left is per-tensor CPU (rank 0 on 1 rank: shards 1.4 s, documents 0.4 s plus 0.5 s "
     "encoding them, planning 0.6 s, the commit record and manifest 0.5 s). On this VM's ext4 the directory "
     "and file creations stall whenever the journal is busy (a save right after another job deleted a tree of "

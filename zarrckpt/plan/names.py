@@ -22,8 +22,13 @@ def longest_names(meta: ArrayMeta) -> list[str]:
 
 def check_names(arrays: list[ArrayMeta], limits: NameLimits, where: str) -> None:
     """Raise InvalidKeyError naming the first key whose object names ``limits`` refuse."""
+    component = 10**9 if limits.component_bytes is None else limits.component_bytes
+    whole = 10**9 if limits.name_bytes is None else limits.name_bytes
     for meta in arrays:
         for name in longest_names(meta):
+            most = 4 * len(name) + limits.temp_suffix_bytes  # (UTF-8: at most 4 bytes a character)
+            if most <= component and limits.base_bytes + 1 + most <= whole:
+                continue  # far within both limits: no segment to measure
             parts = name.split("/")
             for i, part in enumerate(parts):
                 nbytes = len(part.encode()) + (limits.temp_suffix_bytes if i == len(parts) - 1 else 0)
