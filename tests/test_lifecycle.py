@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from datetime import UTC, datetime, timedelta
@@ -242,6 +245,50 @@ def test_a_save_killed_while_creating_its_marker_is_listed_and_collected(tmp_pat
     os.utime(stray, (stray.stat().st_atime - 7200, stray.stat().st_mtime - 7200))
     assert [e.name for e in zarrckpt.collect_garbage(str(root))] == ["step_0000000007"]
     assert not (root / "step_0000000007").exists()
+
+
+_KILLED_PLACING_ITS_MARKER = """
+import os, signal, stat, sys, torch, zarrckpt
+from zarrckpt.storage import local
+local._UNNAMED["works"] = sys.argv[2] == "unnamed"
+def die(fd):  # the first file flushed is the pending marker, before it has its name
+    if stat.S_ISREG(os.fstat(fd).st_mode):
+        os.kill(os.getpid(), signal.SIGKILL)
+os.fsync = die
+zarrckpt.save({"w": torch.ones(3)}, sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("files", ["unnamed", "named"])
+def test_a_save_killed_placing_its_marker_leaves_nothing_gc_cannot_take_at_once(tmp_path: Path, files: str) -> None:
+    """Killed with SIGKILL while its pending marker is written: with unnamed files (O_TMPFILE) nothing
+    is left; under a temporary name, the name says its save is incomplete and the marker inside says
+    whose, so gc with no grace removes it at once (it waited the lease, the CI soak's failure)."""
+    root, url = tmp_path / "run", tmp_path / "run" / "step_0000000010"
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_PLACING_ITS_MARKER, str(url), files], stderr=subprocess.PIPE)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL, err.decode()[-2000:]
+    left = sorted(p.name for p in url.iterdir())
+    if files == "unnamed":
+        assert left == [] and zarrckpt.list_checkpoints(str(root)) == {}
+    else:
+        assert len(left) == 1 and left[0].startswith(f"{PENDING}.") and left[0].endswith(".tmp")
+        assert json.loads((url / left[0]).read_text())["writer"]["pid"] == proc.pid
+        assert zarrckpt.list_checkpoints(str(root)) == {"step_0000000010": "incomplete"}
+        (removed,) = zarrckpt.collect_garbage(str(root), grace_seconds=0)
+        assert removed.died is not None and "is gone" in removed.died
+    assert zarrckpt.list_checkpoints(str(root)) == {}
+    zarrckpt.save({"w": torch.ones(3)}, str(url))  # and the step saves at once
+    assert zarrckpt.list_checkpoints(str(root)) == {"step_0000000010": "committed"}
+
+
+def test_a_marker_under_its_temporary_name_whose_writer_lives_is_left_alone(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    (root / "step_0000000007").mkdir(parents=True)
+    doc = markers.marker_doc("0123", world_size=1)  # this process's: about to place it
+    (root / "step_0000000007" / f"{PENDING}.0123456789ab.tmp").write_text(json.dumps(doc))
+    assert zarrckpt.collect_garbage(str(root), grace_seconds=0) == []
+    assert zarrckpt.list_checkpoints(str(root)) == {"step_0000000007": "incomplete"}
 
 
 def test_markers_carry_time_and_writer(tmp_path: Path) -> None:

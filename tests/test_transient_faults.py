@@ -136,13 +136,17 @@ def test_every_storage_request_is_retried(tmp_path: Path) -> None:
     assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").rglob("*.*"))
 
 
+@pytest.mark.parametrize("files", ["unnamed", "named"])
 def test_local_files_retry_transient_os_errors(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fast_retries: RetryPolicy
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fast_retries: RetryPolicy, files: str
 ) -> None:
-    """The local fast paths (temp file + link, pooled ``reading()``, vectored ``read_into()``) retry too."""
+    """The local fast paths (unnamed or temp file + link, pooled ``reading()``, vectored ``read_into()``)
+    retry too."""
     import os
 
     import zarrckpt.storage.local as local_backend  # the local fast paths call open() there
+
+    monkeypatch.setitem(local_backend._UNNAMED, "works", files == "unnamed")
 
     injected: Counter[str] = Counter()
     errors = [OSError(errno.EIO, "I/O error"), OSError(errno.EAGAIN, "try again"), TimeoutError("slow disk")]
@@ -150,7 +154,7 @@ def test_local_files_retry_transient_os_errors(
 
     def flaky(name: str, fn: Any) -> Any:
         def call(*args: Any, **kw: Any) -> Any:
-            if name != "os.preadv" and not str(args[0]).startswith(str(tmp_path)):
+            if name not in ("os.preadv", "os.link") and not str(args[0]).startswith(str(tmp_path)):
                 return fn(*args, **kw)
             calls = per_thread.__dict__.setdefault("calls", Counter())
             n = calls[name]
@@ -178,7 +182,8 @@ def test_local_files_retry_transient_os_errors(
     _assert_same(got, want)
     assert torch.equal(part.data, want["model"]["layers"]["3"]["w"][25:45])
     print(f"\nlocal: {dict(injected)} injected, {log.retries} retries")
-    assert set(injected) == {"open", "os.open", "os.link", "os.preadv"}, injected  # new objects are linked in
+    named = {"open"} if files == "named" else set()  # (markers and the manifest: no temporary file with unnamed ones)
+    assert set(injected) == {"os.open", "os.link", "os.preadv"} | named, injected  # new objects are linked in
     assert log.retries == sum(injected.values())
     assert not list((tmp_path / "ck").rglob("*.tmp")), "failed attempts leave no temp files"
 

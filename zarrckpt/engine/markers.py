@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import threading
 from datetime import UTC, datetime
@@ -192,6 +193,15 @@ def writer_gone(
     if age is not None and age >= lease_seconds():
         return f"no heartbeat for {age:.0f} s"
     return None
+
+
+def unplaced(storage: Storage, names: set[str], name: str) -> dict[str, Any]:
+    """The marker ``name`` as a writer wrote it under a temporary name before it was killed, before
+    placing it (local files without unnamed files, see :func:`~zarrckpt.storage.local.publish`):
+    when there is exactly one such and it is whole; else {}. Its writer tells whether it may still
+    place it."""
+    temps = [n for n in names if re.fullmatch(re.escape(name) + r"\.[0-9a-f]{12}\.tmp", n)]
+    return marker(storage, temps[0]) if len(temps) == 1 else {}
 
 
 def writers_stopped(storage: Storage, doc: dict[str, Any], name: str = PENDING) -> bool:

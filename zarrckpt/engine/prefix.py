@@ -75,7 +75,7 @@ def look(storage: Storage, names: set[str] | None = None) -> Seen:
         save_id, ours = manifest_id(storage, head)
         return Seen(frozen, found, save_id, zarrckpt=ours)
     if found == INCOMPLETE:
-        doc = markers.marker(storage, PENDING)
+        doc = markers.marker(storage, PENDING) or markers.unplaced(storage, names, PENDING)
         dead = markers.writer_gone(storage, names, PENDING, doc)
         stopped = markers.writers_stopped(storage, doc)
         return Seen(frozen, found, _id(doc), dead, markers.has_lease(doc), stopped=stopped)

@@ -95,7 +95,7 @@ class Unsynced:
         except FileExistsError:
             return False
         try:
-            _write_all(fd, parts)
+            write_parts(fd, parts)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.remove(full)  # never leave a torn object behind a failed write
@@ -137,7 +137,8 @@ class Unsynced:
             self._files, self._dirs = [], set()
 
 
-def _write_all(fd: int, parts: Sequence[Buffer]) -> None:
+def write_parts(fd: int, parts: Sequence[Buffer]) -> None:
+    """Write every byte of ``parts`` to ``fd`` (vectored, short writes resumed)."""
     views = [memoryview(p).cast("B") for p in parts]
     if len(views) == 1:  # a document: one write, as a rule
         n = os.write(fd, views[0])

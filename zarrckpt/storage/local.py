@@ -1,9 +1,10 @@
 """The local-files backend: whole files published atomically, pooled and vectored reads (os calls).
 
-A file is written aside, flushed to disk, then renamed into place (or, for a create, hard-linked:
-``FileExistsError``-free "exists" when the name is taken; :class:`Storage` then flushes its directory), so no
-reader ever sees it half-written. A save's shards and ``zarr.json`` documents instead go straight to
-their names, made durable by one barrier before the commit (:mod:`zarrckpt.storage.durable`).
+A file is written aside, flushed to disk, then renamed into place (or, for a create, hard-linked from a
+file without a name where the filesystem has them: "exists" when the name is taken; :class:`Storage` then
+flushes its directory), so no reader ever sees it half-written. A save's shards and ``zarr.json``
+documents instead go straight to their names, made durable by one barrier before the commit
+(:mod:`zarrckpt.storage.durable`).
 Listing, deleting and the rest go through :class:`~zarrckpt.storage.localfs.LocalFiles` (os calls).
 Every read opens through :func:`~zarrckpt.storage.localfs.open_regular`: a FIFO, socket, device or
 directory in place of an object is an error naming it, never a read that blocks or never ends.
@@ -12,6 +13,7 @@ directory in place of an object is an error naming it, never a read that blocks 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import threading
 import uuid
@@ -19,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from zarrckpt.storage.caps import LOCAL_FILES, NameLimits, ReadCaps
-from zarrckpt.storage.durable import Unsynced, make_dirs, sync_path
+from zarrckpt.storage.durable import Unsynced, make_dirs, sync_path, write_parts
 from zarrckpt.storage.localfs import open_regular
 
 Buffer = bytes | memoryview
@@ -164,9 +166,15 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> int:
 def publish(full: str, parts: Sequence[Buffer], exclusive: bool, made: set[str]) -> bool:
     """Write ``parts`` aside and flush them to disk, then rename into place at ``full`` or,
     ``exclusive``, hard-link into place: False when the name already exists. ``made`` holds the
-    directories known to exist (created here when missing)."""
+    directories known to exist (created here when missing). An exclusive write goes through a file
+    with no name (``O_TMPFILE``) where the filesystem has them, so a process killed half-way leaves
+    nothing; elsewhere through a temporary name, which such a kill leaves behind."""
     parent = os.path.dirname(full)
     make_dirs(parent, made)
+    if exclusive:
+        linked = _publish_unnamed(parent, full, parts)
+        if linked is not None:
+            return linked
     tmp = f"{full}.{uuid.uuid4().hex[:12]}.tmp"
     try:
         with open(tmp, "wb") as f:
@@ -183,3 +191,44 @@ def publish(full: str, parts: Sequence[Buffer], exclusive: bool, made: set[str])
     finally:
         with contextlib.suppress(OSError):
             os.remove(tmp)
+
+
+_UNNAMED = {"works": hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd")}
+# what a system without unnamed files (or without /proc) answers; EISDIR: kernels before 3.11
+_NO_UNNAMED = (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT, errno.EPERM, errno.EXDEV)
+
+
+def _publish_unnamed(parent: str, full: str, parts: Sequence[Buffer]) -> bool | None:
+    """Write ``parts`` to a file without a name in ``parent``, flush it, link it as ``full``: True,
+    or False when the name exists; None when this filesystem (or this system) has no unnamed files
+    (the caller writes under a temporary name, and from then on so does every call)."""
+    if not _UNNAMED["works"]:
+        return None
+    try:
+        fd = os.open(parent, os.O_TMPFILE | os.O_WRONLY, 0o666)
+    except OSError as e:
+        _without_unnamed(parent, e)
+        return None
+    try:
+        write_parts(fd, parts)
+        os.fsync(fd)
+        into = os.open(parent, os.O_PATH | os.O_DIRECTORY)
+        try:  # linkat(AT_SYMLINK_FOLLOW) of the /proc link needs no privilege (os.link makes it one with a dir fd)
+            os.link(f"/proc/self/fd/{fd}", os.path.basename(full), dst_dir_fd=into)
+        except FileExistsError:
+            return False
+        except OSError as e:
+            _without_unnamed(parent, e)
+            return None
+        finally:
+            os.close(into)
+        return True
+    finally:
+        os.close(fd)
+
+
+def _without_unnamed(parent: str, e: OSError) -> None:
+    """An unnamed file failed with ``e``: raise it, unless this system has none (then no call tries again)."""
+    if e.errno not in _NO_UNNAMED or not os.path.isdir(parent):
+        raise e
+    _UNNAMED["works"] = False
