@@ -121,6 +121,43 @@ def test_verify_reports_every_problem(tmp_path: Path) -> None:
     assert "'b'" in problems[1] and "missing" in problems[1]
 
 
+def test_verify_reads_many_tensors_side_by_side_and_reports_in_key_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many one-shard tensors (issue 41: 1,000 of them took 31-51 s, a GET after a GET): their
+    ``zarr.json`` and shard GETs run side by side; the problems still come in key order."""
+    import threading
+    import time
+
+    from zarrckpt.storage.store import Storage
+
+    url = str(tmp_path / "ck")
+    state = {f"t{i:03d}": torch.arange(16.0) + i for i in range(40)}  # (not constant: stored in chunks)
+    zarrckpt.save(state, url)  # (arrays of several shards, verified one by one: test_request_budget.py)
+    for key in ("t031", "t007", "t019"):
+        (tmp_path / "ck" / key / "c" / "0").unlink()
+    monkeypatch.setenv("ZARRCKPT_CONCURRENCY", "8")  # (local reads: as many as cores by default)
+    ckpt = zarrckpt.open(url)
+    lock, now, most = threading.Lock(), [0], [0]
+    real = Storage.read
+
+    def slow_read(self: Storage, *args: Any, **kw: Any) -> Any:
+        with lock:
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+        try:
+            time.sleep(0.01)  # a round trip
+            return real(self, *args, **kw)
+        finally:
+            with lock:
+                now[0] -= 1
+
+    monkeypatch.setattr(Storage, "read", slow_read)
+    problems = ckpt.verify()["problems"]
+    assert most[0] > 4, most[0]
+    assert [p.split("'")[1] for p in problems] == ["t007", "t019", "t031"] and all("missing" in p for p in problems)
+
+
 def _rows(html: str) -> list[list[str]]:
     """Cells of every table row (tags stripped, entities kept)."""
     return [re.findall(r"<t[dh]>(.*?)</t[dh]>", row) for row in re.findall(r"<tr>(.*?)</tr>", html)]

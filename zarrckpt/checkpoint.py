@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import json
 import logging
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -228,7 +229,6 @@ class Checkpoint:
             else f"modified after commit: {why}"
             for _, why in sorted(self.manifest.modified.items())
         ]
-        fetched = done = 0
         arrays = sorted(self.manifest.arrays.values(), key=lambda m: m.key)
         bar = Progress("verify", len(arrays), sum(m.nbytes for m in arrays)) if progress else None
         try:  # what is stored, with sizes: one listing bounds the work by the objects that exist
@@ -236,17 +236,28 @@ class Checkpoint:
         except ZarrckptError as e:
             problems.append(f"listing the checkpoint failed ({e}); each tensor's objects are listed on their own")
             listing = None
-        for i, meta in enumerate(arrays, 1):
+        lock, tally = threading.Lock(), [0, 0, 0]  # arrays checked, their bytes, bytes read
+
+        def check(meta: ArrayMeta) -> str | None:  # the problem found
+            read, problem = 0, None
             try:
-                fetched += self._verify_array_doc(meta)
-                fetched += verify.verify_array(self.storage, meta, any_layout=self.allow_modified, listing=listing)
+                read += self._verify_array_doc(meta)
+                read += verify.verify_array(self.storage, meta, any_layout=self.allow_modified, listing=listing)
             except ZarrckptError as e:
-                problems.append(str(e))
+                problem = str(e)
             except MemoryError:  # a crafted size no check above caught: a problem to report, never a crash
-                problems.append(f"{meta.key!r}: checking it needs more memory than this process can have")
-            done += meta.nbytes
-            if bar is not None:
-                bar.update(i, done, fetched)
+                problem = f"{meta.key!r}: checking it needs more memory than this process can have"
+            with lock:
+                tally[0], tally[1], tally[2] = tally[0] + 1, tally[1] + meta.nbytes, tally[2] + read
+                if bar is not None:
+                    bar.update(*tally)
+            return problem
+
+        alone, together = verify.by_shards(arrays)  # (an array of many shards reads them side by side)
+        found = dict(zip((m.key for m in together), self.storage.run_all(check, together), strict=True))
+        found |= {meta.key: check(meta) for meta in alone}
+        problems += [p for m in arrays if (p := found[m.key]) is not None]  # (in key order)
+        fetched = tally[2]
         if bar is not None:
             bar.finish(fetched)
         if problems:

@@ -105,6 +105,15 @@ def verify_array(
     return sum(n for n, _ in results)
 
 
+def by_shards(arrays: list[ArrayMeta]) -> tuple[list[ArrayMeta], list[ArrayMeta]]:
+    """``arrays`` split into those of several shard objects (their shards are read side by side: verify
+    each alone) and those of one or none (a GET of its ``zarr.json`` and at most one of its shard:
+    verify them side by side)."""
+    alone = [m for m in arrays if m.constant is None and math.prod(grid_shape(m.shape, m.shard_shape)) > 1]
+    chosen = set(map(id, alone))
+    return alone, [m for m in arrays if id(m) not in chosen]
+
+
 def _own_objects(storage: Storage, meta: ArrayMeta) -> dict[str, int]:
     """The array's objects (paths relative to the checkpoint -> sizes), by one listing of its ``c/``."""
     own = storage.child(f"{meta.path}/c").sizes()
