@@ -235,6 +235,38 @@ def test_ckpt_path_last_on_s3_with_zarr_model_checkpoint(
     assert resumed.global_step == 8 and ZarrCheckpointIO(options).load_checkpoint(newest)["global_step"] == 8
 
 
+@pytest.mark.parametrize("store", ["s3", "gcs"])
+def test_zarr_model_checkpoint_needs_no_endpoint_in_the_environment(
+    store: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 41: Lightning's own file operations in ``dirpath`` went to the environment's endpoint
+    (``ckpt.s3.amazonaws.com`` without ``AWS_ENDPOINT_URL``). With ``storage_options`` given to
+    ``ZarrModelCheckpoint`` they go where the checkpoints do, though the environment points elsewhere:
+    docs/integrations.md's ``lightning-remote`` example saves every 2 steps keeping the best 1 by loss
+    and last, resumes from ``last_checkpoint(dirpath)`` (``ckpt_path="last"`` has the trainer itself
+    look the file up, from the path alone), and top-k retention deletes through ``ZarrCheckpointIO``."""
+    from docexamples import example
+
+    url, options = request.getfixturevalue(f"{store}_url")
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    for name, value in (("AWS_ENDPOINT_URL", dead), ("STORAGE_EMULATOR_HOST", dead)):
+        monkeypatch.setenv(name, value)
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.setenv(name, "wrong")
+    documented: dict[str, Any] = {}
+    exec(example("integrations.md", "lightning-remote"), documented)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = documented["fit"](model := Counting(), _data(), url, options, 4)
+        assert first.ckpt_path is None and model.trained == 4
+        resumed = documented["fit"](model := Counting(), _data(), url, options, 6)
+    assert resumed.ckpt_path == f"{url}/ckpts/last.ckpt" and model.trained == 2
+    found = zarrckpt.list_checkpoints(f"{url}/ckpts", storage_options=options)
+    assert set(found.values()) == {"committed"} and "last.ckpt" in found and len(found) == 2, found  # top 1 + last
+    assert last_checkpoint(f"{url}/ckpts", storage_options=options) == f"{url}/ckpts/last.ckpt"
+    assert ZarrCheckpointIO(options).load_checkpoint(f"{url}/ckpts/last.ckpt")["global_step"] == 6
+
+
 @pytest.mark.slow
 def test_the_documented_example_runs_as_a_script(tmp_path: Path) -> None:
     """docs/integrations.md's example, as a script: fit 4 steps, resume from last.ckpt, train to 6."""

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from zarrckpt.manager import CheckpointManager
     from zarrckpt.plan.localstate import LocalShard
     from zarrckpt.staging import StagingStats
+    from zarrckpt.storage.clients import fsspec_filesystem
     from zarrckpt.tensorview import TensorView, UncheckedReadWarning
     from zarrckpt.transfer import copy_checkpoint
     from zarrckpt_dtypes.zarr_types import register_zarr_dtypes
@@ -76,6 +77,7 @@ _LAZY = {
     "delete": "zarrckpt.lifecycle",
     "list_checkpoints": "zarrckpt.lifecycle",
     "copy_checkpoint": "zarrckpt.transfer",
+    "fsspec_filesystem": "zarrckpt.storage.clients",
     "LocalShard": "zarrckpt.plan.localstate",
     "CheckpointManager": "zarrckpt.manager",
     "register_zarr_dtypes": "zarrckpt_dtypes.zarr_types",
@@ -134,6 +136,7 @@ __all__ = [
     "delete",
     "errors",
     "export_safetensors",
+    "fsspec_filesystem",
     "import_checkpoint",
     "latest_step",
     "list_checkpoints",

@@ -207,14 +207,30 @@ class ZarrModelCheckpoint(ModelCheckpoint):
     ``ZarrModelParallelStrategy`` load as the checkpoint.
 
     Args:
-        storage_options: for listing the checkpoints (as given to ``ZarrCheckpointIO``); Lightning
-            reads the modification times with the environment's credentials.
+        storage_options: the store's endpoint and credentials (as given to ``ZarrCheckpointIO``), for
+            listing the checkpoints and for Lightning's own file operations in ``dirpath`` (it looks
+            for existing files there, and writes ``best_k_models.yaml``): with them, no
+            ``AWS_ENDPOINT_URL`` / ``STORAGE_EMULATOR_HOST`` / credentials in the environment are
+            needed. Without them, Lightning uses the environment's, as ``ModelCheckpoint`` does.
         *args, **kwargs: as ``ModelCheckpoint``.
     """
 
     def __init__(self, *args: Any, storage_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        self.storage_options = storage_options  # (before Lightning makes its filesystem: see _fs)
         super().__init__(*args, **kwargs)
-        self.storage_options = storage_options
+
+    @property
+    def _fs(self) -> Any:
+        return self._filesystem
+
+    @_fs.setter
+    def _fs(self, fs: Any) -> None:
+        """Lightning makes the filesystem of ``dirpath`` from the path alone (the environment's endpoint
+        and credentials); a remote one is made with ``storage_options`` instead, as zarrckpt's is."""
+        protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+        if self.storage_options and protocol not in ("file", "local"):
+            fs = zarrckpt.fsspec_filesystem(f"{protocol}://", self.storage_options)[0]
+        self._filesystem = fs
 
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:
         if self.dirpath is None:

@@ -95,6 +95,25 @@ def open_filesystem(url: str, options: dict[str, Any] | None) -> tuple[Any, str,
         fs = _obstore(url, options)
         if fs is not None:
             return fs, path.rstrip("/"), "obstore"
+    fs, root = fsspec_filesystem(url, options)
+    return fs, root, type(fs).__module__.split(".", 1)[0]
+
+
+def fsspec_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """(an fsspec filesystem, the path on it) for ``url`` with ``storage_options``, as zarrckpt makes
+    it where it does not use obstore: gcsfs's core class for ``gs://`` (its default class first asks
+    the bucket's type over gRPC, which where nothing answers waits 60 s a call), and for ``s3://``
+    s3fs without a SHA-256 of each request body. For a framework's own file operations next to
+    zarrckpt's (Lightning's ``ModelCheckpoint``, Ray Train's ``storage_filesystem``), so that they go to
+    the same endpoint with the same credentials.
+
+    Raises:
+        ZarrckptError: no filesystem serves ``url``, or the options do not fit it.
+    """
+    options = storage_options
+    import fsspec
+
+    protocol = fsspec.core.split_protocol(url)[0]
     try:
         if protocol in ("gs", "gcs") and _GCS_EXTENDED not in os.environ:
             fs, root = _gcs(url, options)
@@ -103,7 +122,7 @@ def open_filesystem(url: str, options: dict[str, Any] | None) -> tuple[Any, str,
     except (ValueError, ImportError, TypeError) as e:
         raise ZarrckptError(f"cannot open storage for {url!r}: {e}") from e
     isolate_randomness()  # (the client's modules are imported now)
-    return fs, root, type(fs).__module__.split(".", 1)[0]
+    return fs, root
 
 
 _GCS_EXTENDED = "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"
