@@ -139,8 +139,18 @@ def _check_zarr(ns: dict[str, Any], wd: Path) -> None:
     assert np.array_equal(ns["root"]["model/layers/0/mlp/w1"][5], want)
 
 
+def _check_ray_storage(ns: dict[str, Any], wd: Path) -> None:
+    pyarrow = pytest.importorskip("pyarrow.fs")
+    config = ns["run_config"]
+    assert config.storage_path == "bucket/ray_results" and isinstance(config.storage_filesystem, pyarrow.PyFileSystem)
+    assert config.storage_filesystem.handler.fs.storage_options["endpoint_url"] == "http://127.0.0.1:7480"
+
+
 # a substring found in exactly one unmarked python block -> how that block runs
 SNIPPETS = {
+    'run_storage("s3://bucket/ray_results", storage_options=opts)': Snippet(
+        "import pytest\nray = pytest.importorskip('ray')\nimport ray.train\n", _check_ray_storage
+    ),
     'zarrckpt.async_save(state, url, staging="background")': Snippet(ASYNC_PRELUDE, _check_async),
     'zarr.open_group("ckpt", mode="r")': Snippet("", _check_zarr),
 }

@@ -18,6 +18,7 @@ import torch
 from docexamples import example, run_example
 
 import zarrckpt
+from zarrckpt.testing import free_port
 
 pytest.importorskip("ray")  # `pip install zarrckpt[ray]` (make test installs it)
 
@@ -92,11 +93,18 @@ class Worker:
     """A Ray Train worker's context, stood in for: its run directory, the checkpoint it resumed
     from, and the reports it made."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, run: Path, resumed: str | None) -> None:
+    def __init__(
+        self,
+        monkeypatch: pytest.MonkeyPatch,
+        run: Path | str,
+        resumed: str | None,
+        filesystem: pyarrow.fs.FileSystem | None = None,
+    ) -> None:
         self.reports: list[tuple[Any, ...]] = []
-        storage = SimpleNamespace(experiment_fs_path=str(run), storage_filesystem=pyarrow.fs.LocalFileSystem())
+        filesystem = filesystem or pyarrow.fs.LocalFileSystem()
+        storage = SimpleNamespace(experiment_fs_path=str(run), storage_filesystem=filesystem)
         context = SimpleNamespace(get_storage=lambda: storage)
-        resumed_from = ray.train.Checkpoint(str(run / resumed)) if resumed else None
+        resumed_from = ray.train.Checkpoint(f"{run}/{resumed}", filesystem) if resumed else None
         monkeypatch.setattr(ray.train, "get_context", lambda: context)
         monkeypatch.setattr(ray.train, "get_checkpoint", lambda: resumed_from)
         monkeypatch.setattr(ray.train, "report", lambda *a, **kw: self.reports.append((a, kw)))
@@ -144,6 +152,40 @@ def test_report_hands_ray_the_directory_without_a_copy(tmp_path: Path, monkeypat
     with pytest.raises(zarrckpt.ZarrckptError, match="staging='caller'"):
         report({}, {"step": 6}, 6, async_save=True, staging="background")
     assert "step_0000000006" not in zarrckpt.list_checkpoints(tmp_path)
+
+
+@pytest.mark.parametrize("store", ["s3", "gcs"])
+def test_run_storage_needs_no_endpoint_in_the_environment(
+    store: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 41: Ray's own pyarrow S3 / GCS filesystems read the endpoint from the environment only (and
+    pyarrow's S3 upload of Ray's snapshot failed on RGW with HTTP 411). ``RunConfig(**run_storage(url,
+    storage_options=...))``: Ray's own files and the checkpoints go to the store the options name, though
+    the environment points elsewhere, and report / load take the options from Ray's filesystem."""
+    from zarrckpt.integrations.ray import run_storage
+
+    url, options = request.getfixturevalue(f"{store}_url")
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    for name, value in (("AWS_ENDPOINT_URL", dead), ("STORAGE_EMULATOR_HOST", dead)):
+        monkeypatch.setenv(name, value)
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.setenv(name, "wrong")
+    storage = run_storage(url, storage_options=options)
+    ray.train.RunConfig(name="demo", **storage)  # (Ray accepts it)
+    fs, run = storage["storage_filesystem"], f"{storage['storage_path']}/demo"
+    with fs.open_output_stream(f"{run}/checkpoint_manager_snapshot.json") as out:  # as Ray writes its own files
+        out.write(b'{"checkpoints": []}')
+    assert zarrckpt.fsspec_filesystem(url, options)[0].cat_file(f"{run}/checkpoint_manager_snapshot.json") == (
+        b'{"checkpoints": []}'
+    )
+    Worker(monkeypatch, run, None, fs)
+    report({"loss": 0.5}, {"w": torch.arange(4.0), "step": 2}, 2)  # no storage_options: Ray's filesystem's
+    assert zarrckpt.list_checkpoints(f"{url}/demo", storage_options=options) == {"step_0000000002": "committed"}
+    Worker(monkeypatch, run, "step_0000000002", fs)
+    state: dict[str, Any] = {"w": torch.zeros(4), "step": 0}
+    assert load(state) == f"{url}/demo/step_0000000002" and state["step"] == 2
+    assert torch.equal(state["w"], torch.arange(4.0))
+    assert run_storage("/tmp/ray_results") == {"storage_path": "/tmp/ray_results"}
 
 
 def test_load_refuses_a_ray_checkpoint_that_is_no_zarrckpt_checkpoint(tmp_path: Path) -> None:

@@ -54,12 +54,31 @@ import ray.train
 import zarrckpt
 from zarrckpt.integrations.restarts import from_rank_0, make_way, rank
 
-__all__ = ["checkpoint_url", "load", "report", "save"]
+__all__ = ["checkpoint_url", "load", "report", "run_storage", "save"]
 
 _STEP_DIR = re.compile(r"^step_(\d{10})$")  # zarrckpt.CheckpointManager's names, which zarrckpt.latest_step reads
 _HOW = "save it with zarrckpt.integrations.ray.report (or save), or load it the way it was saved"
 log = logging.getLogger("zarrckpt")
 _saved_here: set[str] = set()  # URLs this worker process saved: saving one twice is refused, as in zarrckpt.save
+
+
+def run_storage(url: str, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Ray Train's storage at ``url`` (a local path, ``s3://``, ``gs://``) with the store's endpoint
+    and credentials: ``RunConfig(name=..., **run_storage(url, storage_options=opts))``.
+
+    Remote, it is ``storage_path`` plus a ``storage_filesystem`` over the fsspec filesystem zarrckpt
+    uses (:func:`zarrckpt.fsspec_filesystem`), so that Ray's own files (its snapshot of the run's
+    checkpoints, ...) go to the same endpoint with the same credentials as the checkpoints, and
+    :func:`report` / :func:`load` take the options from it. Ray's own pyarrow S3 and GCS filesystems
+    read the endpoint from the environment only, and pyarrow's S3 uploads fail on some S3 servers
+    (``HTTP 411 MissingContentLength`` on Ceph RGW); on ``gs://`` Ray's default gcsfs class stalls
+    asking for the bucket's type where nothing answers it. Local paths come back as they are.
+    """
+    path = str(url)
+    if "://" not in path or path.startswith("file://"):
+        return {"storage_path": path.removeprefix("file://")}
+    fs, root = zarrckpt.fsspec_filesystem(path, storage_options)
+    return {"storage_path": root, "storage_filesystem": pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(fs))}
 
 
 def checkpoint_url(checkpoint: ray.train.Checkpoint) -> str:
