@@ -43,7 +43,7 @@ docs: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/pip install -q -e '.[bench]' torch==2.13.0  # s3torchconnector: a baseline of the S3 rows
-	$(BIN)/python benchmarks/run.py --out benchmarks/results/latest.md --json benchmarks/results/latest.json
+	$(BIN)/python benchmarks/run.py --out benchmarks/results/latest.md --json benchmarks/results/latest.json --charts-dir docs/img
 
 clean:
 	rm -rf $(VENV) demo-checkpoints site .pytest_cache .mypy_cache .ruff_cache

@@ -9,6 +9,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+import matplotlib.ticker
 from tables import GB, LIB_NAMES, MIB, Target, median
 
 COLORS = {
@@ -70,6 +71,8 @@ def targets(goals: list[Target], path: Path) -> bool:
     ax.set_yticks(ys, [f"{t.name} ({t.fmt(t.measured or 0)})" for t in rows], fontsize=8)
     ax.invert_yaxis()
     ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # (minor labels overlapped the major ones)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_xlabel("measured vs goal (> 1: met; log scale)")
     ax.set_title("Targets")
     fig.tight_layout()

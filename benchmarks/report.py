@@ -7,6 +7,7 @@ driver-side lazy-read measurements) and ``info`` (run parameters and environment
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -295,5 +296,5 @@ def render(runs: list[dict[str, Any]], lazy: dict[str, Any] | None, info: dict[s
             for title in SECTIONS[part]:
                 out += [title, "", "_not run in this invocation (`--only`)._", ""]
     out += ["", "## GPU", "", info["gpu"], "", "## Charts", ""]
-    out += [f"![{name}]({name})" for name in info.get("charts", [])]
+    out += [f"![{os.path.basename(path)}]({path})" for path in info.get("charts", [])]
     return "\n".join(out).rstrip() + "\n"

@@ -286,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--many-big-mib", type=float, default=64, help="its one large tensor, MiB (default 64)")
     p.add_argument("--many-ranks", default="1,4", help="world sizes of scenario 7 (default 1,4)")
     p.add_argument("--no-charts", action="store_true", help="skip the PNG charts")
+    p.add_argument("--charts-dir", type=Path, default=None, help="where the charts go (default: next to --out)")
     p.add_argument("--json", type=Path, default=None, help="also write every measurement to this JSON file")
     p.add_argument("--profile", type=Path, default=None, help="profile rank 0 in an extra, untimed repetition")
     p.add_argument("--from-json", type=Path, default=None, help="only re-render the report of a --json file")
@@ -361,7 +362,10 @@ def write_report(args: argparse.Namespace, runs: list[dict[str, Any]], lazy: Any
     if not args.no_charts:
         from charts import draw_all
 
-        info["charts"] = draw_all(runs, targets(runs, lazy, info), info, args.out.parent)
+        where = args.charts_dir or args.out.parent
+        where.mkdir(parents=True, exist_ok=True)
+        drawn = draw_all(runs, targets(runs, lazy, info), info, where)
+        info["charts"] = [os.path.relpath(where / name, args.out.parent) for name in drawn]  # (links from the report)
     text = render(runs, lazy, info)
     args.out.write_text(text)
     print(text)

@@ -12,7 +12,8 @@ How each fenced block is exercised, by its language:
   key of ``RUN_ELSEWHERE``, which names the test (or CI step) that already runs that command and says why
   it does not run here.
 - ``json``: must parse (docs/FORMAT.md's elisions ``{…group…}`` stand for an object and read as ``{}``).
-- ``text`` and unlabelled blocks are layouts and diagrams, not code.
+- ``text`` and unlabelled blocks are layouts and diagrams, not code; ``mermaid`` blocks are diagrams the
+  site draws, of a kind mermaid knows (the lifecycle's state diagram names ``list_checkpoints``' states).
 
 A block in any other language, a python block without a ``SNIPPETS`` entry or marker, or a command
 line neither run nor mapped fails ``test_every_block_is_exercised``: a new block needs a test.
@@ -303,6 +304,21 @@ def _test_file_defines(target: str) -> bool:
     return (ROOT / path).is_file() and re.search(rf"^def {name}\(", (ROOT / path).read_text(), re.M) is not None
 
 
+def _mermaid_problems(block: Block) -> list[str]:
+    """A diagram (drawn by the docs site): of a kind mermaid draws; the lifecycle's states are the ones
+    ``list_checkpoints`` names."""
+    from zarrckpt.engine.prefix import COMMITTED, DELETING_STATE, INCOMPLETE
+
+    kind = block.code.split(None, 1)[0] if block.code.strip() else ""
+    if kind not in ("flowchart", "stateDiagram-v2", "sequenceDiagram"):
+        return [f"{block.where}: a mermaid block of kind {kind!r}"]
+    if kind == "stateDiagram-v2":
+        states = set(re.findall(r"^\s*(\w+) -->", block.code, re.M)) - {"[*]"}
+        if states != {COMMITTED, DELETING_STATE, INCOMPLETE}:
+            return [f"{block.where}: the states {sorted(states)} are not list_checkpoints' states"]
+    return []
+
+
 def test_every_block_is_exercised() -> None:
     problems = []
     for block in ALL:
@@ -316,6 +332,8 @@ def test_every_block_is_exercised() -> None:
             for raw in command_lines(block):
                 if not (elsewhere(raw) or runs_here(raw)):
                     problems.append(f"{block.where}: {raw!r} is neither run here nor in RUN_ELSEWHERE")
+        elif block.lang == "mermaid":
+            problems += _mermaid_problems(block)
         elif block.lang not in ("json", "text", ""):
             problems.append(f"{block.where}: a {block.lang!r} block: add a rule to tests/test_docs.py")
     assert problems == [], "\n".join(problems)
