@@ -29,7 +29,16 @@ from typing import TypeVar
 
 from zarrckpt.errors import ZarrckptError, causes
 
-__all__ = ["DEFAULT_POLICY", "BadRead", "RetryPolicy", "current_policy", "describe", "is_transient", "read_again"]
+__all__ = [
+    "DEFAULT_POLICY",
+    "BadRead",
+    "RetryPolicy",
+    "current_policy",
+    "describe",
+    "is_transient",
+    "missing_bucket",
+    "read_again",
+]
 
 T = TypeVar("T")
 log = logging.getLogger("zarrckpt")
@@ -263,3 +272,23 @@ def describe(error: BaseException) -> str:
         if isinstance(error, PermissionError):
             said += " (access denied: check the credentials, key and secret, and the permissions)"
     return f"{type(error).__name__}: {said}"
+
+
+_NO_BUCKET = re.compile(r"NoSuchBucket|bucket does not exist", re.I)
+
+
+def missing_bucket(error: BaseException) -> bool:
+    """Whether ``error`` (a FileNotFoundError, mostly) says the bucket itself does not exist, not only
+    the object: S3's ``NoSuchBucket``, however the client words it."""
+    for e in causes(error):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict) and (response.get("Error") or {}).get("Code") == "NoSuchBucket":
+            return True
+        if type(e).__name__ == "NoSuchBucket" or _NO_BUCKET.search(str(e)):
+            return True
+    return False
+
+
+def bucket_of(url: str) -> str:
+    """The bucket an object store URL names (``s3://bucket/run/x`` -> ``bucket``)."""
+    return url.partition("://")[2].lstrip("/").partition("/")[0]
