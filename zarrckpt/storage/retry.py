@@ -35,6 +35,7 @@ __all__ = [
     "RetryPolicy",
     "current_policy",
     "describe",
+    "from_client",
     "is_transient",
     "missing_bucket",
     "read_again",
@@ -271,7 +272,19 @@ def describe(error: BaseException) -> str:
         said = _XML.sub(words, str(inner)) if inner is not None else "no reason given"
         if isinstance(error, PermissionError):
             said += " (access denied: check the credentials, key and secret, and the permissions)"
+    if type(error).__name__ == "NoCredentialsError":  # botocore's, under s3fs
+        said += (
+            " (no AWS credentials: give storage options key and secret, or set $AWS_ACCESS_KEY_ID and "
+            "$AWS_SECRET_ACCESS_KEY, a profile, or anon=true for a public bucket)"
+        )
     return f"{type(error).__name__}: {said}"
+
+
+def from_client(error: BaseException) -> bool:
+    """Whether ``error`` is one of an S3 client library's own exception types (botocore's
+    ``NoCredentialsError``, ``PartialCredentialsError``, ``ParamValidationError``, ...): a storage
+    failure to say in words, not a bug to show as a traceback."""
+    return type(error).__module__.split(".", 1)[0] in ("botocore", "aiobotocore", "s3fs", "gcsfs", "google")
 
 
 _NO_BUCKET = re.compile(r"NoSuchBucket|bucket does not exist", re.I)

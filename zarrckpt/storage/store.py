@@ -25,7 +25,15 @@ from zarrckpt.storage.concurrency import run_bounded
 from zarrckpt.storage.local import Buffer, LocalBackend
 from zarrckpt.storage.localfs import LocalFiles
 from zarrckpt.storage.remote import CreatedCorrupt, RemoteBackend, UploadCorrupted
-from zarrckpt.storage.retry import RetryPolicy, bucket_of, current_policy, describe, is_transient, missing_bucket
+from zarrckpt.storage.retry import (
+    RetryPolicy,
+    bucket_of,
+    current_policy,
+    describe,
+    from_client,
+    is_transient,
+    missing_bucket,
+)
 from zarrckpt.storage.traffic import Traffic
 from zarrckpt.types import URL
 
@@ -142,7 +150,7 @@ class Storage:
                 raise StorageError(f"{what} {self.where(path)} failed: {e} (does the bucket/directory exist?)") from e
             except Exception as e:
                 if not is_transient(e):
-                    if isinstance(e, (OSError, RuntimeError, ValueError)):
+                    if isinstance(e, (OSError, RuntimeError, ValueError)) or from_client(e):
                         raise StorageError(f"{what} {self.where(path)} failed: {describe(e)}") from e
                     raise
                 if attempt == policy.attempts:
