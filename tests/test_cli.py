@@ -267,6 +267,12 @@ BAD_S3_INPUT = {
         {"client_kwargs": {"region": "us-west-2"}},
         ["unknown S3 storage option client_kwargs['region']", "did you mean region_name?"],
     ),
+    "a misspelt config_kwargs": (
+        "ls",
+        "{url}",
+        {"config_kwargs": {"read_timout": 5}},
+        ["unknown S3 storage option config_kwargs['read_timout']", "did you mean read_timeout?"],
+    ),
     "a missing bucket, read": (
         "info",
         "s3://no-such-bucket/x",
@@ -349,8 +355,10 @@ def test_the_s3_options_known_without_s3fs_are_s3fs_options() -> None:
     ones the installed s3fs (and botocore, in client_kwargs) take."""
     assert s3options._accepted() >= s3options.COMMON
     assert s3options._accepted_client() >= s3options.COMMON_CLIENT
-    assert {m for m in s3options.MEANT.values() if "=" not in m} <= s3options.COMMON
+    assert s3options._accepted_config() >= s3options.COMMON_CONFIG
+    assert {m for m in s3options.MEANT.values() if m.isidentifier()} <= s3options.COMMON
     assert set(s3options.MEANT_CLIENT.values()) <= s3options.COMMON_CLIENT
+    assert {m for m in s3options.MEANT_CONFIG.values() if m.isidentifier()} <= s3options.COMMON_CONFIG
 
 
 def test_a_file_is_no_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -30,6 +30,10 @@ COMMON_CLIENT = frozenset({
     "region_name", "api_version", "use_ssl", "verify", "endpoint_url", "aws_access_key_id",
     "aws_secret_access_key", "aws_session_token", "config", "aws_account_id",
 })
+COMMON_CONFIG = frozenset({
+    "region_name", "signature_version", "connect_timeout", "read_timeout", "max_pool_connections", "s3",
+    "retries", "tcp_keepalive", "proxies",
+})
 # fmt: on
 _REGION = 'client_kwargs=\'{"region_name": "..."}\''
 # what users write for what s3fs calls otherwise (the AWS CLI's, boto3's, other tools' names)
@@ -58,6 +62,8 @@ MEANT = {
 }
 MEANT_CLIENT = {"region": "region_name", "endpoint": "endpoint_url", "key": "aws_access_key_id"}
 MEANT_CLIENT |= {"secret": "aws_secret_access_key", "token": "aws_session_token"}
+MEANT_CONFIG = {"region": "region_name", "timeout": "connect_timeout or read_timeout"}
+MEANT_CONFIG["addressing_style"] = '"s3": {"addressing_style": ...}'
 
 
 def _accepted() -> set[str]:
@@ -77,6 +83,13 @@ def _accepted_client() -> set[str]:
     return {p for p in inspect.signature(Session.create_client).parameters if p not in ("self", "service_name")}
 
 
+def _accepted_config() -> set[str]:
+    """What ``config_kwargs`` may hold: botocore ``Config``'s options."""
+    from botocore.config import Config
+
+    return set(Config.OPTION_DEFAULTS)
+
+
 def _unknown(name: str, where: str, meant: Mapping[str, str], known: set[str]) -> ZarrckptError:
     guess = meant.get(name.lower()) or next(iter(difflib.get_close_matches(name, sorted(known), n=1)), None)
     hint = f"; did you mean {guess}?" if guess else ""
@@ -88,7 +101,8 @@ def _unknown(name: str, where: str, meant: Mapping[str, str], known: set[str]) -
 
 def check(url: str, options: Mapping[str, Any] | None) -> None:
     """Raise ZarrckptError for an option s3fs would refuse only once a request is sent: a name it does
-    not take (top level or in ``client_kwargs``), or a key, secret or token given without the others."""
+    not take (top level, in ``client_kwargs`` or ``config_kwargs``), or a key, secret or token given
+    without the others."""
     opts = dict(options or {})
     strange = sorted(set(opts) - COMMON)
     if strange:
@@ -96,15 +110,19 @@ def check(url: str, options: Mapping[str, Any] | None) -> None:
         for name in strange:
             if name not in known:
                 raise _unknown(name, repr(name), MEANT, known)
-    client = opts.get("client_kwargs")
-    if client is not None and not isinstance(client, Mapping):
-        raise ZarrckptError(f"S3 storage option client_kwargs must be a JSON object, not {client!r}")
-    strange = sorted(set(client or {}) - COMMON_CLIENT)
-    if strange:
-        known = _accepted_client()
-        for name in strange:
-            if name not in known:
-                raise _unknown(name, f"client_kwargs[{name!r}]", MEANT_CLIENT, known)
+    for option, common, meant, accepted in (
+        ("client_kwargs", COMMON_CLIENT, MEANT_CLIENT, _accepted_client),
+        ("config_kwargs", COMMON_CONFIG, MEANT_CONFIG, _accepted_config),
+    ):
+        inner = opts.get(option)
+        if inner is not None and not isinstance(inner, Mapping):
+            raise ZarrckptError(f"S3 storage option {option} must be a JSON object, not {inner!r}")
+        strange = sorted(set(inner or {}) - common)
+        if strange:
+            known = accepted()
+            for name in strange:
+                if name not in known:
+                    raise _unknown(name, f"{option}[{name!r}]", meant, known)
     key, secret = opts.get("key") or opts.get("username"), opts.get("secret") or opts.get("password")
     if bool(key) != bool(secret) or (opts.get("token") and not (key and secret)):
         given = ", ".join(n for n in ("key", "secret", "token") if opts.get(n))
