@@ -18,17 +18,19 @@ import pytest
 import torch
 
 import zarrckpt
-from zarrckpt import display
+from zarrckpt import demo, display
 from zarrckpt.cli import commands as cli
 from zarrckpt.cli import tensors as clitensors
 from zarrckpt.convert import export
 from zarrckpt.display import human
 from zarrckpt.engine import commit as protocol
 from zarrckpt.engine import markers
+from zarrckpt.example import scenario
 from zarrckpt.format.jsondoc import Unsettled
 from zarrckpt.format.manifest import DELETING, HEAD_BYTES, MANIFEST, Manifest, ManifestHead
+from zarrckpt.storage import s3options
 from zarrckpt.storage.store import Storage
-from zarrckpt.testing import RequestLog
+from zarrckpt.testing import RequestLog, s3_storage_options
 
 CHECKOUT = Path(zarrckpt.__file__).parents[1]  # the directory holding this checkout's zarrckpt package
 G = torch.Generator().manual_seed(11)
@@ -235,6 +237,145 @@ def test_missing_checkpoint_and_bad_options(tmp_path: Path, capsys: pytest.Captu
     with pytest.raises(SystemExit) as exc:
         cli.main(["frobnicate"])
     assert exc.value.code == 2
+
+
+def cli_options(opts: dict[str, Any], **changes: Any) -> list[str]:
+    """``--storage-option`` arguments for ``opts`` with ``changes`` (None: the option left out)."""
+    merged = {k: v for k, v in {**opts, **changes}.items() if v is not None and k != "skip_instance_cache"}
+    return [f"--storage-option={k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in merged.items()]
+
+
+# (command, URL: "{url}" the checkpoint, "{bucket}" its bucket; option changes; what the message must say)
+BAD_S3_INPUT = {
+    "a key without its secret": (
+        "ls",
+        "{url}",
+        {"secret": None},
+        ["incomplete S3 credentials", "key given without secret", "{url}"],
+    ),
+    "a secret without its key": ("info", "{url}", {"key": None}, ["incomplete S3 credentials", "secret given"]),
+    "endpoint for endpoint_url": (
+        "ls",
+        "{url}",
+        {"endpoint": "{endpoint}", "endpoint_url": None},
+        ["unknown S3 storage option 'endpoint'", "did you mean endpoint_url?"],
+    ),
+    "a misspelt option": ("info", "{url}", {"anonn": True}, ["unknown S3 storage option 'anonn'", "anon"]),
+    "region in client_kwargs": (
+        "info",
+        "{url}",
+        {"client_kwargs": {"region": "us-west-2"}},
+        ["unknown S3 storage option client_kwargs['region']", "did you mean region_name?"],
+    ),
+    "a misspelt config_kwargs": (
+        "ls",
+        "{url}",
+        {"config_kwargs": {"read_timout": 5}},
+        ["unknown S3 storage option config_kwargs['read_timout']", "did you mean read_timeout?"],
+    ),
+    "a missing bucket, read": (
+        "info",
+        "s3://no-such-bucket/x",
+        {},
+        ["no checkpoint at 's3://no-such-bucket/x'", "the bucket 'no-such-bucket' does not exist"],
+    ),
+    "a missing bucket, listed": (
+        "ls",
+        "s3://no-such-bucket/x",
+        {},
+        ["s3://no-such-bucket/x", "the bucket 'no-such-bucket' does not exist"],
+    ),
+    "a missing bucket, latest": ("latest", "s3://no-such-bucket/runs", {}, ["the bucket 'no-such-bucket' does not"]),
+    "one slash too few": (
+        "ls",
+        "s3:/{bucket}/x",
+        {},
+        ["malformed URL 's3:/{bucket}/x'", "did you mean s3://{bucket}/x?", "./s3:/{bucket}/x"],
+    ),
+    "no slash": ("info", "gs:{bucket}/x", {}, ["malformed URL 'gs:{bucket}/x'", "did you mean gs://{bucket}/x?"]),
+}
+
+
+@pytest.mark.parametrize("client", ["obstore", "s3fs"])
+@pytest.mark.parametrize("case", sorted(BAD_S3_INPUT))
+def test_bad_s3_input_is_said_in_words(
+    case: str,
+    client: str,
+    s3_server: str,
+    s3_url: tuple[str, dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Mistyped options, half credentials, a missing bucket, a malformed URL: an error saying what is wrong
+    and where, exit code 3, never a traceback (s3fs raised TypeError or PartialCredentialsError only at the
+    first request; a missing bucket read as "nothing is stored there")."""
+    monkeypatch.setenv("ZARRCKPT_S3_CLIENT", client)
+    command, target, changes, words = BAD_S3_INPUT[case]
+    url, opts = s3_url
+    zarrckpt.save(state(), url, storage_options=opts)  # a checkpoint is there: only the input is wrong
+    fill = {"url": url, "bucket": url.split("/")[2], "endpoint": s3_server}
+    changes = {k: v.format(**fill) if isinstance(v, str) else v for k, v in changes.items()}
+    rc, out, err = run(capsys, command, target.format(**fill), *cli_options(opts, **changes))
+    assert rc == 3 and out == "" and err.startswith("error: ") and "Traceback" not in err, err
+    for word in words:
+        assert word.format(**fill) in err, err
+
+
+@pytest.mark.parametrize(
+    ("client", "said"),
+    [
+        ("obstore", "no AWS credentials found (botocore's chain, as s3fs looks)"),
+        ("s3fs", "NoCredentialsError: Unable to locate credentials (no AWS credentials: give storage options key"),
+    ],
+)
+def test_no_credentials_at_all_is_said_in_words(
+    client: str,
+    said: str,
+    s3_url: tuple[str, dict[str, Any]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No key in the options and none in botocore's chain: s3fs raised botocore's NoCredentialsError as a
+    traceback (exit 1)."""
+    url, opts = s3_url
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("ZARRCKPT_S3_CLIENT", client)
+    rc, out, err = run(capsys, "info", url, *cli_options(opts, key=None, secret=None))
+    assert rc == 3 and out == "" and "Traceback" not in err, err
+    assert err.startswith(f"error: reading {url}/zarr.json failed: ") and said in err, err
+
+
+def test_the_s3_options_known_without_s3fs_are_s3fs_options() -> None:
+    """The names :mod:`zarrckpt.storage.s3options` passes without asking s3fs, and those it suggests, are
+    ones the installed s3fs (and botocore, in client_kwargs) take."""
+    assert s3options._accepted() >= s3options.COMMON
+    assert s3options._accepted_client() >= s3options.COMMON_CLIENT
+    assert s3options._accepted_config() >= s3options.COMMON_CONFIG
+    assert {m for m in s3options.MEANT.values() if m.isidentifier()} <= s3options.COMMON
+    assert set(s3options.MEANT_CLIENT.values()) <= s3options.COMMON_CLIENT
+    assert {m for m in s3options.MEANT_CONFIG.values() if m.isidentifier()} <= s3options.COMMON_CONFIG
+
+
+def test_a_file_is_no_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A torch.save file given where a checkpoint goes: it is said to be a file, with the command that
+    converts it (it was a NotADirectoryError on reading ``plain.pt/zarr.json``)."""
+    plain = tmp_path / "plain.pt"
+    torch.save(state(), plain)
+    for command in (["info"], ["ls"], ["ls", "-r"], ["verify"], ["show"]):
+        rc, out, err = run(capsys, *command, str(plain), *(["model.bf"] if command == ["show"] else []))
+        assert rc == 3 and out == "" and "Traceback" not in err, (command, err)
+        assert err == f"error: {str(plain)!r} is a file, not a zarrckpt checkpoint (a checkpoint is a directory " + (
+            f"holding a zarr.json manifest): a torch.save or safetensors file converts with `zarrckpt import {plain} "
+            "NEW_URL`\n"
+        ), (command, err)
+    assert zarrckpt.lifecycle.scan(plain) == []
+    rc, out, _ = run(capsys, "import", str(plain), str(tmp_path / "imported"))  # as the message says
+    assert rc == 0 and "imported torch checkpoint" in out
 
 
 def test_storage_option_parsing() -> None:
@@ -591,6 +732,36 @@ def test_python_dash_m_zarrckpt(url: str) -> None:
     assert helps[0].stdout.startswith("usage: zarrckpt ")
     proc = run_m("-m", "zarrckpt", "info", url + "-missing")
     assert proc.returncode == 3 and proc.stderr.startswith("error: no checkpoint at")
+
+
+def test_the_demo_checks_its_location_before_it_trains(
+    s3_server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bucket that does not exist fails the demo in a second, said in words (it failed after run A's
+    training, 22 s, inside a spawn traceback); a location it can write is left as it was."""
+
+    def trained(*_: Any, **__: Any) -> None:
+        raise AssertionError("the demo trained before it knew it could save")
+
+    monkeypatch.setattr(scenario, "run", trained)
+    argv = ["--url", "s3://no-such-bucket/x", "--k", "1", *cli_options(s3_storage_options(s3_server))]
+    assert demo.main(argv) == 3
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.startswith("error: writing s3://no-such-bucket/x/demo-"), err
+    assert "the bucket 'no-such-bucket' does not exist" in err, err
+    demo.check_writable(str(tmp_path / "demo"), None)
+    assert not (tmp_path / "demo").exists()
+
+
+def test_the_gcs_emulator_module_says_its_help() -> None:
+    """``python -m zarrckpt.testing.gcs --help`` prints its usage and starts nothing (it started an
+    emulator that ran until Ctrl-C)."""
+    env = {**os.environ, "PYTHONPATH": str(CHECKOUT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "zarrckpt.testing.gcs", "--help"], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: python -m zarrckpt.testing.gcs") and "GCS emulator at" not in proc.stdout
 
 
 def test_help_and_local_listing_import_neither_numpy_nor_fsspec(url: str) -> None:

@@ -14,7 +14,8 @@ import torch.distributed.checkpoint as dcp
 import zarrckpt
 from zarrckpt.cli import commands as cli
 from zarrckpt.storage.store import Storage
-from zarrckpt.testing import unique_url
+from zarrckpt.testing import RequestLog, s3_storage_options, unique_url
+from zarrckpt.testing.gcs import gcs_storage_options
 from zarrckpt.testing.rgw import rgw_storage_options
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -73,3 +74,33 @@ def test_a_wrong_secret_is_said_in_words(client: str, rgw_server: str, monkeypat
     message = str(err.value)
     assert not XML.search(message), message
     assert "SignatureDoesNotMatch" in message or "403" in message or "Forbidden" in message, message
+
+
+@pytest.mark.parametrize("client", ["obstore", "s3fs"])
+def test_a_save_to_a_missing_bucket_fails_at_once(
+    client: str, s3_server: str, s3_requests: RequestLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bucket that does not exist is named, after its first request: no retries, nothing written."""
+    monkeypatch.setenv("ZARRCKPT_S3_CLIENT", client)
+    url = "s3://no-such-bucket/run/step_1"
+    with pytest.raises(zarrckpt.StorageError) as err:
+        zarrckpt.save({"w": torch.ones(3)}, url, storage_options=s3_storage_options(s3_server))
+    assert str(err.value) == (
+        f"listing {url}/ failed: the bucket 'no-such-bucket' does not exist: check its name and the endpoint "
+        "(zarrckpt creates no buckets)"
+    )
+    asked = [(r.method, r.status) for r in s3_requests.requests("s3://no-such-bucket")]
+    assert asked == [("GET", 404)], asked
+
+
+def test_a_missing_gcs_bucket_is_named(gcs_server: str) -> None:
+    """gcsfs says only "not found" of an object in a bucket that does not exist: asked on the error's way,
+    GCS says the bucket is missing, and the message names it."""
+    opts, url = gcs_storage_options(gcs_server), "gs://no-such-bucket/run/step_1"
+    said = "the bucket 'no-such-bucket' does not exist: check its name and the endpoint"
+    with pytest.raises(zarrckpt.CheckpointNotFoundError, match=f"no checkpoint at '{url}': {said}"):
+        zarrckpt.open(url, storage_options=opts)
+    with pytest.raises(zarrckpt.StorageError, match=f"creating {url}/.zarrckpt-pending.json failed: {said}"):
+        zarrckpt.save({"w": torch.ones(3)}, url, storage_options=opts)
+    with pytest.raises(zarrckpt.CheckpointNotFoundError, match="nothing is stored there"):  # a bucket that exists
+        zarrckpt.open(unique_url("gs"), storage_options=opts)

@@ -60,6 +60,8 @@ def test_resume_after_a_save_staged_in_the_background(tmp_path: Path) -> None:
         str(tmp_path), None, k=3, t1=t1, resumes=resumes, progress=lambda _: None, background_staging=True
     )
     _check(report, 3, resumes)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runA", "verify"]  # run A's checkpoint, named so
+    assert zarrckpt.open(tmp_path / "runA" / "step_0000000003").saved_world_size == 2
 
 
 def _save_one_rank(rank: int, world: int, url: str, steps: int) -> None:

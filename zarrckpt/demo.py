@@ -17,9 +17,24 @@ import argparse
 import sys
 import time
 import uuid
+from typing import Any
 
-from zarrckpt.cli.args import parse_storage_options
+from zarrckpt.cli.args import CliError, parse_storage_options
+from zarrckpt.errors import ZarrckptError
 from zarrckpt.example import scenario
+from zarrckpt.storage.store import Storage
+
+PROBE = ".zarrckpt-demo-probe"
+
+
+def check_writable(root: str, options: dict[str, Any] | None) -> None:
+    """Write one small object under ``root`` and delete it: a missing bucket, wrong credentials or a
+    read-only location fail here, in a second, instead of after run A's training (a StorageError
+    naming the bucket or the refusal)."""
+    storage = Storage(root, options)
+    storage.write(PROBE, [b"zarrckpt demo: can this location be written?"])
+    storage.delete(PROBE)
+    storage.prune()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,7 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     if args.url:
         root = f"{args.url.rstrip('/')}/demo-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-        report = scenario.run(root, parse_storage_options(args.storage_option), k=args.k)
+        try:
+            options = parse_storage_options(args.storage_option)
+            check_writable(root, options)
+        except (ZarrckptError, CliError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 3
+        report = scenario.run(root, options, k=args.k)
     else:
         from zarrckpt.testing import s3_server
 

@@ -128,12 +128,13 @@ def scan(root_url: URL, *, storage_options: dict[str, Any] | None = None, depth:
     ``depth`` 1: those directly under it; more: also those in directories that are no checkpoint,
     that many levels down (names are then paths relative to ``root_url``: ``run_a/step_0000000100``).
     One listing per directory visited; a checkpoint's own directories are never entered. Empty when
-    ``root_url`` is itself a checkpoint, committed or not.
+    ``root_url`` is itself a checkpoint, committed or not, or a file.
     """
     if depth < 1:
         raise ZarrckptError(f"depth must be >= 1, not {depth}")
     root = Storage(root_url, storage_options)
-    return _entries(root, root.entries(), depth)
+    entries = root.entries()
+    return [] if root.listed_itself(entries) else _entries(root, entries, depth)
 
 
 def read_head(url: URL, *, storage_options: dict[str, Any] | None = None, whole: bool = False) -> ManifestHead:

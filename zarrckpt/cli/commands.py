@@ -3,8 +3,9 @@ and collect leftovers, ``export|import`` to convert. ``python -m zarrckpt`` is t
 
 Only the public face is used (``zarrckpt``, its ``lifecycle``, ``display`` and ``convert`` modules;
 ``make lint`` checks it). Exit codes: 0 ok, 1 differences (beyond ``--atol``/``--rtol``) or verify
-problems, 2 usage errors, 3 zarrckpt errors (bad URL, missing checkpoint or source, unknown key or
-role, bad slice, existing output), 130 interrupted, 141 the reader of stdout went away (``| head``;
+problems, 2 usage errors, 3 zarrckpt errors (bad URL, missing checkpoint, bucket or source, a file
+where a checkpoint goes, unknown key, role or storage option, bad slice, existing output, storage
+refusals), 130 interrupted, 141 the reader of stdout went away (``| head``;
 the exit status of a tool killed by SIGPIPE), quietly.
 
 torch is imported only by the commands that handle tensor values (show, diff, export, import):

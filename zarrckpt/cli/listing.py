@@ -34,7 +34,8 @@ def cmd_ls(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
         entries = scan(args.url, storage_options=opts, depth=MAX_DEPTH if args.recursive else 1)
         if entries:
             return ls_root(args, opts, entries)
-        if isinstance(e, zarrckpt.InvalidCheckpointError) and not args.recursive:  # it holds something else
+        # it holds something else (not what `zarrckpt import` converts: a file, a DCP checkpoint, which say so)
+        if isinstance(e, zarrckpt.InvalidCheckpointError) and not args.recursive and "zarrckpt import" not in str(e):
             raise CliError(f"{e}; `zarrckpt ls -r {args.url}` looks for checkpoints in its directories") from None
         raise
     rows = ckpt.tensors()

@@ -43,6 +43,7 @@ from zarrckpt.errors import (
     CheckpointNotFoundError,
     IncompleteCheckpointError,
     InvalidCheckpointError,
+    StorageError,
     ZarrckptError,
 )
 from zarrckpt.format.jsondoc import Unsettled
@@ -56,6 +57,7 @@ from zarrckpt.format.manifest import (
     tombstone_marker,
 )
 from zarrckpt.storage.remote import CreatedCorrupt
+from zarrckpt.storage.retry import missing_bucket
 from zarrckpt.storage.store import Storage
 
 __all__ = ["COMMITTED", "DELETING_STATE", "INCOMPLETE", "LocationBusy", "LocationChanged", "remove", "state"]
@@ -124,8 +126,12 @@ def read_manifest_bytes(storage: Storage, end: int | None = None) -> bytes:
     for attempt in range(storage.retry.attempts):
         try:
             got = storage.read(MANIFEST, 0, end)  # an open range: s3fs skips its HEAD for the size
-        except FileNotFoundError:
-            raise _why_no_manifest(storage) from None
+        except FileNotFoundError as e:
+            raise _why_no_manifest(storage, e) from None
+        except StorageError as e:  # a local file where the checkpoint's directory should be
+            if isinstance(e.__cause__, NotADirectoryError):
+                raise _why_no_manifest(storage, e.__cause__) from None
+            raise
         if got == raw or text(got):
             break
         raw = got
@@ -142,13 +148,23 @@ def read_manifest_bytes(storage: Storage, end: int | None = None) -> bytes:
     return raw
 
 
-def _why_no_manifest(storage: Storage) -> ZarrckptError:
-    """The error for a URL without a manifest, saying what is there instead (the error path only:
-    one listing, and one more for each of the first 20 entries, to tell a root of checkpoints)."""
+def _why_no_manifest(storage: Storage, error: OSError) -> ZarrckptError:
+    """The error for a URL without a manifest (``error``: the read's), saying what is there instead (the
+    error path only: one listing, and one more for each of the first 20 entries, to tell a root of
+    checkpoints)."""
+    url = storage.url
+    if missing_bucket(error):
+        return CheckpointNotFoundError(f"no checkpoint at {url!r}: {storage.no_bucket()}")
     entries = storage.entries()
-    names, url = set(entries), storage.url
+    names = set(entries)
     if not names:
-        return CheckpointNotFoundError(f"no checkpoint at {url!r}: nothing is stored there")
+        there = storage.no_bucket() if storage.bucket_missing() else "nothing is stored there"
+        return CheckpointNotFoundError(f"no checkpoint at {url!r}: {there}")
+    if storage.listed_itself(entries):
+        return InvalidCheckpointError(
+            f"{url!r} is a file, not a zarrckpt checkpoint (a checkpoint is a directory holding a {MANIFEST} "
+            f"manifest): a torch.save or safetensors file converts with `zarrckpt import {url} NEW_URL`"
+        )
     if MANIFEST in names:  # not there a moment ago
         return IncompleteCheckpointError(f"the checkpoint at {url!r} was committed while it was opened: open it again")
     if DELETING in names:

@@ -195,7 +195,7 @@ def run(
     ``background_staging``: run A saves with ``async_save(..., staging="background")`` and trains
     on while the state is staged, waiting for it only before the next optimizer update.
     """
-    ckpt = f"{root.rstrip('/')}/runB/step_{k:010d}"
+    ckpt = f"{root.rstrip('/')}/runA/step_{k:010d}"  # run A's checkpoint, which every run B resumes
     progress(f"run A: {describe(t1)}, {2 * k} steps, saving at step {k} -> {ckpt}")
     a = _launch(
         t1,

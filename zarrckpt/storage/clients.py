@@ -7,12 +7,13 @@ import json
 import logging
 import os
 import random
+import re
 import sys
 import threading
 from typing import Any
 
 from zarrckpt.errors import ZarrckptError
-from zarrckpt.storage import s3config
+from zarrckpt.storage import s3config, s3options
 from zarrckpt.storage.localfs import LocalFiles, local_path
 
 log = logging.getLogger("zarrckpt")
@@ -83,15 +84,36 @@ def with_defaults(url: str, options: dict[str, Any] | None) -> dict[str, Any]:
     return opts
 
 
+# a scheme of object storage followed by anything but "//" ("s3:/bucket/x", "gs:bucket"): a local path
+# to everything that reads it, which a save would create as directories named "s3:" and a load find empty
+_MISSPELT = re.compile(r"(s3a?|gcs|gs|az|abfss?|adl|hf|https?|memory):(?!//)/*(.*)", re.S)
+
+
+def _malformed(url: str) -> ZarrckptError | None:
+    found = _MISSPELT.fullmatch(url)
+    if found is None:
+        return None
+    scheme, rest = found.groups()
+    return ZarrckptError(
+        f"malformed URL {url!r}: a URL begins {scheme}:// (did you mean {scheme}://{rest}?); "
+        f"a local path that begins so is written ./{url}"
+    )
+
+
 def open_filesystem(url: str, options: dict[str, Any] | None) -> tuple[Any, str, str]:
-    """(filesystem, root path on it, client name) for ``url``; ZarrckptError when none can serve it."""
+    """(filesystem, root path on it, client name) for ``url``; ZarrckptError when none can serve it, or
+    when it is a URL with one slash too few (``s3:/bucket/x``)."""
     path = local_path(url)
     if path is not None:
+        malformed = _malformed(url)
+        if malformed is not None:
+            raise malformed
         return LocalFiles(), path, "local"
     import fsspec  # not for local files: `zarrckpt ls ./ckpt` starts without it
 
     protocol, path = fsspec.core.split_protocol(url)
     if protocol in _S3:
+        s3options.check(url, options)  # what s3fs would refuse only at the first request
         fs = _obstore(url, options)
         if fs is not None:
             return fs, path.rstrip("/"), "obstore"

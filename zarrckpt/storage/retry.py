@@ -29,7 +29,17 @@ from typing import TypeVar
 
 from zarrckpt.errors import ZarrckptError, causes
 
-__all__ = ["DEFAULT_POLICY", "BadRead", "RetryPolicy", "current_policy", "describe", "is_transient", "read_again"]
+__all__ = [
+    "DEFAULT_POLICY",
+    "BadRead",
+    "RetryPolicy",
+    "current_policy",
+    "describe",
+    "from_client",
+    "is_transient",
+    "missing_bucket",
+    "read_again",
+]
 
 T = TypeVar("T")
 log = logging.getLogger("zarrckpt")
@@ -262,4 +272,36 @@ def describe(error: BaseException) -> str:
         said = _XML.sub(words, str(inner)) if inner is not None else "no reason given"
         if isinstance(error, PermissionError):
             said += " (access denied: check the credentials, key and secret, and the permissions)"
+    if type(error).__name__ == "NoCredentialsError":  # botocore's, under s3fs
+        said += (
+            " (no AWS credentials: give storage options key and secret, or set $AWS_ACCESS_KEY_ID and "
+            "$AWS_SECRET_ACCESS_KEY, a profile, or anon=true for a public bucket)"
+        )
     return f"{type(error).__name__}: {said}"
+
+
+def from_client(error: BaseException) -> bool:
+    """Whether ``error`` is one of an S3 client library's own exception types (botocore's
+    ``NoCredentialsError``, ``PartialCredentialsError``, ``ParamValidationError``, ...): a storage
+    failure to say in words, not a bug to show as a traceback."""
+    return type(error).__module__.split(".", 1)[0] in ("botocore", "aiobotocore", "s3fs", "gcsfs", "google")
+
+
+_NO_BUCKET = re.compile(r"NoSuchBucket|bucket does not exist", re.I)
+
+
+def missing_bucket(error: BaseException) -> bool:
+    """Whether ``error`` (a FileNotFoundError, mostly) says the bucket itself does not exist, not only
+    the object: S3's ``NoSuchBucket``, however the client words it."""
+    for e in causes(error):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict) and (response.get("Error") or {}).get("Code") == "NoSuchBucket":
+            return True
+        if type(e).__name__ == "NoSuchBucket" or _NO_BUCKET.search(str(e)):
+            return True
+    return False
+
+
+def bucket_of(url: str) -> str:
+    """The bucket an object store URL names (``s3://bucket/run/x`` -> ``bucket``)."""
+    return url.partition("://")[2].lstrip("/").partition("/")[0]

@@ -25,7 +25,15 @@ from zarrckpt.storage.concurrency import run_bounded
 from zarrckpt.storage.local import Buffer, LocalBackend
 from zarrckpt.storage.localfs import LocalFiles
 from zarrckpt.storage.remote import CreatedCorrupt, RemoteBackend, UploadCorrupted
-from zarrckpt.storage.retry import RetryPolicy, current_policy, describe, is_transient
+from zarrckpt.storage.retry import (
+    RetryPolicy,
+    bucket_of,
+    current_policy,
+    describe,
+    from_client,
+    is_transient,
+    missing_bucket,
+)
 from zarrckpt.storage.traffic import Traffic
 from zarrckpt.types import URL
 
@@ -102,6 +110,25 @@ class Storage:
     def _abs(self, path: str) -> str:
         return f"{self.root}/{path}" if path else self.root
 
+    def no_bucket(self) -> str:
+        """What to say when this storage's bucket does not exist."""
+        return (
+            f"the bucket {bucket_of(self.url)!r} does not exist: check its name and the endpoint "
+            "(zarrckpt creates no buckets)"
+        )
+
+    def bucket_missing(self) -> bool:
+        """Whether this storage's bucket is known not to exist, asked of GCS (one request, for error paths:
+        gcsfs says only "not found" of an object in a missing bucket, where S3 clients say NoSuchBucket,
+        and s3fs's own answer would take a bucket it may not look at for a missing one)."""
+        if self.client != "gcsfs":
+            return False
+        bucket = self.root.strip("/").partition("/")[0]
+        try:
+            return not self.fs.exists(bucket)  # (404 only: a refusal raises)
+        except Exception:  # (asked on an error's way: that error is what is said)
+            return False
+
     def where(self, path: str) -> str:
         """A human-readable location for error messages."""
         return f"{self.url.rstrip('/')}/{path}"
@@ -118,10 +145,12 @@ class Storage:
             except FileNotFoundError as e:
                 if missing_ok:
                     raise
+                if missing_bucket(e) or self.bucket_missing():  # never transient: fails at once, naming it
+                    raise StorageError(f"{what} {self.where(path)} failed: {self.no_bucket()}") from e
                 raise StorageError(f"{what} {self.where(path)} failed: {e} (does the bucket/directory exist?)") from e
             except Exception as e:
                 if not is_transient(e):
-                    if isinstance(e, (OSError, RuntimeError, ValueError)):
+                    if isinstance(e, (OSError, RuntimeError, ValueError)) or from_client(e):
                         raise StorageError(f"{what} {self.where(path)} failed: {describe(e)}") from e
                     raise
                 if attempt == policy.attempts:
@@ -298,6 +327,18 @@ class Storage:
         full = self._abs(path)
         return int(self._request("checking", path, lambda: self.fs.info(full)["size"]))
 
+    def listed_itself(self, entries: dict[str, int | None]) -> bool:
+        """Whether ``entries``, this root's listing, is the root itself: an object (a file), which a
+        listing names as its only entry (one request more, only for a listing of one object so named)."""
+        name = self.root.rsplit("/", 1)[-1]
+        if set(entries) != {name} or entries[name] is None:
+            return False
+        try:
+            info = self._request("checking", "", lambda: self.fs.info(self.root))
+        except FileNotFoundError:
+            return False
+        return bool(info.get("type") == "file")
+
     def exists(self, path: str) -> bool:
         full = self._abs(path)
         return bool(self._request("checking", path, lambda: self.fs.exists(full)))
@@ -330,10 +371,9 @@ class Storage:
 
     def entries(self) -> dict[str, int | None]:
         """The entries directly under the root: name -> size of an object, None for a directory (one
-        listing request; empty when the root is absent)."""
-        try:
-            found = self._request("listing", "", lambda: self.fs.ls(self.root, detail=True, refresh=True))
-        except FileNotFoundError:
+        listing request; empty when the root is absent; StorageError when its bucket is)."""
+        found = self._listing(lambda: self.fs.ls(self.root, detail=True, refresh=True))
+        if found is None:
             return {}
         out: dict[str, int | None] = {}
         for e in found:
@@ -341,6 +381,16 @@ class Storage:
             if name:
                 out[name] = None if e.get("type") == "directory" else int(e.get("size") or 0)
         return out
+
+    def _listing(self, fn: Callable[[], T]) -> T | None:
+        """A listing of the root; None when nothing is there. A bucket that does not exist is no empty
+        listing but a StorageError: whatever goes on to write there would fail, later."""
+        try:
+            return self._request("listing", "", fn)
+        except FileNotFoundError as e:
+            if missing_bucket(e):
+                raise StorageError(f"listing {self.where('')} failed: {self.no_bucket()}") from e
+            return None
 
     def delete_all(self, keep: Collection[str] = (), *, check: bool = True) -> list[str]:
         """Delete everything under the root but the objects ``keep`` names (the root may remain).
@@ -380,10 +430,8 @@ class Storage:
 
     def _objects(self) -> set[str]:
         """Every object under the root (full paths on the filesystem)."""
-        try:
-            return set(map(str, self._request("listing", "", lambda: self.fs.find(self.root, withdirs=False))))
-        except FileNotFoundError:
-            return set()
+        found = self._listing(lambda: self.fs.find(self.root, withdirs=False))
+        return set() if found is None else set(map(str, found))
 
     def prune(self) -> None:
         """Remove the directories left empty under the root, and the root if empty (local files;
@@ -398,9 +446,8 @@ class Storage:
     def sizes(self) -> dict[str, int]:
         """Every object under the root (its path relative to the root: ``""`` for the root itself) and
         its size in bytes: one recursive listing (one request per page of objects on object stores)."""
-        try:
-            found = self._request("listing", "", lambda: self.fs.find(self.root, withdirs=False, detail=True))
-        except FileNotFoundError:
+        found = self._listing(lambda: self.fs.find(self.root, withdirs=False, detail=True))
+        if found is None:
             return {}
         out = {}
         for name, info in found.items():

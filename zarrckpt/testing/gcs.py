@@ -184,11 +184,17 @@ def gcs_server(bucket: str | None = BUCKET) -> Iterator[str]:
         threading.Thread.join(server._api, timeout=5)  # APIThread.join is overridden
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """``python -m zarrckpt.testing.gcs``: run the emulator in the foreground (Ctrl-C stops it) and
-    print how to point zarrckpt (and the demo) at it."""
+    print how to point zarrckpt (and the demo) at it. ``--help`` says so, and starts nothing."""
+    import argparse
     import time
 
+    argparse.ArgumentParser(
+        prog="python -m zarrckpt.testing.gcs",
+        description=f"Run a GCS emulator (gcp-storage-emulator, in memory, bucket {BUCKET!r}) on a free loopback "
+        "port in the foreground until Ctrl-C, and print how to point zarrckpt and its demo at it.",
+    ).parse_args(argv)
     with gcs_server() as endpoint:
         print(f"GCS emulator at {endpoint}, bucket {BUCKET!r}, in memory; Ctrl-C stops it", flush=True)
         print(
