@@ -319,6 +319,14 @@ def _mermaid_problems(block: Block) -> list[str]:
     return []
 
 
+def test_the_index_links_every_page() -> None:
+    """docs/index.md (the site's front page) lists every page of the site (issue 41: it had fallen behind)."""
+    index = (ROOT / "docs" / "index.md").read_text()
+    linked = set(re.findall(r"\]\(([\w.-]+\.md)\)", index))
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")} - {"index.md"}
+    assert pages - linked == set(), f"docs/index.md links none of {sorted(pages - linked)}"
+
+
 def test_every_block_is_exercised() -> None:
     problems = []
     for block in ALL:
