@@ -411,8 +411,9 @@ def test_grad_scaler_and_sampler_seed_come_back(tmp_path: Path, alone: Any) -> N
         load_state(without[0], tmp_path / "ck")
 
 
-def test_on_s3(s3_url: tuple[str, dict[str, Any]], alone: Any) -> None:
-    url, options = s3_url
+@pytest.mark.parametrize("store", ["s3", "gcs"])
+def test_on_object_stores(store: str, request: pytest.FixtureRequest, alone: Any) -> None:
+    url, options = request.getfixturevalue(f"{store}_url")
     run = _setup("none")
     _train(run, STEPS_PER_EPOCH)
     assert save_state(run[0], f"{url}/ck", storage_options=options) == f"{url}/ck"

@@ -392,8 +392,9 @@ def test_one_process_save_async_retention_and_resume(tmp_path: Path, monkeypatch
 
 
 @pytest.mark.slow
-def test_on_s3(s3_url: tuple[str, dict[str, Any]]) -> None:
-    url, options = s3_url
+@pytest.mark.parametrize("store", ["s3", "gcs"])
+def test_on_object_stores(store: str, request: pytest.FixtureRequest) -> None:
+    url, options = request.getfixturevalue(f"{store}_url")
     for mode in ("disabled", "async"):
         checkpointer, model, _, state, _ = _one_process(
             f"{url}/{mode}", keep_latest_k=2, async_mode=mode, storage_options=options
