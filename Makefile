@@ -15,9 +15,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test,dev,docs,lightning,ray,accelerate]'
 	# torchtitan without datasets, wandb, tensorboard (0.7 GB, and datasets would hold fsspec back at
-	# 2026.2): only what its checkpointer, optimizers and data loader import (tests/test_torchtitan.py)
-	$(BIN)/pip install -q --no-deps torchtitan==0.3.0
+	# 2026.2): only what its checkpointer, optimizers and data loader import (tests/test_torchtitan.py);
+	# installed last, so that no later pip run reports its missing dependencies as an ERROR
 	$(BIN)/pip install -q torchdata tyro spmd_types==0.2.3
+	$(BIN)/pip install -q --no-deps torchtitan==0.3.0
 	touch $(STAMP)
 
 demo: $(STAMP)

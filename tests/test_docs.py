@@ -166,6 +166,8 @@ def snippet(block: Block) -> Snippet | None:
 
 # a command line's start -> the test (or CI step) that runs it, and why it does not run here
 RUN_ELSEWHERE = {
+    ".venv/bin/jupyter-execute notebooks/explore_checkpoint.ipynb": "tests/test_notebook.py::test_notebook_runs: "
+    "the notebook runs top to bottom in a fresh kernel through nbclient, the library behind jupyter-execute",
     "make demo": "tests/test_example.py::test_resume_under_three_topologies_on_s3: the demo's scenario "
     "(zarrckpt.example.scenario.run, 8 ranks PP2 x EP2 x EP-DP2 -> 8 / 4 / 1 on moto) at test size; "
     "`make demo` itself starts 8 + 8 + 4 + 1 processes, about 60 s on 2 cores",
