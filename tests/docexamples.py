@@ -21,14 +21,22 @@ def example(page: str, name: str) -> str:
 
 
 def run_example(
-    page: str, name: str, cwd: Path, timeout: float = 300, env: dict[str, str] | None = None
+    page: str,
+    name: str,
+    cwd: Path,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+    ranks: int | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run that block as ``example.py`` in ``cwd`` (with ``env`` added to the environment), as a user
-    would; fails the test unless it exits 0."""
+    would (``ranks``: under torchrun, on that many processes); fails the test unless it exits 0."""
+    from zarrckpt.testing import free_port
+
     (cwd / "example.py").write_text(example(page, name))
     env = {**{k: v for k, v in os.environ.items() if k not in _LAUNCHED}, **(env or {})}
-    done = subprocess.run(
-        [sys.executable, "example.py"], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env
-    )
+    launch = [sys.executable]
+    if ranks is not None:
+        launch += ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", str(free_port())]
+    done = subprocess.run([*launch, "example.py"], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return done

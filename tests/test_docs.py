@@ -92,6 +92,7 @@ MARKED = {
     "fsdp2-recipe": "tests/test_recipes.py::test_fsdp2_recipe_saves_on_2_and_resumes_on_4_and_1",
     "readme-example": "tests/test_docs.py::test_readme_example_runs_as_a_script",
     "lightning-example": "tests/test_lightning.py::test_the_documented_example_runs_as_a_script",
+    "lightning-strategy": "tests/test_lightning.py::test_the_documented_strategy_example_on_2_ranks_then_1",
     "lightning-remote": "tests/test_lightning.py::test_zarr_model_checkpoint_needs_no_endpoint_in_the_environment",
     "ray-example": "tests/test_ray.py::test_the_documented_example_runs_as_a_script",
     "accelerate-example": "tests/test_accelerate.py::test_the_documented_example_runs_as_a_script",

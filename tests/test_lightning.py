@@ -323,6 +323,21 @@ def test_model_parallel_strategy_resumes_on_the_same_and_another_number_of_ranks
 
 
 @pytest.mark.slow
+def test_the_documented_strategy_example_on_2_ranks_then_1(tmp_path: Path) -> None:
+    """docs/integrations.md's ``lightning-strategy`` example: FSDP2 through ``ZarrModelParallelStrategy``
+    under torchrun on 2 ranks (fit to 4, resume to 6), then run as one process, which resumes from the
+    2-rank checkpoint (resharded) and has nothing left to train."""
+    done = run_example("integrations.md", "lightning-strategy", tmp_path, ranks=2, env={"OMP_NUM_THREADS": "1"})
+    assert "resumed, trained to step 6: ['epoch=2-step=6.ckpt', 'last.ckpt']" in done.stdout, done.stdout[-2000:]
+    last = zarrckpt.open(tmp_path / "runs" / "ckpts" / "last.ckpt")
+    assert last.saved_world_size == 2 and last.metadata["lightning"][0]["global_step"] == 6
+    assert "tensors.optimizer_states.0.state.a.weight.exp_avg" in last
+    again = run_example("integrations.md", "lightning-strategy", tmp_path)
+    assert "Restored all states from the checkpoint at runs/ckpts/last.ckpt" in again.stdout + again.stderr
+    assert "resumed, trained to step 6" in again.stdout
+
+
+@pytest.mark.slow
 def test_ddp_saves_from_rank_0_alone(tmp_path: Path) -> None:
     """Under DDP Lightning hands the checkpoint to ``ZarrCheckpointIO`` on rank 0 only: the save must
     not wait for rank 1 (it did, until the process group timed out), and the checkpoint holds the
