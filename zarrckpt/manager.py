@@ -60,8 +60,9 @@ class CheckpointManager:
 
     Preemption (``save_on``): on one of these signals (Kubernetes and torchrun send SIGTERM before
     killing, Slurm ``--signal=USR1@120`` SIGUSR1), the next ``save()`` call, on every rank at the same
-    step, waits for the save in flight and saves that step synchronously, whether due or not; then
-    ``preempted`` is the signal and the loop should stop::
+    step, waits for the save in flight and saves that step synchronously, whether due or not, and
+    applies retention as after any save (``close()`` waits for it); then ``preempted`` is the signal
+    and the loop should stop::
 
         manager = CheckpointManager(root, interval=100, keep_last=3, save_on=(signal.SIGTERM,))
         for step in range(start, steps):
@@ -207,6 +208,8 @@ class CheckpointManager:
         self.preempted = self._signal
         if self.rank == 0:
             log.warning("%s received: saved step %d to %s; stop now", self._signal.name, step, self.url(step))
+            if not done:  # (done: the save in flight was this step, and queued its retention)
+                self._background(self._retain)  # a preempted job leaves keep_last, not keep_last + 1
         return future
 
     def wait_staged(self) -> None:
