@@ -14,6 +14,7 @@ import torch
 import zarrckpt
 from zarrckpt.lifecycle import read_head
 from zarrckpt.retention import Policy, metrics_of
+from zarrckpt.testing import spawn
 
 LOSS = {1: 0.9, 2: 0.3, 3: 0.5, 4: 0.2, 5: 0.8, 6: 0.7, 7: 0.6, 8: 0.95}  # best (min): 4, 2, 3
 
@@ -119,3 +120,19 @@ def test_bad_metrics_are_refused_before_anything_is_written(tmp_path: Path) -> N
     finally:
         manager.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def _ranks(rank: int, world: int, root: str) -> None:
+    manager = zarrckpt.CheckpointManager(root, interval=1, keep_last=1, keep_best=1, best_metric="loss")
+    try:
+        for step in range(1, 4):  # each rank its own loss (rank 0's is saved and ranked); rank 1 passes none at 2
+            metrics = None if (rank, step) == (1, 2) else {"loss": LOSS[step] + rank}
+            manager.save(step, _state(step), metrics=metrics)
+    finally:
+        manager.close()
+
+
+def test_ranks_passing_different_metrics_save_rank_0s(tmp_path: Path) -> None:
+    spawn(2, _ranks, str(tmp_path))
+    assert zarrckpt.committed_steps(tmp_path) == [2, 3]  # 2: the lowest loss (0.3), 3: the newest
+    assert metrics_of(read_head(f"{tmp_path}/step_0000000002").values) == {"loss": 0.3}

@@ -151,8 +151,8 @@ class CheckpointManager:
         self, step: int, state_dict: Any, *, force: bool = False, metrics: dict[str, Any] | None = None
     ) -> Future[None] | None:
         """Save when ``step`` is due (a multiple of ``interval``) or ``force``; else do nothing.
-        ``metrics`` (name -> number) are saved with it, as ``zarrckpt_manager.metrics``; ``keep_best``
-        ranks by them (:mod:`zarrckpt.retention`).
+        ``metrics`` (name -> number; rank 0's are saved, other ranks may pass theirs or None) are saved
+        with it, as ``zarrckpt_manager.metrics``; ``keep_best`` ranks by them (:mod:`zarrckpt.retention`).
 
         Returns the save's future (already done for synchronous saves), or None when not due.
 
@@ -188,7 +188,7 @@ class CheckpointManager:
     def _start(self, step: int, state_dict: Any, use_async: bool, metrics: dict[str, Any] | None) -> Future[None]:
         """Save ``step`` (asynchronously: started; else done, or CheckpointSaveError)."""
         url, opts, group = self.url(step), self.storage_options, self.process_group
-        state_dict = self.metrics.note(step, state_dict, metrics)
+        state_dict = self.metrics.note(step, state_dict, metrics, self.rank == 0)
         if self.rank == 0:  # a restarted job: its predecessor may have died saving this very step
             await_dead_save(url, storage_options=opts)  # (its save is then taken over; a live one never)
         if use_async:

@@ -4,9 +4,10 @@ metrics back from manifests): the ``keep_last`` newest, every ``keep_every``-th 
 
 The metrics a ``save(step, sd, metrics={...})`` is given are saved in the checkpoint itself, as the
 plain value ``zarrckpt_manager.metrics`` (a list of ``[name, number]`` pairs: metric names may hold
-``/``, which a key may not), so a restarted job's retention ranks the old checkpoints too: it reads
-each one's manifest head once (:func:`zarrckpt.lifecycle.read_head`). A load into a state dict
-without a ``zarrckpt_manager`` entry ignores it, strict or not.
+``/``, which a key may not; rank 0's metrics, as retention runs on rank 0), so a restarted job's
+retention ranks the old checkpoints too: it reads each one's manifest head once
+(:func:`zarrckpt.lifecycle.read_head`). A load into a state dict without a ``zarrckpt_manager``
+entry ignores it, strict or not.
 
 A checkpoint without the ranked metric (saved without ``metrics``, or with a NaN or infinite value)
 is not ranked: it is kept while it is among the ``keep_last`` newest (or a ``keep_every`` step), and
@@ -124,11 +125,12 @@ class SavedMetrics:
         self.name, self.url, self.storage_options = name, url, storage_options
         self.known: dict[int, float | None] = {}
 
-    def note(self, step: int, state_dict: Any, metrics: Mapping[str, Any] | None) -> Any:
+    def note(self, step: int, state_dict: Any, metrics: Mapping[str, Any] | None, rank0: bool) -> Any:
         """``state_dict`` with the ``metrics`` ``step`` is being saved with (None: none), noted (a save
-        of it again replaces them); ZarrckptError as :func:`with_metrics`."""
+        of it again replaces them); ZarrckptError as :func:`with_metrics`. Only rank 0's are saved
+        (ranks may differ: each its own loss), so other ranks only check theirs."""
         self.known[step] = numbers(metrics).get(self.name) if metrics is not None else None
-        return state_dict if metrics is None else with_metrics(state_dict, metrics)
+        return with_metrics(state_dict, metrics) if metrics is not None and rank0 else state_dict
 
     def of(self, steps: Iterable[int]) -> dict[int, float | None]:
         """The metric of each of ``steps`` (None: none saved); those whose manifest cannot be read are left out."""
