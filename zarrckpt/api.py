@@ -160,7 +160,8 @@ def _save(
     plan = plan_save(
         group, local, chunk_bytes, check_replicas, small_tensor_bytes, check=names, force_gather=force_gather
     )
-    bar = watch(storage, progress, f"save {storage.url}", plan.bytes_of(group.rank), group.rank)
+    whole = plan.total_bytes() if progress is True and group.rank == 0 else None  # (rank 0's plan: every array)
+    bar = watch(storage, progress, f"save {storage.url}", plan.bytes_of(group.rank), group.rank, group.size, whole)
     save_id = group.run_together(
         lambda: protocol.prepare(storage, overwrite, group.size) if group.rank == 0 else "", "preparing", share=True
     )
@@ -281,7 +282,8 @@ def load(
         lambda: targets.decode_values(matched, manifest, allow_pickle=allow_pickle), "decoding the saved values"
     )
     requests, finish = targets.plan_requests(matched, manifest, state_dict)
-    bar = watch(storage, progress, f"load {storage.url}", sum(r.dest.nbytes for r in requests), group.rank)
+    total = sum(r.dest.nbytes for r in requests)
+    bar = watch(storage, progress, f"load {storage.url}", total, group.rank, group.size)
     try:
         nbytes = loader.read(
             group,

@@ -181,7 +181,8 @@ def async_save(
         expected: dict[int, tuple[LocalTensor, int]] | None = None
         if os.environ.get("ZARRCKPT_CHECK_STAGING", "") not in ("", "0"):
             expected = {id(t): (t, _digest(t.data)) for t in local.parts()}  # (t: its id is not reused)
-        bar = watch(storage, progress, f"save {storage.url}", plan.bytes_of(group.rank), group.rank)
+        whole = plan.total_bytes() if progress is True and group.rank == 0 else None  # (rank 0's plan: every array)
+        bar = watch(storage, progress, f"save {storage.url}", plan.bytes_of(group.rank), group.rank, group.size, whole)
         exchanged = threading.Event()
         job = _Job(storage, plan, background, overwrite, handoff, bar, (local, exchanged) if later else None)
         future = AsyncSave(storage.traffic)
