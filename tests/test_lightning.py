@@ -5,6 +5,7 @@ package, with Lightning's own ``TorchCheckpointIO`` as the oracle: the same fit,
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -328,3 +329,23 @@ def test_a_background_save_is_committed_or_raises_when_fit_returns(
     with warnings.catch_warnings(), pytest.raises(zarrckpt.ZarrckptError, match="injected"):
         warnings.simplefilter("ignore")
         _trainer(str(tmp_path / "failing"), ZarrCheckpointIO(async_save=True), 2).fit(Regression(), _data())
+
+
+def test_ls_and_latest_report_lightnings_global_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Lightning names its checkpoints freely (``epoch=0-step=2.ckpt``, ``last.ckpt``); `zarrckpt ls`
+    and `latest` read the global step each one saved (issue 41)."""
+    from zarrckpt.cli import main as cli
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        L.seed_everything(0, verbose=False)
+        _trainer(str(tmp_path), ZarrCheckpointIO(), 4).fit(Regression(), _data())
+    ckpts = str(tmp_path / "ckpts")
+    capsys.readouterr()
+    assert cli(["ls", ckpts, "--json"]) == 0
+    steps = {r["name"]: r["step"] for r in json.loads(capsys.readouterr().out)}
+    assert "last.ckpt" in steps and len(steps) == 2, steps
+    for name, step in steps.items():
+        assert step == (4 if name == "last.ckpt" else int(name.split("step=")[1].split(".")[0])), steps
+    assert cli(["latest", ckpts]) == 0 and capsys.readouterr().out == "4\n"
+    assert cli(["latest", ckpts, "--url"]) == 0 and capsys.readouterr().out == f"{ckpts}/last.ckpt\n"
