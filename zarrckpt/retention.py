@@ -129,8 +129,12 @@ class SavedMetrics:
         """``state_dict`` with the ``metrics`` ``step`` is being saved with (None: none), noted (a save
         of it again replaces them); ZarrckptError as :func:`with_metrics`. Only rank 0's are saved
         (ranks may differ: each its own loss), so other ranks only check theirs."""
-        self.known[step] = numbers(metrics).get(self.name) if metrics is not None else None
-        return with_metrics(state_dict, metrics) if metrics is not None and rank0 else state_dict
+        if metrics is None:
+            self.known[step] = None
+            return state_dict
+        saved = with_metrics(state_dict, metrics)  # on every rank: a refusal raises on all of them alike
+        self.known[step] = numbers(metrics).get(self.name)
+        return saved if rank0 else state_dict
 
     def of(self, steps: Iterable[int]) -> dict[int, float | None]:
         """The metric of each of ``steps`` (None: none saved); those whose manifest cannot be read are left out."""
