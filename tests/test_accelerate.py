@@ -17,6 +17,7 @@ own ``save_state`` / ``load_state`` (DCP's ``FileSystemWriter``) run as they wou
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -429,3 +430,28 @@ def test_the_documented_example_runs_as_a_script(tmp_path: Path) -> None:
     done = run_example("integrations-accelerate.md", "accelerate-example", tmp_path)
     assert "resumed at step 6: saved by 2 processes, loaded by 1, trained to 12" in done.stdout, done.stdout[-2000:]
     assert zarrckpt.committed_steps(tmp_path / "runs" / "checkpoints") == [4, 5]  # iterations 0..5, total_limit 2
+
+
+def test_latest_and_ls_report_the_training_step_not_the_save_iteration(
+    tmp_path: Path, alone: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Automatic naming counts saves (``step_<iteration>``); `zarrckpt latest` and `ls` report the
+    training step each one saved, ``accelerator.step`` (issue 41)."""
+    from zarrckpt.cli import main as cli
+
+    config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=2)
+    run = _setup("none", config)
+    root = checkpoints_root(run[0])
+    for epoch in range(3):
+        _train(run, (epoch + 1) * STEPS_PER_EPOCH)
+        save_state(run[0])
+    assert zarrckpt.committed_steps(root) == [1, 2]  # iterations
+    capsys.readouterr()
+    assert cli(["latest", root]) == 0 and capsys.readouterr().out == f"{3 * STEPS_PER_EPOCH}\n"
+    assert cli(["latest", root, "--url"]) == 0 and capsys.readouterr().out == f"{root}/step_0000000002\n"
+    assert cli(["ls", root, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["name"]: r["step"] for r in rows} == {
+        "step_0000000001": 2 * STEPS_PER_EPOCH,
+        "step_0000000002": 3 * STEPS_PER_EPOCH,
+    }

@@ -784,3 +784,19 @@ assert not heavy, f"imported: {heavy}"
 """
     proc = python(code, url)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_diff_shortens_long_metadata_values(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A long value is cut, saying how many characters were left out; a container is compared inside (issue 41)."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    w = torch.zeros(2)
+    zarrckpt.save({"w": w, "notes": "x" * 5000, "cfg": ({"lr": 0.1, "paths": ["p"] * 400}, 3)}, a)
+    zarrckpt.save({"w": w, "notes": "y" * 5000, "cfg": ({"lr": 0.2, "paths": ["p"] * 400}, 3)}, b)
+    rc, out, _ = run(capsys, "diff", a, b)
+    assert rc == 1
+    cut = '"' + "x" * 159 + f"... (+{5002 - 160} characters)"
+    assert f"metadata:  notes: A {cut} vs B " in out, out
+    assert "metadata:  cfg[0].lr: A 0.1 vs B 0.2\n" in out, out  # not the 400 paths
+    assert max(len(line) for line in out.splitlines()) < 500
+    rc, out, _ = run(capsys, "diff", a, b, "--json")  # whole, for programs
+    assert rc == 1 and {d["key"]: len(d["a"]) for d in json.loads(out)["metadata"]}["notes"] == 5000

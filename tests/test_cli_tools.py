@@ -263,3 +263,29 @@ def test_stats_count_what_the_server_saw(s3_url: tuple[str, dict[str, Any]], s3_
     ckpt.verify()
     got = ckpt.stats()
     assert (got["requests"], got["bytes_read"]) == server() and got["bytes_read"] >= W.nbytes
+
+
+def test_save_and_load_return_what_the_server_saw(s3_url: tuple[str, dict[str, Any]], s3_requests: Any) -> None:
+    """zarrckpt.save and zarrckpt.load return their requests and bytes, as Checkpoint.stats() (issue 41)."""
+    url, opts = s3_url
+    saved = zarrckpt.save(state(1.0), url, storage_options=opts)
+    seen = s3_requests.requests(url)  # (not the multi-object deletes of the markers, on the bucket: at most those)
+    assert len(seen) <= saved["requests"] <= len(s3_requests.requests()) and saved["retries"] == 0
+    assert saved["bytes_written"] == sum(r.bytes_received for r in seen if r.kind == "PUT") >= W.nbytes
+    assert saved["bytes_read"] == sum(r.bytes_sent for r in seen if r.kind == "GET")
+    s3_requests.clear()
+    loaded = zarrckpt.load(state(), url, storage_options=opts)
+    seen = s3_requests.requests(url)
+    assert loaded == {
+        "requests": len(seen),
+        "retries": 0,
+        "bytes_read": sum(r.bytes_sent for r in seen if r.kind == "GET"),
+        "bytes_written": 0,
+    }
+    assert loaded["bytes_read"] >= W.nbytes
+    s3_requests.clear()
+    future = zarrckpt.async_save(state(2.0), url + "_async", storage_options=opts)
+    future.result()
+    seen = s3_requests.requests(url + "_async")
+    assert len(seen) <= future.stats()["requests"] <= len(s3_requests.requests())
+    assert future.stats()["bytes_written"] == sum(r.bytes_received for r in seen if r.kind == "PUT") >= W.nbytes

@@ -464,6 +464,9 @@ def test_validate_keys_lists_problems() -> None:
         ("model.ids", False, "buffer"),
         ("rng.torch", False, "other"),
         ("trainer.step", False, "other"),
+        ("callbacks.ema.shadow", True, "other"),
+        ("tensors.callbacks.ModelCheckpoint_monitor_loss.best_model_score", True, "other"),  # Lightning's
+        ("tensors.state_dict.callbacks.weight", True, "main_weight"),  # a module named callbacks: a weight
     ],
 )
 def test_infer_role(key, floating, role) -> None:

@@ -5,6 +5,7 @@ package, with Lightning's own ``TorchCheckpointIO`` as the oracle: the same fit,
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -375,3 +376,53 @@ def test_a_background_save_is_committed_or_raises_when_fit_returns(
     with warnings.catch_warnings(), pytest.raises(zarrckpt.ZarrckptError, match="injected"):
         warnings.simplefilter("ignore")
         _trainer(str(tmp_path / "failing"), ZarrCheckpointIO(async_save=True), 2).fit(Regression(), _data())
+
+
+def test_ls_and_latest_report_lightnings_global_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Lightning names its checkpoints freely (``epoch=0-step=2.ckpt``, ``last.ckpt``); `zarrckpt ls`
+    and `latest` read the global step each one saved (issue 41)."""
+    from zarrckpt.cli import main as cli
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        L.seed_everything(0, verbose=False)
+        _trainer(str(tmp_path), ZarrCheckpointIO(), 4).fit(Regression(), _data())
+    ckpts = str(tmp_path / "ckpts")
+    capsys.readouterr()
+    assert cli(["ls", ckpts, "--json"]) == 0
+    steps = {r["name"]: r["step"] for r in json.loads(capsys.readouterr().out)}
+    assert "last.ckpt" in steps and len(steps) == 2, steps
+    for name, step in steps.items():
+        assert step == (4 if name == "last.ckpt" else int(name.split("step=")[1].split(".")[0])), steps
+    assert cli(["latest", ckpts]) == 0 and capsys.readouterr().out == "4\n"
+    assert cli(["latest", ckpts, "--url"]) == 0 and capsys.readouterr().out == f"{ckpts}/last.ckpt\n"
+
+
+def test_diff_of_two_runs_shows_what_differs_briefly_and_callback_scores_are_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`zarrckpt diff` of two Lightning checkpoints: the differing parts of the one ``lightning`` value,
+    each line short; ModelCheckpoint's scores are named by its state key, with role ``other`` (issue 41)."""
+    from zarrckpt.cli import main as cli
+
+    for name, steps in (("a", 4), ("b", 6)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            L.seed_everything(0, verbose=False)
+            _trainer(str(tmp_path / name), ZarrCheckpointIO(), steps).fit(Regression(), _data())
+    last = tmp_path / "a" / "ckpts" / "last.ckpt"
+    rows = zarrckpt.open(last).tensors()
+    scores = [r for r in rows if ".callbacks." in r["key"]]
+    assert not [r for r in rows if r["key"].startswith("unnamed.")], rows
+    assert any(r["key"].endswith(".best_model_score") for r in scores), rows
+    assert all(r["key"].startswith("tensors.callbacks.ModelCheckpoint_monitor_loss_") for r in scores), scores
+    assert {r["role"] for r in scores} == {"other"}
+    assert {r["role"] for r in rows if r["key"].startswith("tensors.state_dict.")} == {"main_weight"}
+    back = ZarrCheckpointIO().load_checkpoint(last)  # the names are names only: each tensor goes back to its path
+    callback = next(iter(back["callbacks"].values()))
+    assert isinstance(callback["best_model_score"], torch.Tensor) and back["global_step"] == 4
+    capsys.readouterr()
+    assert cli(["diff", str(last), str(tmp_path / "b" / "ckpts" / "last.ckpt")]) == 1
+    out = capsys.readouterr().out
+    assert "metadata:  lightning[0].global_step: A 4 vs B 6\n" in out, out
+    assert max(len(line) for line in out.splitlines()) < 700, out

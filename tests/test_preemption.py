@@ -61,6 +61,23 @@ def test_a_signal_during_an_async_save_waits_for_it_then_saves(tmp_path: Path) -
         manager.close()
 
 
+def test_the_preemption_save_applies_retention(tmp_path: Path) -> None:
+    """A preempted job exits holding keep_last checkpoints, not keep_last + 1 (issue 41)."""
+    manager = zarrckpt.CheckpointManager(tmp_path, interval=2, keep_last=2, save_on=(signal.SIGUSR1,))
+    try:
+        for step in range(1, 6):
+            manager.save(step, _state(step))
+        manager.wait()
+        assert manager.steps() == [2, 4]
+        os.kill(os.getpid(), signal.SIGUSR1)
+        manager.save(5, _state(5))  # not due: saved because preempted
+        assert manager.preempted == signal.SIGUSR1
+    finally:
+        manager.close()
+    assert zarrckpt.committed_steps(tmp_path) == [4, 5]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0000000004", "step_0000000005"]
+
+
 def test_without_save_on_a_signal_is_not_caught(tmp_path: Path) -> None:
     before = signal.getsignal(signal.SIGUSR1)
     zarrckpt.CheckpointManager(tmp_path, interval=1, keep_last=1).close()

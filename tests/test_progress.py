@@ -155,3 +155,35 @@ def test_fanned_out_reads_report_what_other_ranks_send(tmp_path: Path) -> None:
     assert sorted(sum(received) for _, received in seen) == [0, nbytes]  # one rank read it, one received it
     for bytes_read, received in seen:
         assert bytes_read + sum(received) >= nbytes
+
+
+def _save_halves(rank: int, world: int, url: str, out: str, use_async: bool) -> None:
+    import io
+    import sys
+
+    rows = 1024 // world
+    full = _state()["w"]
+    state = {"w": zarrckpt.LocalShard(full[rank * rows : (rank + 1) * rows], tuple(full.shape), (rank * rows, 0))}
+    sys.stderr = io.StringIO()  # the line is drawn on the stream stderr is when the save starts
+    if use_async:
+        zarrckpt.async_save(state, url, progress=True, small_tensor_bytes=0).result()
+    else:
+        zarrckpt.save(state, url, progress=True, small_tensor_bytes=0)  # each rank writes its half
+    Path(out, str(rank)).write_text(sys.stderr.getvalue())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("use_async", [False, True])
+def test_a_save_on_several_ranks_shows_the_whole_saves_bytes(tmp_path: Path, use_async: bool) -> None:
+    """The line is rank 0's: it counts rank 0's writes, and says so, with the bytes of the whole save (issue 41)."""
+    out = tmp_path / "err"
+    out.mkdir()
+    spawn(2, _save_halves, str(tmp_path / "ck"), str(out), use_async)
+    line = (out / "0").read_text().strip().splitlines()[-1]
+    assert "100% " in line and " of rank 0's 1.0 MiB (2.0 MiB in all, 2 ranks)" in line, line
+    assert (out / "1").read_text() == ""  # one line, rank 0's
+
+
+def test_a_single_process_line_says_what_its_bytes_are_of(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    zarrckpt.save(_state(), str(tmp_path / "ck"), progress=True)
+    assert " of 2.0 MiB" in capsys.readouterr().err.strip().splitlines()[-1]

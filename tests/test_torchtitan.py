@@ -204,6 +204,21 @@ def test_retention_latest_and_the_model_only_last_step(run_a: tuple[Path, dict[s
 
 
 @pytest.mark.slow
+def test_zarrckpt_latest_and_ls_name_the_steps(
+    run_a: tuple[Path, dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """torchtitan's folder holds ``step-N`` checkpoints: `zarrckpt latest` and `ls` report N (issue 41)."""
+    from zarrckpt.cli import main as cli
+
+    folder, _ = run_a
+    capsys.readouterr()
+    assert cli(["latest", str(folder)]) == 0 and capsys.readouterr().out == "6\n"
+    assert cli(["latest", str(folder), "--url"]) == 0 and capsys.readouterr().out == f"{folder}/step-6\n"
+    assert cli(["ls", str(folder), "--json"]) == 0
+    assert {r["name"]: r["step"] for r in json.loads(capsys.readouterr().out)} == {"step-4": 4, "step-6": 6}
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("async_mode", ["disabled", "async", "async_with_pinned_mem"])
 def test_killed_and_resumed_on_2_matches_the_uninterrupted_run(
     run_a: tuple[Path, dict[str, Any]], tmp_path: Path, async_mode: str

@@ -50,11 +50,14 @@ def save(
     verify_after_save: bool | None = None,
     progress: ProgressOption = False,
     staging_budget_bytes: int | None = None,
-) -> None:
+) -> dict[str, int]:
     """Save ``state_dict`` as a Zarr v3 checkpoint at ``url``; every rank calls it.
 
     Each rank writes only the shards it owns; a replicated region is written once, by its
-    lowest rank. Returns once the checkpoint is committed.
+    lowest rank. Returns once the checkpoint is committed, with what the save cost the store on
+    this rank (as :meth:`zarrckpt.Checkpoint.stats`): ``{"requests", "retries", "bytes_read",
+    "bytes_written"}``; every attempt of a request counts (a retried one twice, and once in
+    ``retries``), bytes are those of object bodies.
 
     Tensors on the CPU are written straight from their memory. Tensors elsewhere (GPU) are copied
     to pinned host buffers on the calling thread, each written as soon as it lands, with at most
@@ -113,7 +116,7 @@ def save(
         ZarrckptError: ``url`` holds files that are not a zarrckpt checkpoint (refused, even with
             ``overwrite``), or the save failed on another rank (named in the message).
     """
-    _save(
+    return _save(
         state_dict,
         url,
         storage_options=storage_options,
@@ -144,7 +147,7 @@ def _save(
     progress: ProgressOption,
     staging_budget_bytes: int | None,
     force_gather: bool = False,
-) -> None:
+) -> dict[str, int]:
     """:func:`save`; ``force_gather`` (tests): plan from every rank's gathered description, as
     before issue 28 (:func:`zarrckpt.engine.saveplan.plan_save`)."""
     group = Group(process_group)
@@ -157,7 +160,8 @@ def _save(
     plan = plan_save(
         group, local, chunk_bytes, check_replicas, small_tensor_bytes, check=names, force_gather=force_gather
     )
-    bar = watch(storage, progress, f"save {storage.url}", plan.bytes_of(group.rank), group.rank)
+    whole = plan.total_bytes() if progress is True and group.rank == 0 else None  # (rank 0's plan: every array)
+    bar = watch(storage, progress, f"save {storage.url}", plan.bytes_of(group.rank), group.rank, group.size, whole)
     save_id = group.run_together(
         lambda: protocol.prepare(storage, overwrite, group.size) if group.rank == 0 else "", "preparing", share=True
     )
@@ -180,6 +184,7 @@ def _save(
         nbytes / 1e6,
         time.perf_counter() - start,
     )
+    return storage.traffic.snapshot()
 
 
 def load(
@@ -195,8 +200,10 @@ def load(
     allow_modified: bool = False,
     fan_out: bool = True,
     progress: ProgressOption = False,
-) -> None:
-    """Load the checkpoint at ``url`` into ``state_dict`` in place; every rank calls it.
+) -> dict[str, int]:
+    """Load the checkpoint at ``url`` into ``state_dict`` in place; every rank calls it. Returns what
+    the load cost the store on this rank, as :func:`save` does (``bytes_read``: index and
+    read-through bytes included; what other ranks sent it, with ``fan_out``, not).
 
     Tensors (plain or DTensor local shards, any sharding) are filled in place, reading only the
     chunks they need; non-tensor values are replaced, restored to their saved Python type.
@@ -275,7 +282,8 @@ def load(
         lambda: targets.decode_values(matched, manifest, allow_pickle=allow_pickle), "decoding the saved values"
     )
     requests, finish = targets.plan_requests(matched, manifest, state_dict)
-    bar = watch(storage, progress, f"load {storage.url}", sum(r.dest.nbytes for r in requests), group.rank)
+    total = sum(r.dest.nbytes for r in requests)
+    bar = watch(storage, progress, f"load {storage.url}", total, group.rank, group.size)
     try:
         nbytes = loader.read(
             group,
@@ -295,3 +303,4 @@ def load(
     targets.set_values(state_dict, matched, decoded)
     after_load()
     log.info("loaded %s: this rank read %.1f MB in %.2fs", storage.url, nbytes / 1e6, time.perf_counter() - start)
+    return storage.traffic.snapshot()

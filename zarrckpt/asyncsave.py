@@ -49,6 +49,7 @@ from zarrckpt.plan.names import check_names
 from zarrckpt.plan.save import DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_TENSOR_BYTES, ZarrSavePlan
 from zarrckpt.staging import Handoff, StagingStats, stage, write_staged
 from zarrckpt.storage.store import Storage
+from zarrckpt.storage.traffic import Traffic
 from zarrckpt.types import URL
 
 if TYPE_CHECKING:
@@ -77,11 +78,18 @@ _background = _Background()
 class AsyncSave(Future[None]):
     """What :func:`async_save` returns: a future that completes when the checkpoint is committed
     (or carries the error). ``staged`` is a future of this rank's :class:`StagingStats`: done
-    once every tensor is copied to host memory (or carrying the error that stopped the copy)."""
+    once every tensor is copied to host memory (or carrying the error that stopped the copy).
+    ``stats()``: this rank's requests and bytes, as :func:`zarrckpt.save` returns them."""
 
-    def __init__(self) -> None:
+    def __init__(self, traffic: Traffic | None = None) -> None:
         super().__init__()
         self.staged: Future[StagingStats] = Future()
+        self._traffic = traffic if traffic is not None else Traffic()
+
+    def stats(self) -> dict[str, int]:
+        """What this save has cost its store on this rank so far (final once the future is done):
+        ``{"requests", "retries", "bytes_read", "bytes_written"}``, as :meth:`zarrckpt.Checkpoint.stats`."""
+        return self._traffic.snapshot()
 
     def wait_staged(self, timeout: float | None = None) -> StagingStats:
         """Block until the state is staged; after this the training loop may change it.
@@ -148,7 +156,8 @@ def async_save(
 
     Returns:
         An :class:`AsyncSave`: a future that completes when the checkpoint is committed (or
-        carries the error), with ``staged`` / ``wait_staged()`` for the copy to host memory.
+        carries the error), with ``staged`` / ``wait_staged()`` for the copy to host memory and
+        ``stats()`` for this rank's requests and bytes (as :func:`zarrckpt.save` returns them).
 
     Raises:
         SaveLayoutError: layout and replica problems, before the call returns (nothing written).
@@ -172,10 +181,11 @@ def async_save(
         expected: dict[int, tuple[LocalTensor, int]] | None = None
         if os.environ.get("ZARRCKPT_CHECK_STAGING", "") not in ("", "0"):
             expected = {id(t): (t, _digest(t.data)) for t in local.parts()}  # (t: its id is not reused)
-        bar = watch(storage, progress, f"save {storage.url}", plan.bytes_of(group.rank), group.rank)
+        whole = plan.total_bytes() if progress is True and group.rank == 0 else None  # (rank 0's plan: every array)
+        bar = watch(storage, progress, f"save {storage.url}", plan.bytes_of(group.rank), group.rank, group.size, whole)
         exchanged = threading.Event()
         job = _Job(storage, plan, background, overwrite, handoff, bar, (local, exchanged) if later else None)
-        future = AsyncSave()
+        future = AsyncSave(storage.traffic)
         _background.writer.submit(future._run, job.run)
         _background.last = future
         if staging == "caller":

@@ -207,9 +207,16 @@ class Progress:
     WIDTH = 30
 
     def __init__(
-        self, label: str, total_items: int, total_bytes: int, stream: IO[str] | None = None, unit: str = "tensors"
+        self,
+        label: str,
+        total_items: int,
+        total_bytes: int,
+        stream: IO[str] | None = None,
+        unit: str = "tensors",
+        of: str = "",
     ) -> None:
         self.label, self.total_items, self.total_bytes, self.unit = label, total_items, max(total_bytes, 1), unit
+        self.of = of  # after the bytes done: what they are of (" of 2.0 GiB")
         self.lock = threading.Lock()  # advance() from a pool's threads
         self.stream = stream if stream is not None else sys.stderr
         self.live = _is_live(self.stream)
@@ -240,7 +247,7 @@ class Progress:
         if 0 < frac < 1 and elapsed > 0:  # the rest at the rate so far
             rate += f", ETA {_duration(elapsed * (1 - frac) / frac)}"
         count = f" {self.items}/{self.total_items} {self.unit}" if self.unit else ""  # "": bytes alone
-        line = f"{self.label}{count} [{bar}] {frac:4.0%} {human(self.moved_bytes)}"
+        line = f"{self.label}{count} [{bar}] {frac:4.0%} {human(self.moved_bytes)}{self.of}"
         line += rate
         if self.live:
             self.stream.write("\r" + line.ljust(self.width))  # pad: a shorter line must cover the last one
@@ -270,7 +277,15 @@ class Meter:
     """One rank's byte progress for a ``progress`` argument: ``advance`` from any thread, then
     ``finish`` or ``abort`` once; with ``progress=False`` it does nothing (``active`` is False)."""
 
-    def __init__(self, progress: ProgressOption, label: str, total_bytes: int, rank: int) -> None:
+    def __init__(
+        self,
+        progress: ProgressOption,
+        label: str,
+        total_bytes: int,
+        rank: int,
+        world: int = 1,
+        whole: int | None = None,
+    ) -> None:
         if not (isinstance(progress, bool) or callable(progress)):
             raise ZarrckptError(
                 f"progress must be True, False or a callable(done_bytes, total_bytes), not {progress!r}"
@@ -280,7 +295,11 @@ class Meter:
         self.done = 0
         self.lock = threading.Lock()
         self.callback = None if isinstance(progress, bool) else progress
-        self.bar = Progress(label, 1, self.total, unit="") if progress is True and rank == 0 else None
+        self.bar = (
+            Progress(label, 1, self.total, unit="", of=_of(self.total, world, whole))
+            if progress is True and rank == 0
+            else None
+        )
 
     def advance(self, nbytes: int) -> None:
         with self.lock:
@@ -308,9 +327,26 @@ class Meter:
             self.bar.stream.flush()
 
 
-def watch(storage: Storage, progress: ProgressOption, label: str, total_bytes: int, rank: int) -> Meter:
-    """A :class:`Meter` for ``progress``, fed by every byte ``storage`` moves when active."""
-    bar = Meter(progress, label, total_bytes, rank)
+def _of(total: int, world: int, whole: int | None) -> str:
+    """What a line's bytes are of: this rank's ``total``; on several ranks, rank 0's share (the line is
+    rank 0's: it counts only what it moves) and, when known, the ``whole`` operation's bytes."""
+    if world <= 1:
+        return f" of {human(total)}"
+    return f" of rank 0's {human(total)} ({'' if whole is None else human(whole) + ' in all, '}{world} ranks)"
+
+
+def watch(
+    storage: Storage,
+    progress: ProgressOption,
+    label: str,
+    total_bytes: int,
+    rank: int,
+    world: int = 1,
+    whole: int | None = None,
+) -> Meter:
+    """A :class:`Meter` for ``progress``, fed by every byte ``storage`` moves when active. ``world``:
+    the ranks taking part; ``whole``: the bytes of all of them (a save's plan knows them), if known."""
+    bar = Meter(progress, label, total_bytes, rank, world, whole)
     storage.traffic.watch = bar.advance if bar.active else None
     return bar
 

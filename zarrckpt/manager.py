@@ -35,6 +35,7 @@ from zarrckpt.lifecycle import (
     scan,
 )
 from zarrckpt.preemption import SignalWatch
+from zarrckpt.retention import BestMode, Policy, SavedMetrics
 from zarrckpt.storage.store import Storage
 from zarrckpt.types import URL
 
@@ -46,7 +47,8 @@ log = logging.getLogger("zarrckpt")
 
 class CheckpointManager:
     """Save every ``interval`` steps to ``root_url``; keep the ``keep_last`` most recent
-    checkpoints plus every ``keep_every``-th step; delete the rest in the background.
+    checkpoints plus every ``keep_every``-th step plus (``keep_best``) the best by a metric; delete
+    the rest in the background.
 
     Every rank calls ``save``/``load_latest``; listing and deletion run on rank 0 only. Retention
     deletes committed checkpoints only, each only while it still is one; ``cleanup()`` removes the
@@ -60,8 +62,9 @@ class CheckpointManager:
 
     Preemption (``save_on``): on one of these signals (Kubernetes and torchrun send SIGTERM before
     killing, Slurm ``--signal=USR1@120`` SIGUSR1), the next ``save()`` call, on every rank at the same
-    step, waits for the save in flight and saves that step synchronously, whether due or not; then
-    ``preempted`` is the signal and the loop should stop::
+    step, waits for the save in flight and saves that step synchronously, whether due or not, and
+    applies retention as after any save (``close()`` waits for it); then ``preempted`` is the signal
+    and the loop should stop::
 
         manager = CheckpointManager(root, interval=100, keep_last=3, save_on=(signal.SIGTERM,))
         for step in range(start, steps):
@@ -76,6 +79,12 @@ class CheckpointManager:
         interval: save when the step is a multiple of this (``save(..., force=True)`` saves anyway).
         keep_last: how many of the most recent committed checkpoints retention keeps.
         keep_every: also keep every step that is a multiple of this (None: none).
+        keep_best: also keep the ``keep_best`` checkpoints with the best ``best_metric`` (as Lightning's
+            ``save_top_k`` with ``monitor``), lowest (``best_mode="min"``) or highest (``"max"``); each
+            save passes its metrics (``save(step, sd, metrics={"val_loss": 0.31})``), which are saved
+            in the checkpoint, so a restarted job ranks the old ones too. One without the metric is
+            not ranked: it is kept while among the ``keep_last`` newest, then deleted with a WARNING
+            (:mod:`zarrckpt.retention`).
         async_save: save with :func:`zarrckpt.async_save` (default) or synchronously.
         storage_options: as for :func:`zarrckpt.save`.
         process_group: as for :func:`zarrckpt.save`.
@@ -89,8 +98,8 @@ class CheckpointManager:
             all-gather), so that all of them save the same step.
 
     Raises:
-        ZarrckptError: ``interval``, ``keep_last`` or ``keep_every`` below 1; ``save_on`` given
-            outside the main thread.
+        ZarrckptError: ``interval``, ``keep_last``, ``keep_every`` or ``keep_best`` below 1, ``keep_best``
+            without ``best_metric``, ``best_mode`` not min or max; ``save_on`` given outside the main thread.
     """
 
     def __init__(
@@ -100,6 +109,9 @@ class CheckpointManager:
         interval: int,
         keep_last: int,
         keep_every: int | None = None,
+        keep_best: int | None = None,
+        best_metric: str | None = None,
+        best_mode: BestMode = "min",
         async_save: bool = True,
         storage_options: dict[str, Any] | None = None,
         process_group: ProcessGroup | None = None,
@@ -109,10 +121,11 @@ class CheckpointManager:
         progress: ProgressOption = False,
         save_on: Iterable[int] = (),
     ) -> None:
-        if interval < 1 or keep_last < 1 or (keep_every is not None and keep_every < 1):
-            raise ZarrckptError("CheckpointManager: interval and keep_last must be >= 1 (keep_every too, if given)")
+        self.policy = Policy(keep_last, keep_every, keep_best, best_metric, best_mode)
+        self.policy.check(interval)
         self.root = str(root_url).rstrip("/")
         self.interval, self.keep_last, self.keep_every = interval, keep_last, keep_every
+        self.metrics = SavedMetrics(best_metric or "", self.url, storage_options)  # (used with keep_best)
         self.use_async = async_save
         self.staging: Staging = staging  # async saves: "background" returns before the copy (see wait_staged)
         self.storage_options = storage_options
@@ -134,8 +147,12 @@ class CheckpointManager:
     def url(self, step: int) -> str:
         return f"{self.root}/step_{step:010d}"
 
-    def save(self, step: int, state_dict: Any, *, force: bool = False) -> Future[None] | None:
+    def save(
+        self, step: int, state_dict: Any, *, force: bool = False, metrics: dict[str, Any] | None = None
+    ) -> Future[None] | None:
         """Save when ``step`` is due (a multiple of ``interval``) or ``force``; else do nothing.
+        ``metrics`` (name -> number; rank 0's are saved, other ranks may pass theirs or None) are saved
+        with it, as ``zarrckpt_manager.metrics``; ``keep_best`` ranks by them (:mod:`zarrckpt.retention`).
 
         Returns the save's future (already done for synchronous saves), or None when not due.
 
@@ -150,7 +167,7 @@ class CheckpointManager:
                 f"the job was preempted ({self.preempted.name}) and its last step saved: stop training, and close()"
             )
         if self._watch is not None and self._signalled():
-            return self._final_save(step, state_dict)
+            return self._final_save(step, state_dict, metrics)
         due = step >= 0 and (force or step % self.interval == 0)
         try:
             self._check_previous()
@@ -162,15 +179,16 @@ class CheckpointManager:
             raise skipped from e.__cause__
         if not due:
             return None
-        future = self._start(step, state_dict, self.use_async)
+        future = self._start(step, state_dict, self.use_async, metrics)
         self._saving = (step, future)
         if self.rank == 0:  # queued now, so wait() / close() cannot miss it
             self._background(partial(self._retain_after, future))
         return future
 
-    def _start(self, step: int, state_dict: Any, use_async: bool) -> Future[None]:
+    def _start(self, step: int, state_dict: Any, use_async: bool, metrics: dict[str, Any] | None) -> Future[None]:
         """Save ``step`` (asynchronously: started; else done, or CheckpointSaveError)."""
         url, opts, group = self.url(step), self.storage_options, self.process_group
+        state_dict = self.metrics.note(step, state_dict, metrics, self.rank == 0)
         if self.rank == 0:  # a restarted job: its predecessor may have died saving this very step
             await_dead_save(url, storage_options=opts)  # (its save is then taken over; a live one never)
         if use_async:
@@ -194,7 +212,7 @@ class CheckpointManager:
             self._signal = signal.Signals(seen[0])
         return bool(seen)
 
-    def _final_save(self, step: int, state_dict: Any) -> Future[None]:
+    def _final_save(self, step: int, state_dict: Any, metrics: dict[str, Any] | None) -> Future[None]:
         """Preempted: wait for the save in flight, then save ``step`` synchronously (unless it was that one)."""
         previous = self._saving[0] if self._saving is not None else None
         try:
@@ -203,10 +221,12 @@ class CheckpointManager:
         except CheckpointSaveError as e:  # the final save still goes on
             log.error("%s", e)
             done = False
-        future = _completed() if done else self._start(step, state_dict, use_async=False)
+        future = _completed() if done else self._start(step, state_dict, False, metrics)
         self.preempted = self._signal
         if self.rank == 0:
             log.warning("%s received: saved step %d to %s; stop now", self._signal.name, step, self.url(step))
+            if not done:  # (done: the save in flight was this step, and queued its retention)
+                self._background(self._retain)  # a preempted job leaves keep_last, not keep_last + 1
         return future
 
     def wait_staged(self) -> None:
@@ -310,9 +330,7 @@ class CheckpointManager:
 
     def _retain(self) -> None:
         steps = self.steps()
-        keep = set(steps[-self.keep_last :])
-        if self.keep_every:
-            keep |= {s for s in steps if s % self.keep_every == 0}
+        keep = self.policy.keep(steps, self.metrics.of(steps) if self.policy.keep_best else {})
         for step in steps:
             if step not in keep:
                 self._delete(step, None)

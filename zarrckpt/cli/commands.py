@@ -25,7 +25,7 @@ from typing import Any
 
 import zarrckpt
 from zarrckpt.cli.args import CliError, emit_json, parse_duration, parse_storage_options
-from zarrckpt.cli.listing import MAX_DEPTH, cmd_ls
+from zarrckpt.cli.listing import MAX_DEPTH, cmd_ls, newest
 from zarrckpt.display import human, pretty
 from zarrckpt.types import Role, SourceKind
 
@@ -125,8 +125,8 @@ def cmd_gc(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
 
 def cmd_latest(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
     root = args.root.rstrip("/")
-    step = zarrckpt.latest_step(root, storage_options=opts)
-    url = None if step is None else f"{root}/step_{step:010d}"
+    found = newest(root, opts)  # the training step: the adapters name checkpoints otherwise
+    step, url = (None, None) if found is None else (found["step"], f"{root}/{found['name']}")
     if args.json:
         emit_json({"root": root, "step": step, "url": url})
     elif url is None:
@@ -308,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="list what would be removed, with sizes; remove nothing")
     p.set_defaults(func=cmd_gc)
     p = sub.add_parser(
-        "latest", parents=[common], help="the newest committed step under a CheckpointManager root (exit 1: none)"
+        "latest", parents=[common], help="the newest committed training step under a root (exit 1: none)"
     )
     p.add_argument("root")
     p.add_argument("--url", action="store_true", help="print the checkpoint's URL instead of its step")

@@ -53,10 +53,41 @@ def cmd_ls(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
     return 0
 
 
-def root_row(entry: Any, opts: dict[str, Any] | None, sizes: bool = False) -> dict[str, Any]:
-    """One checkpoint under a root: its state, step, tensors and size, and time. A committed one costs
-    one ranged GET of its manifest's first bytes (:func:`zarrckpt.lifecycle.read_head`), which hold the step
-    and time; tensors and size only when they hold the whole manifest, or with ``sizes`` (one whole read)."""
+def training_step(name: str, values: dict[str, Any], *, loose: bool = True) -> int | None:
+    """The training step a checkpoint was saved at, from its manifest's values and its name: the global
+    step a Lightning checkpoint records (its names are free: ``epoch=0-step=12.ckpt``, ``last.ckpt``),
+    Accelerate's ``accelerate.step`` (its name counts saves: ``step_<iteration>``), else the step in the
+    name (``CheckpointManager``'s ``step_0000001000``, torchtitan's ``step-1000``); ``loose``: else a
+    value named ``step`` (``trainer.step``, the shallowest). None: none of these."""
+    typed = values.get("lightning")  # a tuple (skeleton, places) in typed JSON: docs/FORMAT.md section 6
+    saved = typed.get("__zarrckpt__") if isinstance(typed, dict) else None
+    skeleton = saved[1][0] if isinstance(saved, list) and len(saved) == 2 and saved[0] == "tuple" and saved[1] else None
+    for step in (skeleton.get("global_step") if isinstance(skeleton, dict) else None, values.get("accelerate.step")):
+        if type(step) is int:
+            return step
+    if match := _STEP_NAME.fullmatch(name.rsplit("/", 1)[-1]):
+        return int(match[1])
+    steps = [k for k, v in values.items() if k.split(".")[-1] == "step" and type(v) is int] if loose else []
+    return values[min(steps, key=lambda k: (k.count("."), k))] if steps else None
+
+
+def newest(root: str, opts: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``zarrckpt latest``: the committed checkpoint directly under ``root`` with the highest training
+    step (:func:`training_step`, not ``loose``: a checkpoint that only holds a value named ``step`` is
+    no candidate), then the newest; its :func:`root_row`. One ranged GET per committed checkpoint."""
+    from zarrckpt.lifecycle import scan
+
+    committed = [e for e in scan(root, storage_options=opts) if e.state == "committed"]
+    with ThreadPoolExecutor(min(16, max(1, len(committed)))) as pool:
+        rows = [r for r in pool.map(lambda e: root_row(e, opts, loose=False), committed) if r["step"] is not None]
+    return max(rows, key=lambda r: (r["step"], r["time"] or "", r["name"])) if rows else None
+
+
+def root_row(entry: Any, opts: dict[str, Any] | None, sizes: bool = False, loose: bool = True) -> dict[str, Any]:
+    """One checkpoint under a root: its state, training step (:func:`training_step`), tensors and size,
+    and time. A committed one costs one ranged GET of its manifest's first bytes
+    (:func:`zarrckpt.lifecycle.read_head`), which hold the step and time; tensors and size only when
+    they hold the whole manifest, or with ``sizes`` (one whole read)."""
     from zarrckpt.lifecycle import read_head
 
     match = _STEP_NAME.fullmatch(entry.name.rsplit("/", 1)[-1])
@@ -71,9 +102,7 @@ def root_row(entry: Any, opts: dict[str, Any] | None, sizes: bool = False) -> di
         head = read_head(entry.url, storage_options=opts, whole=sizes)
     except zarrckpt.ZarrckptError as e:  # deleted meanwhile, or invalid: list it, say why
         return row | {"error": str(e)}
-    if row["step"] is None:  # else a metadata value named step (trainer.step), the shallowest
-        steps = [k for k, v in head.values.items() if k.split(".")[-1] == "step" and type(v) is int]
-        row["step"] = head.values[min(steps, key=lambda k: (k.count("."), k))] if steps else None
+    row["step"] = training_step(entry.name, head.values, loose=loose)
     row["tensors"] = head.tensors
     row["bytes"] = head.nbytes
     row["time"] = head.created or None

@@ -112,6 +112,31 @@ def compare(a: zarrckpt.TensorView, b: zarrckpt.TensorView, atol: float = 0.0, r
     return {"equal": equal, "max_abs_diff": max_abs, "rel_l2": rel, "within_tolerance": within}
 
 
+MAX_VALUE_CHARS = 160  # `diff`: a metadata value printed longer is cut, with a count of the rest
+MAX_SEGMENT_CHARS = 48  # and a key inside one (a Lightning callback's state key is its whole configuration)
+MAX_CHANGES = 20  # differences shown inside one metadata value
+
+
+def shorten(text: str, limit: int = MAX_VALUE_CHARS) -> str:
+    """``text``, or its first ``limit`` characters and how many were left out."""
+    return text if len(text) <= limit else f"{text[:limit]}... (+{len(text) - limit} characters)"
+
+
+def changes(a: Any, b: Any, where: str) -> list[tuple[str, Any, Any]]:
+    """Where two metadata values differ, as (path, A's part, B's part): inside dicts, and lists or
+    tuples of one length (a Lightning checkpoint's whole state is one tuple), down to what differs."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(a.keys() | b.keys(), key=str):
+            seg = shorten(str(k), MAX_SEGMENT_CHARS)
+            if k not in a or k not in b or a[k] != b[k]:
+                out += changes(a.get(k, "<missing>"), b.get(k, "<missing>"), f"{where}.{seg}")
+        return out
+    if isinstance(a, list | tuple) and type(a) is type(b) and len(a) == len(b):
+        return [c for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y for c in changes(x, y, f"{where}[{i}]")]
+    return [(where, a, b)]
+
+
 def cmd_diff(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
     atol, rtol = args.atol, args.rtol
     if not (atol >= 0 and rtol >= 0):  # also refuses NaN
@@ -164,7 +189,13 @@ def cmd_diff(args: argparse.Namespace, opts: dict[str, Any] | None) -> int:
         note = " (within tolerance)" if tolerant and d["within_tolerance"] else ""
         print(f"values:    {d['key']}: max_abs_diff={d['max_abs_diff']:.6g} rel_l2={d['rel_l2']:.6g}{note}")
     for d in report["metadata"]:
-        print(f"metadata:  {d['key']}: A {json.dumps(d['a'], default=str)} vs B {json.dumps(d['b'], default=str)}")
+        found = changes(d["a"], d["b"], d["key"])
+        for where, a, b in found[:MAX_CHANGES]:
+            a_text, b_text = shorten(json.dumps(a, default=str)), shorten(json.dumps(b, default=str))
+            print(f"metadata:  {where}: A {a_text} vs B {b_text}")
+        if len(found) > MAX_CHANGES:
+            more = len(found) - MAX_CHANGES
+            print(f"metadata:  {d['key']}: ... and {more} more differences (--json: both values whole)")
     tol = f"atol={atol:g}, rtol={rtol:g}"
     counts = f"{compared} tensors compared, {summary['differing']} differ"
     if tolerant and report["values"]:

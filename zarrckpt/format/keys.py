@@ -167,6 +167,8 @@ def infer_role(key: str, is_floating: bool) -> Role:
     """Guess a tensor's role from the standard ``state_dict()`` / ``get_state_dict()`` structure."""
     segs = key.split(".")
     last = segs[-1]
+    if "callbacks" in segs[:2]:  # a training framework's callbacks' state (Lightning's, under tensors.): scores
+        return Role.OTHER
     if segs[0] in _OPTIM_TOPS or (len(segs) >= 3 and "state" in segs[:-1]):
         return {
             "exp_avg": Role.FIRST_MOMENT,

@@ -16,7 +16,9 @@ A Lightning checkpoint is a nested dict of tensors (the model's ``state_dict``, 
 states) and bookkeeping (loops, callbacks, schedulers, hyper-parameters), whose keys can be anything
 (a callback's state key holds its arguments, a file path). The tensors become arrays named by their
 path (``tensors.state_dict.layer.weight``, ``tensors.optimizer_states.0.state.1.exp_avg``: what
-``zarrckpt ls`` shows and any Zarr reader opens; one whose path makes no name is ``unnamed.<n>``); the
+``zarrckpt ls`` shows and any Zarr reader opens; a key that is no name is cut to one: a callback's
+``best_model_score`` is ``tensors.callbacks.ModelCheckpoint_monitor_loss_<...>.best_model_score``, a
+``best_k_models`` entry is named by its file, and a path that still clashes is ``unnamed.<n>``); the
 rest is one value, ``lightning`` (the dict without its tensors, and each tensor's place), so
 ``load_checkpoint`` rebuilds the dict exactly (int keys, lists and tuples included) without a template.
 """

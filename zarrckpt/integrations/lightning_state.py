@@ -1,5 +1,5 @@
 """Lightning's checkpoint dicts as zarrckpt states and back: each tensor an array named by its place
-in the dict (``tensors.<path>``, or ``unnamed.<n>`` where a path is no name), the rest one value."""
+in the dict (``tensors.<path>``, each segment as a name a store takes, or ``unnamed.<n>``), the rest one value."""
 
 from __future__ import annotations
 
@@ -100,9 +100,9 @@ def _find(tree: Any, path: Path) -> torch.Tensor | None:
 def _split(obj: Any, path: Path, tensors: dict[str, torch.Tensor], places: list[tuple[Path, str]]) -> Any:
     """``obj`` with its tensors taken out (None in their place, their key and path recorded)."""
     if isinstance(obj, torch.Tensor):
-        key = "tensors." + ".".join(map(str, path))
-        if not path or not all(_SEGMENT.match(str(p)) for p in path) or key in tensors:
-            key = f"unnamed.{len(places)}"  # a path no store takes as a name: numbered, apart from the named
+        key = "tensors." + ".".join(map(_name, path))
+        if not path or key in tensors:
+            key = f"unnamed.{len(places)}"  # numbered, apart from the named
         tensors[key] = obj.detach()
         places.append((list(path), key))
         return None
@@ -112,6 +112,19 @@ def _split(obj: Any, path: Path, tensors: dict[str, torch.Tensor], places: list[
         items = [_split(v, [*path, i], tensors, places) for i, v in enumerate(obj)]
         return items if isinstance(obj, list) else tuple(items)
     return obj
+
+
+def _name(segment: Any) -> str:
+    """A path segment as a name a store takes: itself, or what is left of it in letters, digits, ``_``
+    and ``-`` (``ModelCheckpoint{'monitor': 'loss', ...}``, the state key of a callback, becomes
+    ``ModelCheckpoint_monitor_loss_...``; a file path, a key of ``best_k_models``, its file's name),
+    at most 64 characters. The key is only a name: the load puts each tensor back by its path."""
+    text = str(segment)
+    if _SEGMENT.match(text):
+        return text
+    if "/" in text.rstrip("/"):
+        text = text.rstrip("/").rsplit("/", 1)[-1]
+    return re.sub(r"[^A-Za-z0-9_\-]+", "_", text).strip("_")[:64].strip("_") or "unnamed"
 
 
 def _unclash(tensors: dict[str, torch.Tensor], places: list[tuple[Path, str]]) -> None:

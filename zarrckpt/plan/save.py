@@ -60,6 +60,16 @@ class ZarrSavePlan:
         cells = [(m, cell_box(idx, m.shard_shape, m.shape)) for m, idx in self.shards_of(rank)]
         return sum(math.prod(cell.sizes) * m.itemsize for m, cell in cells)
 
+    def total_bytes(self) -> int:
+        """The data bytes of every shard of the save, whoever writes it (a plan that holds only some
+        arrays: of those; rank 0's holds them all)."""
+        return sum(
+            math.prod(cell_box(idx, m.shard_shape, m.shape).sizes) * m.itemsize
+            for k, owner in self.owners.items()
+            for m in (self.arrays[k],)
+            for idx in owner
+        )
+
     def metadata_of(self, rank: int) -> list[tuple[str, bytes]]:
         """The ``zarr.json`` documents (groups, then arrays) ``rank`` writes: spread round-robin (a
         plan that holds only some arrays was handed its rank's share, ``docs``)."""
