@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Generic, TypeVar
 
@@ -58,3 +58,25 @@ def run_bounded(fn: Callable[[T], R], items: Iterable[T], limit: int, inline: Ca
             for fut in pending:  # after a failure, start nothing more
                 fut.cancel()
     return results
+
+
+SMALL_LOCAL_WRITE = 256 * 1024  # local files: writes this small are handed to the threads in runs
+LOCAL_BATCH = 64
+
+
+def in_runs(items: Iterable[T], size: Callable[[T], int]) -> Iterator[list[T]]:
+    """``items`` in order, each large one alone, small ones in runs of up to LOCAL_BATCH."""
+    run: list[T] = []
+    for item in items:
+        if size(item) >= SMALL_LOCAL_WRITE:
+            if run:
+                yield run
+                run = []
+            yield [item]
+            continue
+        run.append(item)
+        if len(run) == LOCAL_BATCH:
+            yield run
+            run = []
+    if run:
+        yield run
