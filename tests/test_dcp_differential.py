@@ -3,7 +3,7 @@
 Each scenario saves the same state through both storages and loads it back the same way; the
 loaded states must be bit-identical (tensors: dtype, shape and bytes; values: type and value),
 or both runs must fail with the same exception type. The only difference allowed is the one
-documented in docs/usage.md: an object of an arbitrary class is refused without ``allow_pickle``.
+documented in docs/functions.md: an object of an arbitrary class is refused without ``allow_pickle``.
 """
 
 from __future__ import annotations
@@ -327,7 +327,7 @@ def _save_uneven_parts(rank: int, world: int, root: str) -> None:
 
 @pytest.mark.slow
 def test_storage_data_of_several_parts_per_rank(tmp_path: Path) -> None:
-    """Parts that no regular grid fits are stored on a finer one (docs/usage.md): the metadata lists its
+    """Parts that no regular grid fits are stored on a finer one (docs/functions.md): the metadata lists its
     shards as the chunks, storage_data names each shard object, and every load gives DCP's result."""
     spawn(2, _save_uneven_parts, str(tmp_path))
     want, md = FileSystemReader(tmp_path / "fs").read_metadata(), zarrckpt.ZarrReader(tmp_path / "zarr").read_metadata()

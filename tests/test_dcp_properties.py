@@ -72,7 +72,7 @@ def _save_small_shards(rank: int, world: int, root: str) -> None:
 
 @pytest.mark.slow
 def test_zarr_writer_writes_each_ranks_small_parts_as_objects_of_their_own(tmp_path: Path) -> None:
-    """The difference that stays (docs/usage.md): DCP runs write_data on each rank without a
+    """The difference that stays (docs/functions.md): DCP runs write_data on each rank without a
     collective, so ZarrWriter cannot send a rank's small parts to another rank to join them into one
     object as zarrckpt.save does. Both load the same values."""
     from zarrckpt.testing.procs import spawn
