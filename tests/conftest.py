@@ -59,6 +59,17 @@ def gcs_url(gcs_server):
     yield from _remote(unique_url("gs"), gcs.gcs_storage_options(gcs_server))
 
 
+@pytest.fixture
+def store_elsewhere_in_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The environment names a store where nothing listens, with wrong keys: what only reaches the test's
+    server through ``storage_options`` (never through ``AWS_*`` / ``STORAGE_EMULATOR_HOST``) still works."""
+    dead = f"http://127.0.0.1:{testing.free_port()}"
+    for name, value in (("AWS_ENDPOINT_URL", dead), ("STORAGE_EMULATOR_HOST", dead)):
+        monkeypatch.setenv(name, value)
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.setenv(name, "wrong")
+
+
 @pytest.fixture(params=["local", "memory", "s3", "gcs"])
 def storage(request, tmp_path):
     """``(url, storage_options)`` for a fresh, empty location on each backend."""

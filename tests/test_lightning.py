@@ -237,9 +237,8 @@ def test_ckpt_path_last_on_s3_with_zarr_model_checkpoint(
 
 
 @pytest.mark.parametrize("store", ["s3", "gcs"])
-def test_zarr_model_checkpoint_needs_no_endpoint_in_the_environment(
-    store: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.usefixtures("store_elsewhere_in_env")
+def test_zarr_model_checkpoint_needs_no_endpoint_in_the_environment(store: str, request: pytest.FixtureRequest) -> None:
     """Issue 41: Lightning's own file operations in ``dirpath`` went to the environment's endpoint
     (``ckpt.s3.amazonaws.com`` without ``AWS_ENDPOINT_URL``). With ``storage_options`` given to
     ``ZarrModelCheckpoint`` they go where the checkpoints do, though the environment points elsewhere:
@@ -249,11 +248,6 @@ def test_zarr_model_checkpoint_needs_no_endpoint_in_the_environment(
     from docexamples import example
 
     url, options = request.getfixturevalue(f"{store}_url")
-    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    for name, value in (("AWS_ENDPOINT_URL", dead), ("STORAGE_EMULATOR_HOST", dead)):
-        monkeypatch.setenv(name, value)
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-        monkeypatch.setenv(name, "wrong")
     documented: dict[str, Any] = {}
     exec(example("integrations.md", "lightning-remote"), documented)
     with warnings.catch_warnings():

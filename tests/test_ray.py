@@ -18,7 +18,6 @@ import torch
 from docexamples import example, run_example
 
 import zarrckpt
-from zarrckpt.testing import free_port
 
 pytest.importorskip("ray")  # `pip install zarrckpt[ray]` (make test installs it)
 
@@ -155,6 +154,7 @@ def test_report_hands_ray_the_directory_without_a_copy(tmp_path: Path, monkeypat
 
 
 @pytest.mark.parametrize("store", ["s3", "gcs"])
+@pytest.mark.usefixtures("store_elsewhere_in_env")
 def test_run_storage_needs_no_endpoint_in_the_environment(
     store: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -165,11 +165,6 @@ def test_run_storage_needs_no_endpoint_in_the_environment(
     from zarrckpt.integrations.ray import run_storage
 
     url, options = request.getfixturevalue(f"{store}_url")
-    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    for name, value in (("AWS_ENDPOINT_URL", dead), ("STORAGE_EMULATOR_HOST", dead)):
-        monkeypatch.setenv(name, value)
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-        monkeypatch.setenv(name, "wrong")
     storage = run_storage(url, storage_options=options)
     ray.train.RunConfig(name="demo", **storage)  # (Ray accepts it)
     fs, run = storage["storage_filesystem"], f"{storage['storage_path']}/demo"
