@@ -286,6 +286,20 @@ def test_resume_on_1_process_without_a_process_group(saved: Path, mode: str, alo
         _same(load_file(saved / "exported" / "model.safetensors"), want)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("store", ["s3", "gcs"])
+def test_a_2_process_save_resumes_on_1_from_an_object_store(
+    saved: Path, store: str, request: pytest.FixtureRequest, alone: Any
+) -> None:
+    """The FSDP2 checkpoint of 2 processes, copied to S3 (moto) or GCS (the emulator), loaded by one
+    plain process through ``load_state(url, storage_options=...)``: every part bit-exact."""
+    url, options = request.getfixturevalue(f"{store}_url")
+    zarrckpt.copy_checkpoint(saved / "fsdp2" / "zarr", f"{url}/ck", dst_storage_options=options)
+    run = _setup("none")
+    assert load_state(run[0], f"{url}/ck", storage_options=options) == f"{url}/ck"
+    _check_restored(run, saved / "fsdp2", 0, 2)
+
+
 # -- one process, no process group (DistributedType.NO) ---------------------------------------------
 
 
