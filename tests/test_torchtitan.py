@@ -298,6 +298,24 @@ def _one_process(folder: Path | str, **config: Any) -> tuple[Any, Any, Any, Trai
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("store", ["s3", "gcs"])
+def test_a_2_rank_step_loads_in_one_process_from_an_object_store(
+    run_a: tuple[Path, dict[str, Any]], store: str, request: pytest.FixtureRequest
+) -> None:
+    """Run A's step 4 (FSDP2 shards of 2 ranks), copied to S3 (moto) or GCS (the emulator): a manager of
+    one process whose folder is there loads it (``load_step``), bit for bit."""
+    folder, a = run_a
+    url, options = request.getfixturevalue(f"{store}_url")
+    zarrckpt.copy_checkpoint(folder / "step-4", f"{url}/checkpoint/step-4", dst_storage_options=options)
+    checkpointer, model, optimizers, state, _ = _one_process(
+        f"{url}/checkpoint", exclude_from_loading=["dataloader"], storage_options=options
+    )
+    assert checkpointer.load(step=4)
+    assert_state(snapshot(model, optimizers, state), a["at"][4])
+    checkpointer.close()
+
+
+@pytest.mark.slow
 def test_load_step_model_only_and_errors(run_a: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
     folder, a = run_a
     # the latest step holds the model only: nothing to resume training from
