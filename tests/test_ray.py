@@ -9,6 +9,7 @@ is there run against Ray's API with the worker's context stood in for; bad input
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -86,6 +87,63 @@ def test_the_documented_example_runs_as_a_script(tmp_path: Path) -> None:
     assert len(losses) == 6 and losses == reference.metadata["losses"] and len(set(losses)) == 6
     assert f"losses: {losses}" in done.stdout
     assert zarrckpt.latest_step(run) == 6  # Ray's run directory reads as a CheckpointManager's root
+
+
+_JOB_ON_A_STORE = """
+import json, sys
+import ray, ray.train
+from ray.train.torch import TorchTrainer
+import zarrckpt
+from zarrckpt.integrations.ray import checkpoint_url, run_storage
+
+url, opts = sys.argv[1], json.loads(sys.argv[2])
+example = {"__name__": "ray_example"}
+exec(open("example.py").read(), example)
+ray.init(num_cpus=2, include_dashboard=False)
+def fit(workers, steps, async_save):
+    keep = ray.train.CheckpointConfig(num_to_keep=2)
+    run_config = ray.train.RunConfig(name="demo", checkpoint_config=keep, **run_storage(url, storage_options=opts))
+    config = {"steps": steps, "async_save": async_save}
+    scaling = ray.train.ScalingConfig(num_workers=workers, use_gpu=False)
+    trainer = TorchTrainer(example["train_fn"], train_loop_config=config, scaling_config=scaling, run_config=run_config)
+    return trainer.fit()
+fit(2, 4, True)
+print("checkpoint:", checkpoint_url(fit(1, 6, False).checkpoint))
+ray.shutdown()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("store_elsewhere_in_env")
+def test_the_example_job_on_s3_through_run_storage(s3_url: tuple[str, dict[str, Any]], tmp_path: Path) -> None:
+    """The documented job (2 workers, async saves, to step 4; restarted on 1 worker to step 6; Ray keeps 2)
+    with ``RunConfig(**run_storage(url, storage_options=...))`` on S3 (moto), the environment naming a dead
+    endpoint: Ray's own files and every checkpoint go to the store the options name."""
+    import json
+    import subprocess
+    import sys
+
+    url, options = s3_url
+    (tmp_path / "example.py").write_text(example_code().replace('if __name__ == "__main__":', "if False:"))
+    (tmp_path / "job.py").write_text(_JOB_ON_A_STORE)
+    env = {**os.environ, **FAST_RAY}
+    done = subprocess.run(
+        [sys.executable, "job.py", f"{url}/ray_results", json.dumps(options)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=env,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert f"checkpoint: {url}/ray_results/demo/step_0000000006" in done.stdout, done.stdout[-2000:]
+    run = f"{url}/ray_results/demo"
+    assert zarrckpt.list_checkpoints(run, storage_options=options) == dict.fromkeys(
+        ["step_0000000004", "step_0000000006"], "committed"
+    )  # Ray's retention deleted step 2 through the same filesystem
+    last = zarrckpt.open(f"{run}/step_0000000006", storage_options=options)
+    assert last.saved_world_size == 1 and len(last.metadata["losses"]) == 6
+    assert zarrckpt.open(f"{run}/step_0000000004", storage_options=options).saved_world_size == 2
 
 
 class Worker:
