@@ -142,6 +142,17 @@ def count(results: dict[str, Any], s3: list[Store], url: dict[str, str], op: str
                 results[f"{store.name}_{op}/{lib}/s3"] = store.log.summary(f"{url[store.name]}/{lib}", methods)
 
 
+def round_trips(hits: list[Any]) -> int:
+    """Requests in sequence: a request that starts after every earlier one has ended begins a new
+    round trip (the server's clock: each request's start and duration)."""
+    trips, end = 0, -1.0
+    for h in sorted(hits, key=lambda h: h.start):
+        if h.start >= end:
+            trips += 1
+        end = max(end, h.start + h.seconds)
+    return trips
+
+
 def lazy_scenario(args: argparse.Namespace, store: Store) -> dict[str, Any]:
     """Save the expert tensors with ``--lazy-ranks`` ranks, then read one slice here, counting requests."""
     import torch.distributed.checkpoint as dcp
@@ -171,7 +182,8 @@ def lazy_scenario(args: argparse.Namespace, store: Store) -> dict[str, Any]:
         kinds: dict[str, int] = {}
         for h in hits:
             kinds[h.method] = kinds.get(h.method, 0) + 1
-        return value, {"requests": len(hits), "bytes": sum(h.bytes_sent for h in hits), "kinds": kinds, "s": seconds}
+        count = {"requests": len(hits), "bytes": sum(h.bytes_sent for h in hits), "kinds": kinds, "s": seconds}
+        return value, count | {"round_trips": round_trips(hits)}
 
     def dcp_read() -> torch.Tensor:
         target = {path[0]: {path[1]: torch.empty(shape)}}
@@ -179,13 +191,18 @@ def lazy_scenario(args: argparse.Namespace, store: Store) -> dict[str, Any]:
         return target[path[0]][path[1]][i]
 
     runs: dict[str, list[dict[str, Any]]] = {"zarrckpt_open": [], "zarrckpt_index": [], "zarrckpt": [], "dcp": []}
+    runs["zarrckpt_later"] = []  # another expert of the same tensor, after the first
     counted(zurl, lambda: zarrckpt.open(zurl, storage_options=opts)[key][i])  # warm-up (imports, clients)
+    j = (i + 1) % shape[0]
     for _ in range(max(args.reps, 3)):
         ckpt, opened = counted(zurl, lambda: zarrckpt.open(zurl, storage_options=opts))
         got, indexed = counted(zurl, lambda ckpt=ckpt: ckpt[key][i])
         assert torch.equal(got, expected), "zarrckpt lazy read returned wrong data"
+        again, later = counted(zurl, lambda ckpt=ckpt: ckpt[key][j])
+        assert torch.equal(again, generate_rows(0, shape, j, j + 1)[0]), "zarrckpt's later read returned wrong data"
         runs["zarrckpt_open"].append(opened)
         runs["zarrckpt_index"].append(indexed)
+        runs["zarrckpt_later"].append(later)
         runs["zarrckpt"].append(
             {k: opened[k] + indexed[k] for k in ("requests", "bytes", "s")}
             | {

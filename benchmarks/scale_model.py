@@ -95,17 +95,31 @@ def plan_on_rank(raws: Sequence[bytes], rank: int) -> tuple[ZarrSavePlan, int, i
 
 
 def manifest_of(plan: ZarrSavePlan) -> bytes:
-    """The committed root zarr.json (consolidated metadata and the commit record of every chunk's
-    crc32c, from what every rank reports it wrote), as rank 0 writes it."""
+    """The committed root zarr.json (consolidated metadata and the commit record, from what every
+    rank reports it wrote), as rank 0 writes it."""
+    return manifest_and_table(plan)[0]
+
+
+def manifest_and_table(plan: ZarrSavePlan) -> tuple[bytes, bytes]:
+    """:func:`manifest_of` and the chunk checksum table written beside it (every chunk's crc32c)."""
     written: integrity.Written = {}
     for key, owner in plan.owners.items():
         meta = plan.arrays[key]
         slots = bytes(4 * math.prod(chunks_per_shard(meta.shard_shape, meta.chunk_shape)))  # any values: same size
         written[key] = {integrity.shard_number(meta, idx): slots for idx in owner}
-    record = integrity.records(plan.arrays, [integrity.to_json(written)])
-    return Manifest(
-        "0" * 32, plan.arrays, plan.values, plan.world_size, "2026-01-01T00:00:00+00:00", "zarrckpt", integrity=record
-    ).dumps()
+    record, table = integrity.records(plan.arrays, [integrity.to_json(written)])
+    manifest = Manifest(
+        "0" * 32,
+        plan.arrays,
+        plan.values,
+        plan.world_size,
+        "2026-01-01T00:00:00+00:00",
+        "zarrckpt",
+        integrity=record,
+        table_ref=integrity.table_ref(table),
+        table=table,
+    )
+    return manifest.dumps(), table
 
 
 def object_nbytes(meta: ArrayMeta, idx: Shape) -> int:

@@ -37,10 +37,13 @@ from zarrckpt.types import ArrayKind
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "uint8": 1}
 
 
+READ_SIDE = {"crc_segment"}  # ArrayMeta's fields a read sets (where its checksums are), added after the recording
+
+
 def plain(obj: Any) -> Any:
-    """``obj`` as JSON-able data, every field and every dict's order kept."""
+    """``obj`` as JSON-able data, every field (but :data:`READ_SIDE`) and every dict's order kept."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.name not in READ_SIDE}
     if isinstance(obj, enum.Enum):
         return str(obj.value)
     if isinstance(obj, dict):

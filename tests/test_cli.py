@@ -534,10 +534,10 @@ def test_ls_root_reads_only_the_head_of_large_manifests(
     s3_url: tuple[str, dict[str, Any]], s3_requests: RequestLog, capsys: pytest.CaptureFixture[str]
 ) -> None:
     root, opts = s3_url
-    # one inner chunk per 16 elements: a commit record of 40,000 checksums, a manifest of ~215 KB
-    big = {"model": {"w": torch.randn(40_000 * 16, generator=G)}, "trainer": {"step": 3}}
+    # 250 arrays of long names (constant: no shard objects), a manifest of ~310 KB
+    big = {"model": {f"layer_{i:04d}_" + "x" * 100: torch.full((4,), 1.5) for i in range(250)}}
     for name, step in [("step_0000000001", 1), ("step_0000000002", 2), ("best", 42)]:
-        zarrckpt.save(big | {"trainer": {"step": step}}, f"{root}/{name}", storage_options=opts, chunk_bytes=64)
+        zarrckpt.save(big | {"trainer": {"step": step}}, f"{root}/{name}", storage_options=opts)
     zarrckpt.save(state(), f"{root}/small", storage_options=opts)  # its manifest fits in the head read
     names = ["step_0000000001", "step_0000000002", "best", "small"]
     sizes = {n: len(Storage(f"{root}/{n}", opts).read(MANIFEST)) for n in names}
@@ -566,7 +566,7 @@ def test_ls_root_reads_only_the_head_of_large_manifests(
     assert rc == 0 and "--sizes" in out and "corrupt: checkpoint manifest" in out
     rc, out, _ = run(capsys, "ls", root, "--json", "--sizes", *cli_opts)
     rows = {r["name"]: r for r in json.loads(out)}
-    assert rows["best"]["tensors"] == 1 and rows["best"]["bytes"] == 40_000 * 16 * 4 and rows["best"]["step"] == 42
+    assert rows["best"]["tensors"] == 250 and rows["best"]["bytes"] == 250 * 4 * 4 and rows["best"]["step"] == 42
 
 
 def test_manifest_head_parses_as_the_whole_manifest_does() -> None:

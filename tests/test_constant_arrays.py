@@ -93,7 +93,7 @@ def test_constant_arrays_have_no_objects(saved: Path) -> None:
         assert "constant" not in _doc(saved, key)["attributes"]["zarrckpt"], key
         assert any(p.is_file() for p in (saved / key / "c").rglob("*")), key
     manifest = json.loads((saved / "zarr.json").read_text())["attributes"]["zarrckpt"]
-    assert manifest["format_version"] == 2
+    assert manifest["format_version"] == 3  # (the chunk checksum table; the arrays keep 1 and 2)
     assert manifest["integrity"]["arrays"]["step"] == {
         "shape": [],
         "data_type": "float32",
@@ -179,10 +179,11 @@ def test_a_manifest_edit_of_the_constant_is_refused(tmp_path: Path) -> None:
         zarrckpt.load({"step": torch.zeros(())}, root, strict=False)
 
 
-def test_without_constants_the_format_stays_version_1(tmp_path: Path) -> None:
+def test_without_constants_the_arrays_stay_version_1(tmp_path: Path) -> None:
+    """The manifest is version 3 (its chunk checksum table); each array the oldest that describes it."""
     root = tmp_path / "ck"
     zarrckpt.save({"w": torch.arange(4.0), "big": torch.zeros(20000)}, root)
-    assert json.loads((root / "zarr.json").read_text())["attributes"]["zarrckpt"]["format_version"] == 1
+    assert json.loads((root / "zarr.json").read_text())["attributes"]["zarrckpt"]["format_version"] == 3
     assert _doc(root, "w")["attributes"]["zarrckpt"]["format_version"] == 1
 
 
@@ -232,7 +233,11 @@ def test_save_on_s3_writes_no_object_for_agreeing_constants(
     assert torch.equal(target["split"], torch.cat([torch.ones(4, 8), torch.zeros(4, 8)]))
     prefix = url.split("://", 1)[1]
     gets = [r.path.split(prefix, 1)[1] for r in s3_requests.requests(url) if r.kind == "GET"]
-    assert sorted(p for p in gets if not p.endswith("zarr.json")) == ["/split/c/0/0", "/split/c/1/0"]
+    assert sorted(p for p in gets if not p.endswith("zarr.json")) == [
+        "/.zarrckpt-crc32c",
+        "/split/c/0/0",
+        "/split/c/1/0",
+    ]
 
 
 def _adam_state() -> dict[str, Any]:
@@ -253,6 +258,7 @@ def test_adam_state_on_s3(s3_url: tuple[str, dict[str, Any]], s3_requests: Reque
     zarrckpt.save(state, url, storage_options=opts, small_tensor_bytes=0)  # a shard per part, not one per tensor
     shards = sorted(p for p in _puts(s3_requests, url) if not p.endswith(".json"))
     assert shards == [
+        "/.zarrckpt-crc32c",  # the commit record's chunk checksums (format version 3)
         "/model/bias/c/0",
         "/model/weight/c/0/0",
         "/optim/state/0/exp_avg/c/0/0",

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 import zarrckpt
 import zarrckpt.dcp
 from zarrckpt.errors import causes
+from zarrckpt.format.integrity import TABLE
 from zarrckpt.testing import spawn
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -262,9 +263,13 @@ def _items(md: Metadata) -> dict[str, Any]:
 
 
 def _objects(path: str) -> set[str]:
-    """The data objects of a zarrckpt checkpoint: every file but the zarr.json documents."""
+    """The data objects of a zarrckpt checkpoint: every file but the zarr.json documents and the
+    chunk checksum table (the commit record's, beside the manifest)."""
     root = Path(path)
-    return {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and p.name != "zarr.json"}
+    assert (root / TABLE).is_file()
+    return {
+        p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and p.name not in ("zarr.json", TABLE)
+    }
 
 
 def _check_against_the_store(path: str, md: Metadata) -> None:

@@ -19,6 +19,7 @@ import torch
 
 import zarrckpt
 from zarrckpt.errors import CorruptChunkError, ModifiedCheckpointError
+from zarrckpt.format import integrity
 from zarrckpt.format.array import ArrayMeta
 from zarrckpt.format.layout import Box
 from zarrckpt.plan.fetch import Request, plan_fetches
@@ -47,6 +48,13 @@ def _chunk_start(k: int) -> int:
 
 def _shard_gets(log: RequestLog, url: str) -> list[tuple[str, str | None]]:
     return [(r.kind, r.range) for r in log.requests(url) if r.path.endswith("/w/c/0/0")]
+
+
+def _first_read_extra(log: RequestLog) -> None:
+    """Besides its shard GETs, a tensor's first read makes exactly one request: the GET of its
+    segment of the chunk checksum table (``w``'s 8 slots, the table's first 32 bytes), sent beside them."""
+    extra = [(r.kind, r.path.rsplit("/", 1)[-1], r.range) for r in log.requests() if not r.path.endswith("/w/c/0/0")]
+    assert extra == [("GET", integrity.TABLE, "bytes=0-31")]
 
 
 # --- the plans (pure) ---
@@ -102,6 +110,9 @@ def test_a_partial_lazy_read_is_one_get_with_its_chunks_crc32c(
     assert torch.equal(view[100, :5], _full()[100, :5])
     start = _chunk_start(1) + 36 * ROW
     assert _shard_gets(s3_requests, url) == [("GET", f"bytes={start}-{_chunk_start(2) - 1}")]
+    _first_read_extra(s3_requests)
+    s3_requests.clear()
+    assert torch.equal(view[101, :5], _full()[101, :5])  # its checksums known: one GET
     assert len(s3_requests.requests()) == 1
 
 
@@ -114,7 +125,7 @@ def test_a_lazy_read_of_whole_chunks_is_one_get_without_the_index(
     s3_requests.clear()
     assert torch.equal(view[64:192], _full()[64:192])  # chunks 1 and 2, each checked whole
     assert _shard_gets(s3_requests, url) == [("GET", f"bytes={_chunk_start(1)}-{_chunk_start(3) - 1}")]
-    assert len(s3_requests.requests()) == 1
+    _first_read_extra(s3_requests)
 
 
 def _zarr_array(url: str, opts: dict[str, Any], **config: Any) -> Any:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import zarrckpt
+from zarrckpt.format import integrity
 from zarrckpt.plan import targets
 from zarrckpt.testing import RequestLog, S3Request, s3_storage_options, spawn, under, unique_url
 
@@ -62,6 +63,17 @@ def test_open_1000_tensors_is_one_get(s3_url: tuple[str, dict[str, Any]], s3_req
     assert [(r.kind, r.path, r.status) for r in got] == [("GET", f"/{url[5:]}/zarr.json", 206)]
 
 
+def _segment_get(log: list[Any], meta: Any) -> list[Any]:
+    """``log`` less the one GET of ``meta``'s segment of the chunk checksum table, which a tensor's
+    first read sends beside its data GET (checked here: exactly that range, once)."""
+    offset, nbytes, _ = meta.crc_segment
+    table = [r for r in log if r.path.endswith("/" + integrity.TABLE)]
+    assert [(r.kind, r.range, r.bytes_sent) for r in table] == [
+        ("GET", f"bytes={offset}-{offset + nbytes - 1}", nbytes)
+    ]
+    return [r for r in log if r not in table]
+
+
 def test_a_lazy_expert_is_one_get_of_its_own_chunk(
     experts_url: tuple[str, dict[str, Any]], s3_requests: RequestLog
 ) -> None:
@@ -77,7 +89,7 @@ def test_a_lazy_expert_is_one_get_of_its_own_chunk(
     assert torch.equal(got, _expert_block(5, 6)[0])
     first = INDEX_BYTES + 5 * CHUNK_BYTES  # expert 5 is chunk 5 of shard 0
     shard = f"/{url[5:]}/model/experts/w1/c/0/0/0"
-    log = s3_requests.requests()
+    log = _segment_get(s3_requests.requests(), meta)
     assert [(r.kind, r.path, r.range, r.status) for r in log] == [
         ("GET", shard, f"bytes={first}-{first + CHUNK_BYTES - 1}", 206)
     ]
@@ -97,7 +109,7 @@ def test_a_lazy_row_is_one_get_with_its_chunks_crc32c(
     assert torch.equal(view[5, 17], _expert_block(5, 6)[0, 17])
     first = INDEX_BYTES + 5 * CHUNK_BYTES
     end = INDEX_BYTES + 6 * CHUNK_BYTES
-    assert [(r.kind, r.range, r.bytes_sent) for r in s3_requests.requests()] == [
+    assert [(r.kind, r.range, r.bytes_sent) for r in _segment_get(s3_requests.requests(), view.meta)] == [
         ("GET", f"bytes={first}-{end - 1}", end - first)
     ]
     s3_requests.clear()
@@ -115,7 +127,7 @@ def test_verified_reads_fetch_whole_chunks(experts_url: tuple[str, dict[str, Any
     ckpt = zarrckpt.open(url, storage_options=opts, partial_reads=False)
     s3_requests.clear()
     assert torch.equal(ckpt["model.experts.w1"][5, 17], _expert_block(5, 6)[0, 17])
-    log = s3_requests.requests()
+    log = _segment_get(s3_requests.requests(), ckpt["model.experts.w1"].meta)
     first = INDEX_BYTES + 5 * CHUNK_BYTES
     assert [(r.kind, r.range, r.bytes_sent) for r in log] == [
         ("GET", f"bytes={first}-{first + CHUNK_BYTES - 1}", CHUNK_BYTES)
@@ -123,15 +135,18 @@ def test_verified_reads_fetch_whole_chunks(experts_url: tuple[str, dict[str, Any
 
 
 def test_verify_reads_each_shard_once(experts_url: tuple[str, dict[str, Any]], s3_requests: RequestLog) -> None:
-    """verify(): one listing of the checkpoint (what is there, with sizes), then one GET per shard
-    object, all of it (no HEAD first), every chunk checked; and one GET of the array's own zarr.json
-    (compared with the manifest)."""
+    """verify(): one GET of the chunk checksum table, one listing of the checkpoint (what is there,
+    with sizes), then one GET per shard object, all of it (no HEAD first), every chunk checked; and
+    one GET of the array's own zarr.json (compared with the manifest)."""
     url, opts = experts_url
     ckpt = zarrckpt.open(url, storage_options=opts)
     s3_requests.clear()
     summary = ckpt.verify()
     whole = INDEX_BYTES + PER_RANK * CHUNK_BYTES
     requests = s3_requests.requests()
+    table = [r for r in requests if r.path.endswith("/" + integrity.TABLE)]
+    assert [(r.kind, r.range) for r in table] == [("GET", "bytes=0-")]
+    requests = [r for r in requests if r not in table]
     docs = [r for r in requests if r.path.endswith("/zarr.json")]
     assert [(r.kind, r.path, r.range) for r in docs] == [("GET", f"/{url[5:]}/model/experts/w1/zarr.json", "bytes=0-")]
     assert summary["problems"] == [] and summary["bytes_read"] == WORLD * whole + docs[0].bytes_sent
@@ -152,9 +167,10 @@ def test_strided_views(experts_url: tuple[str, dict[str, Any]], s3_requests: Req
     row = COLS * 4
     s3_requests.clear()
     assert torch.equal(view[6:8, 17], _expert_block(6, 8)[:, 17])  # experts 6 and 7 of shard 0
-    # row 17 of 256: both chunks read whole (and verified), in one GET
+    # row 17 of 256: both chunks read whole (and verified), in one GET (beside the tensor's checksums)
     lo, hi = INDEX_BYTES + 6 * CHUNK_BYTES, INDEX_BYTES + PER_RANK * CHUNK_BYTES
-    assert [(r.range, r.bytes_sent) for r in s3_requests.requests()] == [(f"bytes={lo}-{hi - 1}", hi - lo)]
+    log = _segment_get(s3_requests.requests(), view.meta)
+    assert [(r.range, r.bytes_sent) for r in log] == [(f"bytes={lo}-{hi - 1}", hi - lo)]
     s3_requests.clear()
     assert torch.equal(view[:2, 200], _expert_block(0, 2)[:, 200])  # experts 0 and 1, past their chunks' middle
     lo, hi = INDEX_BYTES + 200 * row, INDEX_BYTES + 2 * CHUNK_BYTES  # from row 200 of chunk 0 through chunk 1's crc

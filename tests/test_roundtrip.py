@@ -240,7 +240,7 @@ def test_partial_read_fetches_only_needed_chunks(tmp_path: Any) -> None:
     full = torch.randn(256, 256)
     zarrckpt.save({"w": full}, url, chunk_bytes=16 * 1024)  # 16 rows per inner chunk
     storage = Storage(url)
-    meta = read_manifest(storage).arrays["w"]
+    meta = read_manifest(storage, table=True).arrays["w"]
     dest = np.empty((16, 256), np.float32)
     fetched = read_regions(storage, [Request(meta, Box((32, 0), (16, 256)), dest)])
     assert np.array_equal(dest, full[32:48].numpy())

@@ -6,7 +6,6 @@ zarr-python and TensorStore are the oracles: what they write is valid Zarr, so w
 
 from __future__ import annotations
 
-import base64
 import json
 import struct
 from pathlib import Path
@@ -60,8 +59,12 @@ def _manifest(url: Path) -> dict[str, Any]:
 
 
 def test_manifest_records_every_chunk(ckpt: Path) -> None:
-    record = _manifest(ckpt)["attributes"]["zarrckpt"]["integrity"]["arrays"]["model/w"]
-    table = base64.b64decode(record["chunk_crc32c"])
+    found = _manifest(ckpt)["attributes"]["zarrckpt"]["integrity"]
+    record, whole = found["arrays"]["model/w"], (ckpt / integrity.TABLE).read_bytes()
+    assert found["table"] == {"path": integrity.TABLE, "bytes": len(whole), "crc32c": crc32c.crc32c(whole)}
+    at = record["chunk_table"]
+    table = whole[at["offset"] : at["offset"] + at["bytes"]]
+    assert at["bytes"] == 16 and at["crc32c"] == crc32c.crc32c(table)
     shard = (ckpt / "model/w/c/0/0").read_bytes()
     head = 16 * 4 + 4
     stored = [shard[head + i * (128 + 4) + 128 : head + (i + 1) * (128 + 4)] for i in range(4)]
@@ -233,18 +236,35 @@ def test_a_shard_no_rank_wrote_is_not_committed() -> None:
     with pytest.raises(ZarrckptError, match=r"no rank wrote some shards of w \(1 shards\)"):
         integrity.records({"w": meta}, [one])
     both = integrity.to_json({"w": {1: b"\x02" * 8}})
-    table = base64.b64decode(integrity.records({"w": meta}, [one, both])["w"]["chunk_crc32c"])
+    records, table = integrity.records({"w": meta}, [one, both])
     assert table == b"\x01" * 8 + b"\x02" * 8
+    assert records["w"]["chunk_table"] == {"offset": 0, "bytes": 16, "crc32c": crc32c.crc32c(table)}
 
 
 @pytest.mark.parametrize(
     "edit, match",
     [
-        (lambda rec: rec.update(chunk_crc32c="not base64!"), "not base64"),
-        (lambda rec: rec.update(chunk_crc32c="AAAA"), "do not fit its shard and chunk grid"),
+        (lambda rec: rec.pop("chunk_table") and rec.update(chunk_crc32c="not base64!"), "not base64"),
+        (lambda rec: rec.pop("chunk_table") and rec.update(chunk_crc32c="AAAA"), "do not fit its shard and chunk grid"),
+        (lambda rec: rec.pop("chunk_table") and None, "do not fit its shard and chunk grid"),
         (lambda rec: rec.clear() or rec.update(x=1) or None, "is now"),
+        (lambda rec: rec.update(chunk_table=[0, 16, 1]), "must be {'offset', 'bytes', 'crc32c'}"),
+        (lambda rec: rec["chunk_table"].update(bytes=12), "does not fit its shard and chunk grid"),
+        (lambda rec: rec["chunk_table"].update(offset=10**6), "must be {'offset'"),
+        (lambda rec: rec["chunk_table"].update(offset=2), "does not fit its shard and chunk grid"),
+        (lambda rec: rec["chunk_table"].update(crc32c=-1), "must be {'offset'"),
     ],
-    ids=["not-base64", "wrong-length", "no-shape"],
+    ids=[
+        "not-base64",
+        "wrong-length",
+        "no-checksums",
+        "no-shape",
+        "table-entry-not-an-object",
+        "table-entry-wrong-length",
+        "table-entry-past-the-table",
+        "table-entry-unaligned",
+        "table-entry-bad-crc",
+    ],
 )
 def test_a_malformed_commit_record_is_refused_clearly(ckpt: Path, edit: Any, match: str) -> None:
     """A record that cannot be the one zarrckpt wrote is an error, never a silently skipped check
@@ -256,3 +276,24 @@ def test_a_malformed_commit_record_is_refused_clearly(ckpt: Path, edit: Any, mat
     (ckpt / "zarr.json").write_text(json.dumps(doc))
     with pytest.raises(ZarrckptError, match=match):
         zarrckpt.load(_target(), ckpt)
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda found: found.pop("table"), "'integrity.table' is missing"),
+        (lambda found: found["table"].update(path="../elsewhere"), "must be {'path'"),
+        (lambda found: found["table"].update(bytes=-4), "must be {'path'"),
+        (lambda found: found["table"].update(extra=1), "must be {'path'"),
+    ],
+    ids=["missing", "another-path", "negative-size", "unknown-field"],
+)
+def test_a_malformed_table_entry_is_refused_clearly(ckpt: Path, edit: Any, match: str) -> None:
+    """The manifest's ``integrity.table`` names the chunk checksum table beside it, nothing else."""
+    doc = _manifest(ckpt)
+    info = doc["attributes"]["zarrckpt"]
+    edit(info["integrity"])
+    info["attributes_crc32c"] = integrity.attributes_digest(info)
+    (ckpt / "zarr.json").write_text(json.dumps(doc))
+    with pytest.raises(ZarrckptError, match=match):
+        zarrckpt.open(ckpt)

@@ -14,11 +14,13 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 from zarrckpt.display import Progress, VerifySummary, checkpoint_html
 from zarrckpt.engine import commit as protocol
+from zarrckpt.engine import crctable
 from zarrckpt.errors import InvalidCheckpointError, KeyNotFoundError, ModifiedCheckpointError, ZarrckptError
 from zarrckpt.format import integrity, values
 from zarrckpt.format.array import ArrayMeta
@@ -94,6 +96,8 @@ class Checkpoint:
     manifest: Manifest
     partial_reads: bool = True
     allow_modified: bool = False
+    # key -> its committed chunk checksums, fetched from the table with the array's first read
+    _segments: dict[str, integrity.Deferred] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def keys(self) -> list[str]:
         """The keys of the stored arrays (tensors, byte strings, numpy arrays).
@@ -130,7 +134,27 @@ class Checkpoint:
             close = difflib.get_close_matches(key, list(self.manifest.arrays), n=3, cutoff=0.6)
             hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
             raise KeyNotFoundError(f"no tensor {key!r} in {self.storage.url!r}{hint}")
+        if meta.crc_segment is not None and not meta.committed_crc32c:
+            found = self._segments.get(key)
+            if found is None:
+                found = self._segments.setdefault(key, crctable.segment_reader(self.storage, meta))
+            meta = replace(meta, committed_crc32c=found)
         return TensorView(self, meta)
+
+    def with_chunk_checksums(self) -> Checkpoint:
+        """This checkpoint with every array's committed chunk checksums read at once (the whole chunk
+        checksum table, one GET), for work that reads every tensor (verify, export) rather than one
+        segment per tensor as its first read fetches it."""
+        arrays = self.manifest.arrays.values()
+        if not any(m.crc_segment is not None and not m.committed_crc32c for m in arrays):
+            return self
+        manifest = crctable.with_table(
+            self.manifest,
+            partial(crctable.read_table, self.storage),
+            self.storage.retry.attempts,
+            self.storage.where(integrity.TABLE),
+        )
+        return replace(self, manifest=manifest)
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -223,13 +247,14 @@ class Checkpoint:
         from zarrckpt.engine import verify  # reads data (numpy): not on the import path of `zarrckpt ls`
 
         start = time.perf_counter()
+        manifest = self.with_chunk_checksums().manifest  # (one GET for every array's committed chunk checksums)
         problems = [
             f"{why}; its chunks were checked against their own crc32c only"
             if isinstance(why, integrity.Unrecorded)
             else f"modified after commit: {why}"
-            for _, why in sorted(self.manifest.modified.items())
+            for _, why in sorted(manifest.modified.items())
         ]
-        arrays = sorted(self.manifest.arrays.values(), key=lambda m: m.key)
+        arrays = sorted(manifest.arrays.values(), key=lambda m: m.key)
         bar = Progress("verify", len(arrays), sum(m.nbytes for m in arrays)) if progress else None
         try:  # what is stored, with sizes: one listing bounds the work by the objects that exist
             listing: dict[str, int] | None = self.storage.sizes()

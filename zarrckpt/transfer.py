@@ -28,7 +28,7 @@ from zarrckpt.format.manifest import DELETING, MANIFEST, PENDING
 from zarrckpt.storage.store import Storage
 from zarrckpt.types import URL
 
-_MARKERS = {MANIFEST, PENDING, DELETING}
+_MARKERS = {MANIFEST, PENDING, DELETING, integrity.TABLE}  # (the copy's commit writes its own table)
 log = logging.getLogger("zarrckpt")
 
 
@@ -80,7 +80,7 @@ def copy_checkpoint(
     source, target = Storage(src, storage_options), Storage(dst, dst_storage_options)
     if source.url.rstrip("/") == target.url.rstrip("/") and storage_options == dst_storage_options:
         raise ZarrckptError(f"refusing to copy {source.url!r} onto itself")
-    manifest = protocol.read_manifest(source)
+    manifest = protocol.read_manifest(source, table=True)
     unrecorded = integrity.unrecorded(manifest.modified)
     if unrecorded and not allow_modified:
         raise ModifiedCheckpointError(

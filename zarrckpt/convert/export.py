@@ -169,7 +169,8 @@ def export_safetensors(
         if isinstance(url_or_checkpoint, Checkpoint)
         else open_checkpoint(url_or_checkpoint, storage_options=storage_options)
     )
-    ckpt = dataclasses.replace(ckpt, partial_reads=False)  # every chunk exported is read whole and verified
+    # every chunk exported is read whole and verified, against checksums from one read of the table
+    ckpt = dataclasses.replace(ckpt.with_chunk_checksums(), partial_reads=False)
     cast = parse_dtype(dtype)
     limit = parse_size(max_shard_bytes)
     if block_bytes < 1:

@@ -15,6 +15,7 @@ import os
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from zarrckpt.engine import commit as protocol
+from zarrckpt.engine import crctable
 from zarrckpt.engine.reader import read_regions
 from zarrckpt.errors import ZarrckptError
 from zarrckpt.format import dtypes, integrity, pickling, values
@@ -100,6 +102,9 @@ class ZarrReader(StorageReader):
         manifest = Manifest.loads(raw, self.storage.where(MANIFEST))
         if self.allow_modified:
             manifest = manifest.as_is()
+        else:  # every chunk checksum, from the table beside the manifest (one GET)
+            read, table = partial(crctable.read_table, self.storage), self.storage.where(integrity.TABLE)
+            manifest = crctable.with_table(manifest, read, self.storage.retry.attempts, table)
         integrity.refuse_modified(manifest.modified, None, self.storage.url)
         self.manifest = manifest
         md, where = _items(manifest, len(raw), self.allow_modified)
@@ -116,7 +121,7 @@ class ZarrReader(StorageReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self.manifest is None:
-            self.manifest = protocol.read_manifest(self.storage)
+            self.manifest = protocol.read_manifest(self.storage, table=True)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan

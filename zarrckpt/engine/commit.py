@@ -26,6 +26,7 @@ import json
 import logging
 import uuid
 
+from zarrckpt.engine import crctable
 from zarrckpt.engine.markers import (
     BEAT,
     check_lease,
@@ -46,6 +47,7 @@ from zarrckpt.errors import (
     StorageError,
     ZarrckptError,
 )
+from zarrckpt.format import integrity
 from zarrckpt.format.jsondoc import Unsettled
 from zarrckpt.format.manifest import (
     DELETING,
@@ -65,8 +67,10 @@ log = logging.getLogger("zarrckpt")
 GROUP_DOC_BYTES = 128  # a group's own zarr.json is smaller (a checkpoint's manifest is larger)
 
 
-def read_manifest(storage: Storage) -> Manifest:
-    """The committed manifest, or a clear error saying why there is none.
+def read_manifest(storage: Storage, *, table: bool = False) -> Manifest:
+    """The committed manifest, or a clear error saying why there is none; ``table``: with every
+    array's committed chunk checksums from the chunk checksum table (one more GET; without it, its
+    arrays' chunks cannot be read until their segments are, :mod:`~zarrckpt.engine.crctable`).
 
     A manifest that fails its checks (not JSON, invalid, or its ``attributes_crc32c`` or an array's
     commit record does not match) is read again before that is believed, up to the storage's retry
@@ -82,7 +86,10 @@ def read_manifest(storage: Storage) -> Manifest:
                 raise
         else:
             if not manifest.modified or attempt == attempts or (again := read_manifest_bytes(storage)) == raw:
-                return manifest
+                if not table:
+                    return manifest
+                where = storage.where(integrity.TABLE)
+                return crctable.with_table(manifest, lambda: crctable.read_table(storage), attempts, where)
         log.info("read %s again: what the last read returned fails its checks (damaged on the way?)", where)
         storage.traffic.add(retries=1)
         raw = again
@@ -288,7 +295,14 @@ def commit(storage: Storage, manifest: Manifest) -> None:
             f"not committing {url!r}: another save or a deletion took this location over while it was written "
             f"(pending marker: {marker(storage, PENDING) or 'missing'}); this save is abandoned"
         )
-    check_lease(storage, mine)  # (the create below relies on it)
+    check_lease(storage, mine)  # (the creates below rely on it)
+    if manifest.table_ref is not None and manifest.integrity is not None:  # the record's chunk checksums first
+        try:
+            storage.create(integrity.TABLE, [manifest.table])
+        except FileExistsError:
+            raise CheckpointExistsError(
+                f"not committing {url!r}: another writer's {integrity.TABLE} is there; this save is abandoned"
+            ) from None
     try:
         storage.create(MANIFEST, [manifest.dumps()], repair=False)
     except CreatedCorrupt:  # (a store that cannot check a write on its way: read back, it is not what was sent)
@@ -330,6 +344,8 @@ def _all_there(storage: Storage, manifest: Manifest) -> bool:
     either taken over before its manifest was created (a deletion swept its objects first) or
     committed, its marker then tidied away; only the objects tell."""
     stored = storage.sizes()
+    if manifest.table_ref is not None and integrity.TABLE not in stored:
+        return False
     for meta in manifest.arrays.values():
         if f"{meta.path}/zarr.json" not in stored:
             return False

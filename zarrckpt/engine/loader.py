@@ -13,6 +13,7 @@ from functools import partial
 import numpy as np
 
 from zarrckpt.engine import commit as protocol
+from zarrckpt.engine import crctable
 from zarrckpt.engine.dist import Group
 from zarrckpt.engine.fanread import read_shared
 from zarrckpt.engine.reader import read_regions
@@ -47,7 +48,11 @@ def open_manifest(group: Group, storage: Storage, *, allow_modified: bool) -> Ma
                 break
         storage.traffic.add(retries=1)  # it failed its checks, and the bytes read again differ: damaged on the way
         raw = again
-    return manifest.as_is() if allow_modified else manifest
+    if allow_modified:
+        return manifest.as_is()
+    # the chunk checksum table: rank 0 reads it (one GET per job), every rank takes its arrays' segments
+    table = partial(group.on_rank0, partial(crctable.read_table, storage), "reading the chunk checksums")
+    return crctable.with_table(manifest, table, attempts, storage.where(integrity.TABLE))
 
 
 def _reread(group: Group, storage: Storage) -> bytes:

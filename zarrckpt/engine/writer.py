@@ -108,7 +108,9 @@ def committed_manifest(
 ) -> Manifest:
     """The manifest a commit writes (every save path builds it here): arrays and values in key
     order, the commit time, the writing library, and the record of every chunk ``written`` (each
-    writer's :func:`zarrckpt.format.integrity.to_json`); raises when some shard was written by no one."""
+    writer's :func:`zarrckpt.format.integrity.to_json`), its chunk checksum table with it; raises when some
+    shard was written by no one."""
+    records, table = integrity.records(arrays, written)
     return Manifest(
         save_id,
         dict(sorted(arrays.items())),
@@ -117,7 +119,9 @@ def committed_manifest(
         markers.now(),
         library or library_name(),
         dcp or {},
-        integrity.records(arrays, written),
+        records,
+        integrity.table_ref(table),
+        table,
     )
 
 

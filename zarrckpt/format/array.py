@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zarrckpt.errors import InvalidCheckpointError, InvalidKeyError
 from zarrckpt.format import dtypes, fill
@@ -18,8 +18,12 @@ from zarrckpt.format.layout import Shape
 from zarrckpt.types import ArrayKind, Role
 from zarrckpt_dtypes import BY_NAME
 
-FORMAT_VERSION = 2  # the newest this zarrckpt reads; it writes the oldest that describes a checkpoint
+if TYPE_CHECKING:
+    from zarrckpt.format.integrity import Deferred
+
+FORMAT_VERSION = 3  # the newest this zarrckpt reads; it writes the oldest that describes a checkpoint
 CONSTANT_VERSION = 2  # constant arrays (no shard objects) first appeared in format version 2
+TABLE_VERSION = 3  # the chunk checksum table (a manifest's commit record outside the JSON) first appeared in 3
 ARRAY_KINDS: tuple[str, ...] = tuple(kind.value for kind in ArrayKind)  # an array's stored "kind"s
 BYTES_TYPE_NAMES = ("bytes", "bytearray", "BytesIO")
 MAX_ELEMENTS = 2**62
@@ -48,7 +52,10 @@ class ArrayMeta:
     topology: dict[str, Any] = field(default_factory=dict, compare=False)
     python_type: str = ""  # kind "bytes": the saved value's type when not bytes ("bytearray" or "BytesIO")
     constant: bytes | None = None  # a constant array: every element's bytes (little-endian); no shard objects
-    committed_crc32c: bytes = field(default=b"", compare=False, repr=False)  # integrity.py: the commit's record
+    # integrity.py: the commit's record of every inner chunk's crc32c (bytes; a Deferred while a lazy
+    # read fetches them), and where they lie in the chunk checksum table, (offset, bytes, crc32c)
+    committed_crc32c: bytes | Deferred = field(default=b"", compare=False, repr=False)
+    crc_segment: tuple[int, int, int] | None = field(default=None, compare=False, repr=False)
 
     @functools.cached_property
     def path(self) -> str:  # (cached: a save of 20,000 tensors asks for it 400,000 times)

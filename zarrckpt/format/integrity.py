@@ -7,10 +7,14 @@ So the manifest records, per array (docs/FORMAT.md §6):
 
 - its ``shape``, ``data_type`` and ``meta_crc32c``, a crc32c of what zarrckpt reads it by (key,
   shape, data type, shard and inner-chunk shapes, role, kind, Python type);
-- ``chunk_crc32c``: the crc32c of every inner chunk as written, one little-endian uint32 slot
-  per inner chunk of every shard (shards in C order of the shard grid, chunks in index order
-  within a shard; slots of chunks outside the array hold 0), base64-encoded; or, for a constant
-  array (no shard objects by design, its value in ``meta_crc32c``), ``"constant": true``;
+- where its committed chunk checksums are: ``chunk_table``, its segment of the chunk checksum table
+  (:data:`TABLE`, one object beside the manifest; format version 3): ``offset`` and ``bytes`` in
+  the table and the segment's own ``crc32c``, so a lazy reader fetches and checks only its array's
+  part; or, in manifests of versions 1 and 2, ``chunk_crc32c``, the same bytes inline in base64;
+  or, for a constant array (no shard objects by design, its value in ``meta_crc32c``),
+  ``"constant": true``. The bytes: one little-endian uint32 per inner chunk of every shard (shards
+  in C order of the shard grid, chunks in index order within a shard; slots of chunks outside the
+  array hold 0). The table's size and crc32c are in ``integrity.table``;
 
 and ``attributes_crc32c``, a crc32c of its own ``zarrckpt`` attributes (the saved values with them).
 A read compares each chunk's stored crc32c with the committed one; any difference raises
@@ -29,7 +33,8 @@ import base64
 import binascii
 import json
 import math
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +49,7 @@ if TYPE_CHECKING:
 
 ATTRIBUTES_DIGEST = "attributes_crc32c"
 RECORD = "integrity"
+TABLE = ".zarrckpt-crc32c"  # the chunk checksum table, beside the manifest (format version 3)
 ALLOW_HINT = "pass allow_modified=True to open or load it as it is now"
 UNRECORDED_HINT = (
     "to read it unchecked, as it is now, pass allow_modified=True to zarrckpt.open or zarrckpt.load "
@@ -118,8 +124,11 @@ def to_json(written: Written) -> dict[str, dict[str, str]]:
     }
 
 
-def records(arrays: Mapping[str, ArrayMeta], gathered: Sequence[Mapping[str, Mapping[str, str]]]) -> dict[str, Any]:
-    """The manifest's per-array records from every rank's :func:`to_json` of what it wrote.
+def records(
+    arrays: Mapping[str, ArrayMeta], gathered: Sequence[Mapping[str, Mapping[str, str]]]
+) -> tuple[dict[str, Any], bytes]:
+    """The manifest's per-array records and the chunk checksum table, from every rank's
+    :func:`to_json` of what it wrote: each array's slots in key order, its record saying where.
 
     Raises ZarrckptError when some shard was written by no rank: committing would lose it.
     """
@@ -139,26 +148,56 @@ def records(arrays: Mapping[str, ArrayMeta], gathered: Sequence[Mapping[str, Map
     ]
     if lost:
         raise ZarrckptError(f"not committed: no rank wrote some shards of {', '.join(lost[:10])}; this is a bug")
-    return {
-        meta.path: {
-            "shape": list(meta.shape),
-            "data_type": meta.dtype,
-            "meta_crc32c": meta_digest(meta),
-            **(
-                {"constant": True}  # no chunks by design
-                if meta.constant is not None
-                else {"chunk_crc32c": base64.b64encode(tables[key]).decode()}
-            ),
-        }
-        for key, meta in sorted(arrays.items())
-    }
+    out: dict[str, Any] = {}
+    table = bytearray()
+    for key, meta in sorted(arrays.items()):
+        record: dict[str, Any] = {"shape": list(meta.shape), "data_type": meta.dtype, "meta_crc32c": meta_digest(meta)}
+        if meta.constant is not None:  # no chunks by design
+            record["constant"] = True
+        else:
+            segment = tables[key]
+            record["chunk_table"] = {"offset": len(table), "bytes": len(segment), "crc32c": crc32c.crc32c(segment)}
+            table += segment
+        out[meta.path] = record
+    return out, bytes(table)
 
 
-def compare(arrays: dict[str, ArrayMeta], recorded: Any, bad: Any) -> tuple[dict[str, ArrayMeta], dict[str, str]]:
+def table_ref(table: bytes) -> dict[str, Any]:
+    """The manifest's ``integrity.table``: the chunk checksum table's name, size and crc32c."""
+    return {"path": TABLE, "bytes": len(table), "crc32c": crc32c.crc32c(table)}
+
+
+def check_table_ref(found: Any, bad: Any) -> dict[str, Any]:
+    """A manifest's ``integrity.table`` (untrusted), checked."""
+    if (
+        not isinstance(found, dict)
+        or found.keys() != {"path", "bytes", "crc32c"}
+        or found["path"] != TABLE
+        or not _uint(found["bytes"], 4 * MAX_TABLE_SLOTS)
+        or not _uint(found["crc32c"], 2**32 - 1)
+    ):
+        raise bad(
+            f"field 'attributes.zarrckpt.integrity.table' must be {{'path': {TABLE!r}, 'bytes': its size, "
+            f"'crc32c': its CRC-32C}}, not {str(found)[:200]}"
+        )
+    return found
+
+
+MAX_TABLE_SLOTS = 2**32  # a table of 16 GiB: far beyond any checkpoint (5 million slots at 16,384 ranks)
+
+
+def _uint(value: Any, most: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= most
+
+
+def compare(
+    arrays: dict[str, ArrayMeta], recorded: Any, bad: Any, table: dict[str, Any] | None = None
+) -> tuple[dict[str, ArrayMeta], dict[str, str]]:
     """Check the arrays of a manifest against its records.
 
-    Returns the arrays carrying their committed chunk checksums, and ``key -> what changed`` for
-    every array whose metadata differs from what was committed. ``bad`` makes the error for a
+    Returns the arrays carrying their committed chunk checksums (inline records) or where those are
+    in the chunk checksum table whose ``integrity.table`` is ``table``, and ``key -> what changed``
+    for every array whose metadata differs from what was committed. ``bad`` makes the error for a
     malformed record.
     """
     if not isinstance(recorded, dict):
@@ -190,21 +229,135 @@ def compare(arrays: dict[str, ArrayMeta], recorded: Any, bad: Any) -> tuple[dict
             continue
         if meta.constant is not None:  # no chunks, so no chunk checksums
             continue
+        if "chunk_table" in rec:
+            out[meta.key] = replace(meta, crc_segment=_segment(path, meta, rec["chunk_table"], table, bad))
+            continue
         try:
-            table = base64.b64decode(rec.get("chunk_crc32c", ""), validate=True)
+            found = base64.b64decode(rec.get("chunk_crc32c", ""), validate=True)
         except (binascii.Error, TypeError, ValueError):
             raise bad(f"the chunk checksums recorded for {path!r} are not base64") from None
-        if len(table) != 4 * math.prod(_slots(meta)):
+        if len(found) != 4 * math.prod(_slots(meta)):
             raise bad(f"the chunk checksums recorded for {path!r} do not fit its shard and chunk grid")
-        out[meta.key] = replace(meta, committed_crc32c=table)
+        out[meta.key] = replace(meta, committed_crc32c=found)
     return out, modified
+
+
+def _segment(path: str, meta: ArrayMeta, found: Any, table: dict[str, Any] | None, bad: Any) -> tuple[int, int, int]:
+    """An array record's ``chunk_table`` (untrusted), checked against its grid and the table."""
+    if table is None:
+        raise bad(f"the record of {path!r} points into a chunk checksum table, but 'integrity.table' is missing")
+    if (
+        not isinstance(found, dict)
+        or found.keys() != {"offset", "bytes", "crc32c"}
+        or not all(_uint(found[f], table["bytes"]) for f in ("offset", "bytes"))
+        or not _uint(found["crc32c"], 2**32 - 1)
+    ):
+        raise bad(f"the chunk_table of {path!r} must be {{'offset', 'bytes', 'crc32c'}}, not {str(found)[:200]}")
+    offset, nbytes = found["offset"], found["bytes"]
+    if nbytes != 4 * math.prod(_slots(meta)) or offset % 4 or offset + nbytes > table["bytes"]:
+        raise bad(f"the chunk_table of {path!r} does not fit its shard and chunk grid, or the table")
+    return offset, nbytes, found["crc32c"]
+
+
+def attach(
+    arrays: dict[str, ArrayMeta], table: bytes, ref: dict[str, Any]
+) -> tuple[dict[str, ArrayMeta], dict[str, str]]:
+    """The arrays carrying their committed chunk checksums from the chunk checksum ``table`` as read
+    (``ref``: the manifest's ``integrity.table``), and ``key -> why`` for each array whose segment
+    is not the committed one (the table changed, damaged or missing: then nothing checks its chunks)."""
+    whole = table_matches(table, ref)
+    out, modified = dict(arrays), {}
+    view, why = memoryview(table), _gone(not table and ref["bytes"] > 0)
+    for key, meta in arrays.items():
+        if meta.crc_segment is None:
+            continue
+        offset, nbytes, digest = meta.crc_segment
+        segment = bytes(view[offset : offset + nbytes])
+        if whole or (len(segment) == nbytes and crc32c.crc32c(segment) == digest):
+            out[key] = replace(meta, committed_crc32c=segment)
+        else:
+            modified[key] = f"the committed chunk checksums of {key!r} in {TABLE} {why}"
+            out[key] = replace(meta, crc_segment=None)  # (refused as modified; read as it is now, unchecked)
+    return out, modified
+
+
+def table_matches(table: bytes, ref: dict[str, Any]) -> bool:
+    """Whether ``table`` is the chunk checksum table ``ref`` (the manifest's ``integrity.table``) records."""
+    return len(table) == ref["bytes"] and bool(crc32c.crc32c(table) == ref["crc32c"])
+
+
+def check_segment(meta: ArrayMeta, segment: bytes) -> bytes:
+    """``segment``, read from the table for ``meta``, when it is the committed one; else raise
+    ModifiedCheckpointError."""
+    assert meta.crc_segment is not None
+    _, nbytes, digest = meta.crc_segment
+    if len(segment) != nbytes or crc32c.crc32c(segment) != digest:
+        why = _gone(not segment and nbytes > 0)
+        raise ModifiedCheckpointError(
+            f"the committed chunk checksums of {meta.key!r} in {TABLE} {why}; {ALLOW_HINT}",
+            key=meta.key,
+        )
+    return segment
+
+
+def _gone(missing: bool) -> str:
+    if missing:
+        return "are missing (the table is gone or empty)"
+    return "are not the ones the manifest recorded (the table was changed or damaged after commit)"
+
+
+class Deferred:
+    """An array's committed chunk checksums on their way: a lazy read fetches its segment of the
+    chunk checksum table beside its first data read (:meth:`start`, one round trip), and the first
+    chunk check waits for it (:meth:`get`). A failed fetch is raised, and tried again next time."""
+
+    def __init__(self, fetch: Callable[[], bytes]) -> None:
+        self._fetch = fetch
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._result: bytes | None = None
+        self._error: BaseException | None = None
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is None and self._result is None:
+                self._error = None
+                self._thread = threading.Thread(target=self._run, name="zarrckpt-crc32c", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._result = self._fetch()
+        except BaseException as e:  # handed to get(), on the reading thread
+            self._error = e
+
+    def get(self) -> bytes:
+        self.start()
+        thread = self._thread
+        if thread is not None:
+            thread.join()
+        with self._lock:
+            if self._result is not None:
+                return self._result
+            error, self._thread = self._error, None  # (fetched again next time)
+        assert error is not None
+        raise error
+
+    def __bool__(self) -> bool:  # a record exists
+        return True
 
 
 def check_chunk(meta: ArrayMeta, index: Shape, k: int, stored: bytes | bytearray | memoryview, where: str) -> None:
     """Raise ModifiedCheckpointError when inner chunk ``k`` of shard ``index`` (whose own crc32c
     already verified) is not the chunk that was committed. No-op without a record."""
     table = meta.committed_crc32c
+    if isinstance(table, Deferred):
+        table = table.get()
     if not table:
+        if meta.crc_segment is not None:  # never silently unchecked
+            raise ZarrckptError(
+                f"the committed chunk checksums of {meta.key!r} were not read before its chunks (a bug)"
+            )
         return
     at = 4 * (shard_number(meta, index) * _slots(meta)[1] + k)
     if bytes(stored) != table[at : at + 4]:
@@ -224,7 +377,7 @@ def reads_are_checked(arrays: Sequence[ArrayMeta], any_layout: bool) -> bool:
     bytes are the committed ones), so re-reading the manifest at the end adds nothing. Not so with
     ``any_layout`` (``allow_modified``) or for a checkpoint committed without the record.
     """
-    return not any_layout and all(m.constant is not None or m.committed_crc32c for m in arrays)
+    return not any_layout and all(m.constant is not None or m.committed_crc32c or m.crc_segment for m in arrays)
 
 
 def refuse_modified(modified: Mapping[str, str], keys: Sequence[str] | None, url: str) -> None:

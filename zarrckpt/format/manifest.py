@@ -13,7 +13,14 @@ from typing import Any
 
 from zarrckpt.errors import InvalidCheckpointError, InvalidKeyError
 from zarrckpt.format import integrity, jsondoc
-from zarrckpt.format.array import CONSTANT_VERSION, MAX_UNRECORDED_SLOTS, ArrayMeta, check_version, slots
+from zarrckpt.format.array import (
+    CONSTANT_VERSION,
+    MAX_UNRECORDED_SLOTS,
+    TABLE_VERSION,
+    ArrayMeta,
+    check_version,
+    slots,
+)
 from zarrckpt.format.gcpause import gc_paused
 from zarrckpt.format.jsondoc import (
     Bad,
@@ -85,6 +92,10 @@ class Manifest:
     library: str = ""
     dcp: dict[str, Any] = field(default_factory=dict)  # DCP adapter: "objects", "planner_data" (both optional)
     integrity: dict[str, Any] | None = None  # array path -> record (integrity.records); None: not recorded
+    # the chunk checksum table's integrity.table (integrity.table_ref); None: none (records inline, or none)
+    table_ref: dict[str, Any] | None = None
+    # the table itself: what a commit writes beside the manifest (with_table: what was read)
+    table: bytes = field(default=b"", compare=False, repr=False)
     # loads(): key -> what changed since commit ("": the attributes, or an integrity.Unrecorded: no
     # record at all); see integrity.refuse_modified
     modified: dict[str, str] = field(default_factory=dict, compare=False)
@@ -102,18 +113,40 @@ class Manifest:
             "node_type": "group",
             "attributes": {
                 "zarrckpt": {
-                    "format_version": max((1, *(CONSTANT_VERSION for a in arrays if a.constant is not None))),
+                    "format_version": self.format_version,
                     "save_id": self.save_id,
                     "created": self.created,
                     "library": self.library,
                     "world_size": self.world_size,
                     "values": self.values,
                     **({"dcp": self.dcp} if self.dcp else {}),
-                    **({"integrity": {"arrays": self.integrity}} if self.integrity is not None else {}),
+                    **({"integrity": self._record()} if self.integrity is not None else {}),
                 }
             },
             "consolidated_metadata": {"kind": "inline", "must_understand": False, "metadata": nodes},
         }
+
+    @property
+    def format_version(self) -> int:
+        """The oldest format version that describes this manifest (docs/FORMAT.md §7)."""
+        if self.table_ref is not None and self.integrity is not None:
+            return TABLE_VERSION
+        return max((1, *(CONSTANT_VERSION for a in self.arrays.values() if a.constant is not None)))
+
+    def _record(self) -> dict[str, Any]:
+        return (
+            {"table": self.table_ref, "arrays": self.integrity}
+            if self.table_ref is not None
+            else {"arrays": self.integrity}
+        )
+
+    def with_table(self, table: bytes) -> Manifest:
+        """This manifest with every array's committed chunk checksums from the chunk checksum table
+        as read (``b""``: missing); arrays whose segment is not the committed one are ``modified``."""
+        if self.table_ref is None:
+            return self
+        arrays, changed = integrity.attach(self.arrays, table, self.table_ref)
+        return replace(self, arrays=arrays, modified=self.modified | changed, table=table)
 
     def dumps(self) -> bytes:
         doc = self.to_json()
@@ -131,8 +164,8 @@ class Manifest:
                 "reading unchecked, as it is now (allow_modified=True): %s; only each chunk's own crc32c is checked",
                 self.unrecorded,
             )
-        arrays = {k: replace(m, committed_crc32c=b"") for k, m in self.arrays.items()}
-        return replace(self, arrays=arrays, modified={})
+        arrays = {k: replace(m, committed_crc32c=b"", crc_segment=None) for k, m in self.arrays.items()}
+        return replace(self, arrays=arrays, modified={}, table_ref=None, table=b"")
 
     @classmethod
     @gc_paused()  # a manifest decodes into millions of small objects, none in a cycle
@@ -193,8 +226,12 @@ class Manifest:
         if digest is not None and digest != integrity.attributes_digest(attributes):
             modified[""] = "its zarrckpt attributes (the saved values, the commit records) were edited"
         record = get_field(doc, info + integrity.RECORD, dict, bad, None)
+        table = None
         if record is not None:
-            arrays, changed = integrity.compare(arrays, get_field(record, "arrays", dict, bad, at="integrity."), bad)
+            if "table" in record:
+                table = integrity.check_table_ref(record["table"], bad)
+            recorded = get_field(record, "arrays", dict, bad, at="integrity.")
+            arrays, changed = integrity.compare(arrays, recorded, bad, table)
             modified |= changed
         # without either field nothing can be compared with the commit, whatever format_version says (an
         # older zarrckpt's checkpoint and a stripped one look alike): reads need allow_modified
@@ -205,7 +242,7 @@ class Manifest:
         if unrecorded:
             modified[""] = unrecorded
         for meta in arrays.values():  # no record to back them: a crafted manifest's claims cost nothing to make
-            if meta.constant is not None or meta.committed_crc32c:
+            if meta.constant is not None or meta.committed_crc32c or meta.crc_segment:
                 continue
             shards, per_shard = slots(meta.shape, meta.shard_shape, meta.chunk_shape)
             if shards * per_shard > MAX_UNRECORDED_SLOTS:
@@ -214,7 +251,9 @@ class Manifest:
                     f"record to back them (at most {MAX_UNRECORDED_SLOTS} without one)"
                 )
         arrays_record = None if record is None else record.get("arrays")
-        return cls(save_id, arrays, values, world, created, library, dcp, arrays_record, modified, unrecorded)
+        return cls(
+            save_id, arrays, values, world, created, library, dcp, arrays_record, table, b"", modified, unrecorded
+        )
 
 
 @dataclass(frozen=True)
