@@ -321,22 +321,23 @@ def test_model_parallel_strategy_resumes_on_the_same_and_another_number_of_ranks
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["model_parallel", "ddp"])
 @pytest.mark.parametrize("store", ["s3", "gcs"])
 @pytest.mark.usefixtures("store_elsewhere_in_env")
-def test_model_parallel_strategy_on_object_stores(
-    store: str, request: pytest.FixtureRequest, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_2_ranks_save_on_object_stores_and_1_resumes(
+    store: str, strategy: str, request: pytest.FixtureRequest, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """``ZarrModelParallelStrategy`` on S3 (moto) and GCS (the emulator), the store's options given to it and
-    to ``ZarrModelCheckpoint``, the environment naming a dead endpoint: FSDP2 on 2 ranks to step 4, saving
-    every 2 and keeping the newest 1 and ``last.ckpt`` (step 2 deleted through the strategy's
-    ``remove_checkpoint``); `zarrckpt latest` reads step 4 there and ``last_checkpoint`` names
-    ``last.ckpt``; 1 rank resumes from it holding the 2 ranks' weights, Adam moments and learning rate,
-    bit for bit."""
+    """``ZarrModelParallelStrategy`` (FSDP2), and DDP with ``ZarrCheckpointIO``, on S3 (moto) and GCS (the
+    emulator), the store's options given to them and to ``ZarrModelCheckpoint``, the environment naming a
+    dead endpoint: 2 ranks train to step 4, saving every 2 and keeping the newest 1 and ``last.ckpt``
+    (step 2 deleted through ``remove_checkpoint``); `zarrckpt latest` reads step 4 there and
+    ``last_checkpoint`` names ``last.ckpt``; 1 rank resumes from it holding the 2 ranks' weights, Adam
+    moments and learning rate, bit for bit."""
     from zarrckpt.cli import main as cli
 
     url, options = request.getfixturevalue(f"{store}_url")
     env = {"WORKER_STORAGE_OPTIONS": json.dumps(options), "WORKER_TOP_K": "1"}
-    saved = _torchrun(2, "model_parallel", url, 4, report_to=tmp_path, env=env)
+    saved = _torchrun(2, strategy, url, 4, report_to=tmp_path, env=env)
     assert len(saved["losses"]) == 4 and saved["global_step"] == 4
     ckpts = f"{url}/ckpts"
     found = zarrckpt.list_checkpoints(ckpts, storage_options=options)
@@ -347,8 +348,9 @@ def test_model_parallel_strategy_on_object_stores(
     assert cli(["latest", ckpts, *flags]) == 0 and capsys.readouterr().out == "4\n"
     last = last_checkpoint(ckpts, storage_options=options)
     assert last == f"{ckpts}/last.ckpt"
-    assert zarrckpt.open(last, storage_options=options).saved_world_size == 2
-    one = _torchrun(1, "model_parallel", f"{url}/one", 4, last, report_to=tmp_path, env=env)
+    ranks = zarrckpt.open(last, storage_options=options).saved_world_size
+    assert ranks == (2 if strategy == "model_parallel" else 1)  # (under DDP rank 0 saves alone)
+    one = _torchrun(1, strategy, f"{url}/one", 4, last, report_to=tmp_path, env=env)
     assert one["losses"] == [] and one["global_step"] == 4
     _equal_states(one["state"], saved["state"])
 
@@ -372,12 +374,15 @@ def test_the_documented_strategy_example_on_2_ranks_then_1(tmp_path: Path) -> No
 def test_ddp_saves_from_rank_0_alone(tmp_path: Path) -> None:
     """Under DDP Lightning hands the checkpoint to ``ZarrCheckpointIO`` on rank 0 only: the save must
     not wait for rank 1 (it did, until the process group timed out), and the checkpoint holds the
-    trained state."""
+    trained state, which 1 rank resumes bit for bit."""
     report = _torchrun(2, "ddp", tmp_path, 4)
     ckpt = zarrckpt.open(tmp_path / "ckpts" / "last.ckpt")
     assert report["global_step"] == 4 and ckpt.metadata["lightning"][0]["global_step"] == 4
     for name, tensor in report["state"]["model"].items():
         assert torch.equal(tensor, ckpt[f"tensors.state_dict.{name}"][...]), name
+    one = _torchrun(1, "ddp", tmp_path / "one", 4, tmp_path / "ckpts" / "last.ckpt")  # resumed on 1 rank
+    assert one["losses"] == [] and one["global_step"] == 4
+    _equal_states(one["state"], report["state"])
 
 
 def test_a_background_save_is_committed_or_raises_when_fit_returns(
