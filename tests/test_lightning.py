@@ -296,14 +296,20 @@ def _equal_states(a: dict[str, Any], b: dict[str, Any]) -> None:
 
 
 @pytest.mark.slow
-def test_model_parallel_strategy_resumes_on_the_same_and_another_number_of_ranks(tmp_path: Path) -> None:
-    """FSDP2 through ``ZarrModelParallelStrategy`` on 2 gloo ranks, 6 steps, saving every 2. Resumed
-    from step 4 on 2 ranks it trains the same losses into the same weights and Adam moments, bit for
-    bit; resumed on 1 rank it holds exactly the global tensors the 2 ranks saved (and the learning
-    rate the scheduler had halved at every step, and the step)."""
+def test_model_parallel_strategy_resumes_on_the_same_and_another_number_of_ranks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """FSDP2 through ``ZarrModelParallelStrategy`` on 2 gloo ranks, 6 steps, saving every 2 (`zarrckpt
+    latest` reads step 6). Resumed from step 4 on 2 ranks it trains the same losses into the same
+    weights and Adam moments, bit for bit; resumed on 1 rank it holds exactly the global tensors the 2
+    ranks saved (and the learning rate the scheduler had halved at every step, and the step)."""
+    from zarrckpt.cli import main as cli
+
     whole = _torchrun(2, "model_parallel", tmp_path / "whole", 6)
     step4 = tmp_path / "whole" / "ckpts" / "epoch=0-step=4.ckpt"
     assert len(whole["losses"]) == 6 and zarrckpt.open(step4).metadata["lightning"][0]["global_step"] == 4
+    capsys.readouterr()
+    assert cli(["latest", str(tmp_path / "whole" / "ckpts")]) == 0 and capsys.readouterr().out == "6\n"
     resumed = _torchrun(2, "model_parallel", tmp_path / "resumed", 6, step4)
     assert resumed["losses"] == whole["losses"][4:] and resumed["global_step"] == 6
     _equal_states(resumed["state"], whole["state"])
