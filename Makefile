@@ -11,6 +11,10 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	# a re-run (pyproject.toml newer than the stamp: `make bench`, `make test` after a change) first takes
+	# torchtitan out: installed, it makes pip check every install that resolves one of its dependencies
+	# (safetensors, in the test extra) and print its left-out ones (below) as an ERROR
+	! $(BIN)/pip show -q torchtitan 2>/dev/null || $(BIN)/pip uninstall -q -y torchtitan
 	# torch 2.13.0 is a CPU build on these machines; a looser pin downloads a multi-GB CUDA build
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test,dev,docs,lightning,ray,accelerate]'

@@ -6,11 +6,14 @@ ZarrModelParallelStrategy with FSDP2 over the data-parallel mesh), on CPUs with 
 
 Saves every 2 steps into ROOT/ckpts (every checkpoint kept, and last.ckpt); rank 0 writes OUT
 (torch.save): the loss of every step it trained, and the full model and optimizer state at the end
-(gathered from every rank's shards).
+(gathered from every rank's shards). ROOT may be an ``s3://`` or ``gs://`` URL: then
+``$WORKER_STORAGE_OPTIONS`` (JSON) are the store's options, given to the strategy (or the plug-in) and to
+``ZarrModelCheckpoint``, which keeps the newest ``$WORKER_TOP_K`` checkpoints (default: all) and last.ckpt.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import warnings
@@ -23,7 +26,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from zarrckpt.integrations.lightning import ZarrCheckpointIO, ZarrModelParallelStrategy
+from zarrckpt.integrations.lightning import ZarrCheckpointIO, ZarrModelCheckpoint, ZarrModelParallelStrategy
 
 
 class Model(L.LightningModule):
@@ -60,17 +63,21 @@ def main() -> None:
     x = torch.randn(32, 8, generator=torch.Generator().manual_seed(0))  # 2 steps per epoch on 2 ranks
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
     shard = strategy_name == "model_parallel"
-    strategy: Any = ZarrModelParallelStrategy() if shard else DDPStrategy()
+    options = json.loads(os.environ.get("WORKER_STORAGE_OPTIONS", "null"))
+    strategy: Any = ZarrModelParallelStrategy(storage_options=options) if shard else DDPStrategy()
+    every = {"dirpath": f"{root}/ckpts", "save_last": True, "every_n_train_steps": 2}
+    keep = int(os.environ.get("WORKER_TOP_K", -1))  # without a monitor, 1 keeps the newest alone
+    checkpoints = ZarrModelCheckpoint(**every, save_top_k=keep, storage_options=options) if options else None
     trainer = L.Trainer(
         accelerator="cpu",
         devices=int(os.environ["WORLD_SIZE"]),  # torchrun's
         strategy=strategy,
-        plugins=[] if shard else [ZarrCheckpointIO()],
+        plugins=[] if shard else [ZarrCheckpointIO(options)],
         max_steps=steps,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[ModelCheckpoint(dirpath=f"{root}/ckpts", save_last=True, every_n_train_steps=2, save_top_k=-1)],
+        callbacks=[checkpoints or ModelCheckpoint(**every, save_top_k=keep)],
     )
     model = Model(shard)
     trainer.fit(model, data, ckpt_path=ckpt_path)

@@ -300,6 +300,50 @@ def test_a_2_process_save_resumes_on_1_from_an_object_store(
     _check_restored(run, saved / "fsdp2", 0, 2)
 
 
+def _save_on_a_store(rank: int, world: int, url: str, options: dict[str, Any], out: str) -> None:
+    """FSDP2 with automatic naming and ``total_limit=2`` in a project on the store: a save every epoch, 3
+    of them; rank 0 keeps what a resume must restore."""
+    _env(rank, world)
+    run = _setup("fsdp2", ProjectConfiguration(url, automatic_checkpoint_naming=True, total_limit=2))
+    root = checkpoints_root(run[0])
+    for epoch in range(3):
+        _train(run, (epoch + 1) * STEPS_PER_EPOCH)
+        assert save_state(run[0], storage_options=options) == f"{root}/step_{epoch:010d}"
+    snap = _snapshot(run)
+    if rank == 0:
+        torch.save(snap, out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("store", ["s3", "gcs"])
+@pytest.mark.usefixtures("store_elsewhere_in_env")
+def test_2_processes_save_on_an_object_store_and_1_resumes_the_latest(
+    store: str, request: pytest.FixtureRequest, tmp_path: Path, alone: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A project on S3 (moto) or GCS (the emulator), the store given by ``storage_options`` only (the
+    environment names a dead endpoint): 2 FSDP2 processes save 3 times with automatic naming, keeping
+    ``total_limit=2`` (iteration 0 deleted); `zarrckpt latest` reads the training step, 12; one plain
+    process resumes the latest, ``load_state(accelerator)`` with no URL, every part bit-exact, and its next
+    automatic save there (iteration 3) deletes iteration 1."""
+    from zarrckpt.cli import main as cli
+
+    url, options = request.getfixturevalue(f"{store}_url")
+    spawn(2, _save_on_a_store, url, options, str(tmp_path / "saved.pt"))
+    root = f"{url}/checkpoints"
+    assert zarrckpt.committed_steps(root, storage_options=options) == [1, 2]
+    flags = [f"--storage-option={k}={json.dumps(v)}" for k, v in options.items()]
+    capsys.readouterr()
+    assert cli(["latest", root, *flags]) == 0 and capsys.readouterr().out == f"{3 * STEPS_PER_EPOCH}\n"
+    assert cli(["latest", root, "--url", *flags]) == 0 and capsys.readouterr().out == f"{root}/step_0000000002\n"
+    config = ProjectConfiguration(url, automatic_checkpoint_naming=True, total_limit=2)
+    run = _setup("none", config)
+    assert load_state(run[0], storage_options=options) == f"{root}/step_0000000002"
+    _same(_snapshot(run), torch.load(tmp_path / "saved.pt", weights_only=False))
+    assert zarrckpt.open(f"{root}/step_0000000002", storage_options=options).saved_world_size == 2
+    assert save_state(run[0], storage_options=options) == f"{root}/step_0000000003"
+    assert zarrckpt.committed_steps(root, storage_options=options) == [2, 3]
+
+
 # -- one process, no process group (DistributedType.NO) ---------------------------------------------
 
 

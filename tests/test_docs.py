@@ -451,3 +451,23 @@ def test_the_reference_documents_every_public_name() -> None:
     public = [n for n in zarrckpt.__all__ if n != "__version__"]
     missing = [n for n in public if not any(getattr(zarrckpt, n) is d for d in documented)]
     assert len(entries) >= 20 and missing == [], f"not in docs/reference.md: {missing}"
+
+
+def test_the_framework_store_table_names_real_tests() -> None:
+    """docs/integrations.md's framework by store table (issue 41): each adapter's cell of each store says
+    save, resume, retention and latest, and every test it names is defined in that adapter's test file,
+    with the parameters named."""
+    table = (ROOT / "docs" / "integrations.md").read_text().split("## What is tested, framework by store", 1)[1]
+    rows = [line for line in table.split("\n## ", 1)[0].splitlines() if line.startswith("| ") and "✔" in line]
+    files = ("lightning", "lightning", "torchtitan", "ray", "accelerate")  # the rows' order
+    assert len(rows) == len(files), rows
+    for row, file in zip(rows, files, strict=True):
+        source = (ROOT / "tests" / f"test_{file}.py").read_text()
+        for cell in row.strip("|").split(" | ")[1:]:
+            assert all(word in cell for word in ("save", "resume", "retention", "latest", "✔")), cell
+            named = re.findall(r"`(test_\w+)(?:\[([\w-]+)\])?`", cell)
+            assert named, cell
+            for name, params in named:
+                assert re.search(rf"^def {name}\(", source, re.M), f"{name} is not in tests/test_{file}.py"
+                for param in filter(None, params.split("-")):
+                    assert f'"{param}"' in source, f"{name}[{params}]: no parameter {param!r}"

@@ -3,6 +3,7 @@ its real length and the chunks it lost, and no server XML in any message."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -93,14 +94,24 @@ def test_a_save_to_a_missing_bucket_fails_at_once(
     assert asked == [("GET", 404)], asked
 
 
-def test_a_missing_gcs_bucket_is_named(gcs_server: str) -> None:
+def test_a_missing_gcs_bucket_is_named(gcs_server: str, capsys: pytest.CaptureFixture[str]) -> None:
     """gcsfs says only "not found" of an object in a bucket that does not exist: asked on the error's way,
-    GCS says the bucket is missing, and the message names it."""
+    GCS says the bucket is missing, and the message names it. A listing there (ls, latest, a save's look)
+    is no empty listing but a StorageError naming the bucket, as on S3 (it read as empty: no checkpoints)."""
     opts, url = gcs_storage_options(gcs_server), "gs://no-such-bucket/run/step_1"
-    said = "the bucket 'no-such-bucket' does not exist: check its name and the endpoint"
-    with pytest.raises(zarrckpt.CheckpointNotFoundError, match=f"no checkpoint at '{url}': {said}"):
+    said = "the bucket 'no-such-bucket' does not exist: check its name and the endpoint (zarrckpt creates no buckets)"
+    with pytest.raises(zarrckpt.CheckpointNotFoundError, match=re.escape(f"no checkpoint at '{url}': {said}")):
         zarrckpt.open(url, storage_options=opts)
-    with pytest.raises(zarrckpt.StorageError, match=f"creating {url}/.zarrckpt-pending.json failed: {said}"):
+    with pytest.raises(zarrckpt.StorageError) as err:
         zarrckpt.save({"w": torch.ones(3)}, url, storage_options=opts)
+    assert str(err.value) == f"listing {url}/ failed: {said}"
+    for listing in (zarrckpt.list_checkpoints, zarrckpt.latest_step, zarrckpt.committed_steps):
+        with pytest.raises(zarrckpt.StorageError) as err:
+            listing("gs://no-such-bucket/run", storage_options=opts)
+        assert str(err.value) == f"listing gs://no-such-bucket/run/ failed: {said}", listing
+    flags = [f"--storage-option={k}={json.dumps(v)}" for k, v in opts.items()]
+    capsys.readouterr()
+    assert cli.main(["latest", "gs://no-such-bucket/run", *flags]) != 0
+    assert said in capsys.readouterr().err
     with pytest.raises(zarrckpt.CheckpointNotFoundError, match="nothing is stored there"):  # a bucket that exists
         zarrckpt.open(unique_url("gs"), storage_options=opts)

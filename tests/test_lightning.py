@@ -273,13 +273,16 @@ def test_the_documented_example_runs_as_a_script(tmp_path: Path) -> None:
 WORKER = Path(__file__).with_name("lightning_worker.py")
 
 
-def _torchrun(ranks: int, *args: Any) -> dict[str, Any]:
-    """tests/lightning_worker.py on ``ranks`` gloo processes; rank 0's report (losses, full state)."""
-    out = Path(str(args[1])) / f"report-{ranks}.pt"
+def _torchrun(
+    ranks: int, *args: Any, report_to: Path | None = None, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """tests/lightning_worker.py on ``ranks`` gloo processes; rank 0's report (losses, full state), written
+    into ``report_to`` (by default the run's root, ``args[1]``), ``env`` added to the workers' environment."""
+    out = Path(str(report_to or args[1])) / f"report-{ranks}.pt"
     out.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
     cmd += ["--master-port", str(free_port()), str(WORKER), *map(str, args[:3]), str(out), *map(str, args[3:])]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parents[1])}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parents[1]), **(env or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     report: dict[str, Any] = torch.load(out, weights_only=False)
@@ -293,14 +296,20 @@ def _equal_states(a: dict[str, Any], b: dict[str, Any]) -> None:
 
 
 @pytest.mark.slow
-def test_model_parallel_strategy_resumes_on_the_same_and_another_number_of_ranks(tmp_path: Path) -> None:
-    """FSDP2 through ``ZarrModelParallelStrategy`` on 2 gloo ranks, 6 steps, saving every 2. Resumed
-    from step 4 on 2 ranks it trains the same losses into the same weights and Adam moments, bit for
-    bit; resumed on 1 rank it holds exactly the global tensors the 2 ranks saved (and the learning
-    rate the scheduler had halved at every step, and the step)."""
+def test_model_parallel_strategy_resumes_on_the_same_and_another_number_of_ranks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """FSDP2 through ``ZarrModelParallelStrategy`` on 2 gloo ranks, 6 steps, saving every 2 (`zarrckpt
+    latest` reads step 6). Resumed from step 4 on 2 ranks it trains the same losses into the same
+    weights and Adam moments, bit for bit; resumed on 1 rank it holds exactly the global tensors the 2
+    ranks saved (and the learning rate the scheduler had halved at every step, and the step)."""
+    from zarrckpt.cli import main as cli
+
     whole = _torchrun(2, "model_parallel", tmp_path / "whole", 6)
     step4 = tmp_path / "whole" / "ckpts" / "epoch=0-step=4.ckpt"
     assert len(whole["losses"]) == 6 and zarrckpt.open(step4).metadata["lightning"][0]["global_step"] == 4
+    capsys.readouterr()
+    assert cli(["latest", str(tmp_path / "whole" / "ckpts")]) == 0 and capsys.readouterr().out == "6\n"
     resumed = _torchrun(2, "model_parallel", tmp_path / "resumed", 6, step4)
     assert resumed["losses"] == whole["losses"][4:] and resumed["global_step"] == 6
     _equal_states(resumed["state"], whole["state"])
@@ -315,6 +324,41 @@ def test_model_parallel_strategy_resumes_on_the_same_and_another_number_of_ranks
             assert torch.equal(moments[moment], ckpt[f"tensors.optimizer_states.0.state.{name}.{moment}"][...])
     saved_groups = ckpt.metadata["lightning"][0]["optimizer_states"][0]["param_groups"]
     assert [g["lr"] for g in one["state"]["optim"]["param_groups"]] == [g["lr"] for g in saved_groups] == [0.01 / 2**4]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["model_parallel", "ddp"])
+@pytest.mark.parametrize("store", ["s3", "gcs"])
+@pytest.mark.usefixtures("store_elsewhere_in_env")
+def test_2_ranks_save_on_object_stores_and_1_resumes(
+    store: str, strategy: str, request: pytest.FixtureRequest, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``ZarrModelParallelStrategy`` (FSDP2), and DDP with ``ZarrCheckpointIO``, on S3 (moto) and GCS (the
+    emulator), the store's options given to them and to ``ZarrModelCheckpoint``, the environment naming a
+    dead endpoint: 2 ranks train to step 4, saving every 2 and keeping the newest 1 and ``last.ckpt``
+    (step 2 deleted through ``remove_checkpoint``); `zarrckpt latest` reads step 4 there and
+    ``last_checkpoint`` names ``last.ckpt``; 1 rank resumes from it holding the 2 ranks' weights, Adam
+    moments and learning rate, bit for bit."""
+    from zarrckpt.cli import main as cli
+
+    url, options = request.getfixturevalue(f"{store}_url")
+    env = {"WORKER_STORAGE_OPTIONS": json.dumps(options), "WORKER_TOP_K": "1"}
+    saved = _torchrun(2, strategy, url, 4, report_to=tmp_path, env=env)
+    assert len(saved["losses"]) == 4 and saved["global_step"] == 4
+    ckpts = f"{url}/ckpts"
+    found = zarrckpt.list_checkpoints(ckpts, storage_options=options)
+    assert set(found.values()) == {"committed"} and len(found) == 2, found  # step 2 removed
+    assert "last.ckpt" in found and any(name.endswith("-step=4.ckpt") for name in found), found
+    flags = [f"--storage-option={k}={json.dumps(v)}" for k, v in options.items()]
+    capsys.readouterr()
+    assert cli(["latest", ckpts, *flags]) == 0 and capsys.readouterr().out == "4\n"
+    last = last_checkpoint(ckpts, storage_options=options)
+    assert last == f"{ckpts}/last.ckpt"
+    ranks = zarrckpt.open(last, storage_options=options).saved_world_size
+    assert ranks == (2 if strategy == "model_parallel" else 1)  # (under DDP rank 0 saves alone)
+    one = _torchrun(1, strategy, f"{url}/one", 4, last, report_to=tmp_path, env=env)
+    assert one["losses"] == [] and one["global_step"] == 4
+    _equal_states(one["state"], saved["state"])
 
 
 @pytest.mark.slow
@@ -336,12 +380,15 @@ def test_the_documented_strategy_example_on_2_ranks_then_1(tmp_path: Path) -> No
 def test_ddp_saves_from_rank_0_alone(tmp_path: Path) -> None:
     """Under DDP Lightning hands the checkpoint to ``ZarrCheckpointIO`` on rank 0 only: the save must
     not wait for rank 1 (it did, until the process group timed out), and the checkpoint holds the
-    trained state."""
+    trained state, which 1 rank resumes bit for bit."""
     report = _torchrun(2, "ddp", tmp_path, 4)
     ckpt = zarrckpt.open(tmp_path / "ckpts" / "last.ckpt")
     assert report["global_step"] == 4 and ckpt.metadata["lightning"][0]["global_step"] == 4
     for name, tensor in report["state"]["model"].items():
         assert torch.equal(tensor, ckpt[f"tensors.state_dict.{name}"][...]), name
+    one = _torchrun(1, "ddp", tmp_path / "one", 4, tmp_path / "ckpts" / "last.ckpt")  # resumed on 1 rank
+    assert one["losses"] == [] and one["global_step"] == 4
+    _equal_states(one["state"], report["state"])
 
 
 def test_a_background_save_is_committed_or_raises_when_fit_returns(

@@ -114,16 +114,22 @@ ray.shutdown()
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("store", ["s3", "gcs"])
 @pytest.mark.usefixtures("store_elsewhere_in_env")
-def test_the_example_job_on_s3_through_run_storage(s3_url: tuple[str, dict[str, Any]], tmp_path: Path) -> None:
+def test_the_example_job_on_a_store_through_run_storage(
+    store: str, request: pytest.FixtureRequest, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The documented job (2 workers, async saves, to step 4; restarted on 1 worker to step 6; Ray keeps 2)
-    with ``RunConfig(**run_storage(url, storage_options=...))`` on S3 (moto), the environment naming a dead
-    endpoint: Ray's own files and every checkpoint go to the store the options name."""
+    with ``RunConfig(**run_storage(url, storage_options=...))`` on S3 (moto) and GCS (the emulator), the
+    environment naming a dead endpoint: Ray's own files and every checkpoint go to the store the options
+    name, and `zarrckpt latest` reads the run directory there."""
     import json
     import subprocess
     import sys
 
-    url, options = s3_url
+    from zarrckpt.cli import main as cli
+
+    url, options = request.getfixturevalue(f"{store}_url")
     (tmp_path / "example.py").write_text(example_code().replace('if __name__ == "__main__":', "if False:"))
     (tmp_path / "job.py").write_text(_JOB_ON_A_STORE)
     env = {**os.environ, **FAST_RAY}
@@ -144,6 +150,10 @@ def test_the_example_job_on_s3_through_run_storage(s3_url: tuple[str, dict[str, 
     last = zarrckpt.open(f"{run}/step_0000000006", storage_options=options)
     assert last.saved_world_size == 1 and len(last.metadata["losses"]) == 6
     assert zarrckpt.open(f"{run}/step_0000000004", storage_options=options).saved_world_size == 2
+    flags = [f"--storage-option={k}={json.dumps(v)}" for k, v in options.items()]
+    capsys.readouterr()
+    assert cli(["latest", run, *flags]) == 0 and capsys.readouterr().out == "6\n"
+    assert cli(["latest", run, "--url", *flags]) == 0 and capsys.readouterr().out == f"{run}/step_0000000006\n"
 
 
 class Worker:

@@ -316,6 +316,41 @@ def test_a_2_rank_step_loads_in_one_process_from_an_object_store(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("store", ["s3", "gcs"])
+@pytest.mark.usefixtures("store_elsewhere_in_env")
+def test_2_ranks_save_on_an_object_store_and_1_resumes_there(
+    store: str, request: pytest.FixtureRequest, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A folder on S3 (moto) or GCS (the emulator), given by ``storage_options`` only (the environment names
+    a dead endpoint): 2 ranks (FSDP2) save every step to step 4 there, keeping the newest 2 (steps 1 and 2
+    purged); `zarrckpt latest` and ``latest_step`` read step 4; a job of 1 rank restarted on that folder
+    resumes step 4 with the 2 ranks' weights, moments, step and learning rate, bit for bit, trains to 6,
+    and its steps 5 and 6 replace 3 and 4 there."""
+    from zarrckpt.cli import main as cli
+
+    url, options = request.getfixturevalue(f"{store}_url")
+    folder = f"{url}/checkpoint"
+    config = {"interval": 1, "keep_latest_k": 2, "storage_options": options}
+    spawn(2, train, folder, str(tmp_path / "two.pt"), 4, config, timeout_s=240)
+    assert zarrckpt.list_checkpoints(folder, storage_options=options) == dict.fromkeys(
+        ["step-3", "step-4"], "committed"
+    )
+    assert latest_step(folder, storage_options=options) == 4
+    assert zarrckpt.open(f"{folder}/step-4", storage_options=options).saved_world_size == 2
+    flags = [f"--storage-option={k}={json.dumps(v)}" for k, v in options.items()]
+    capsys.readouterr()
+    assert cli(["latest", folder, *flags]) == 0 and capsys.readouterr().out == "4\n"
+    assert cli(["latest", folder, "--url", *flags]) == 0 and capsys.readouterr().out == f"{folder}/step-4\n"
+    config["exclude_from_loading"] = ["dataloader"]  # (per dp rank: another dp degree skips the samples)
+    spawn(1, train, folder, str(tmp_path / "one.pt"), STEPS, config, True, timeout_s=240)
+    two, one = (torch.load(tmp_path / f"{n}.pt", weights_only=False) for n in ("two", "one"))
+    assert one["loaded"] and one["start"] == 4 and list(one["losses"]) == [5, 6]
+    assert_state(one["at"][4], two["at"][4])
+    assert committed_steps(folder, storage_options=options) == [5, 6]
+    assert zarrckpt.open(f"{folder}/step-5", storage_options=options).saved_world_size == 1
+
+
+@pytest.mark.slow
 def test_load_step_model_only_and_errors(run_a: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
     folder, a = run_a
     # the latest step holds the model only: nothing to resume training from

@@ -162,7 +162,12 @@ def _why_no_manifest(storage: Storage, error: OSError) -> ZarrckptError:
     url = storage.url
     if missing_bucket(error):
         return CheckpointNotFoundError(f"no checkpoint at {url!r}: {storage.no_bucket()}")
-    entries = storage.entries()
+    try:
+        entries = storage.entries()
+    except StorageError as e:  # a listing that found the bucket missing (gcsfs: its object read could not tell)
+        if e.__cause__ is not None and missing_bucket(e.__cause__):
+            return CheckpointNotFoundError(f"no checkpoint at {url!r}: {storage.no_bucket()}")
+        raise
     names = set(entries)
     if not names:
         there = storage.no_bucket() if storage.bucket_missing() else "nothing is stored there"

@@ -13,7 +13,7 @@ import threading
 from typing import Any
 
 from zarrckpt.errors import ZarrckptError
-from zarrckpt.storage import s3config, s3options
+from zarrckpt.storage import gcsoptions, s3config, s3options
 from zarrckpt.storage.localfs import LocalFiles, local_path
 
 log = logging.getLogger("zarrckpt")
@@ -136,6 +136,8 @@ def fsspec_filesystem(url: str, storage_options: dict[str, Any] | None = None) -
     import fsspec
 
     protocol = fsspec.core.split_protocol(url)[0]
+    if protocol in ("gs", "gcs"):
+        gcsoptions.check(url, options)  # what gcsfs would ignore without a word
     try:
         if protocol in ("gs", "gcs") and _GCS_EXTENDED not in os.environ:
             fs, root = _gcs(url, options)

@@ -48,7 +48,7 @@ class Listing:
     def is_empty(self) -> bool:
         """True when nothing is stored under the root: the first entry found answers (object stores:
         one listing of the root's direct entries, however many objects lie below them)."""
-        return bool(self._request("listing", "", lambda: self.backend.is_empty(self.root)))
+        return self._listing(lambda: self.backend.is_empty(self.root)) in (None, True)
 
     def names(self) -> set[str]:
         """The entries directly under the root (one listing request)."""

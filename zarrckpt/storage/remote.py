@@ -23,6 +23,7 @@ import crc32c
 
 from zarrckpt.errors import ZarrckptError
 from zarrckpt.storage.caps import OBJECT_STORE, NameLimits, ReadCaps
+from zarrckpt.storage.retry import missing_bucket
 
 log = logging.getLogger("zarrckpt")
 Buffer = bytes | memoryview
@@ -179,7 +180,9 @@ class RemoteBackend:
         """One listing of the root's direct entries, however many objects lie below them."""
         try:
             return not self.fs.ls(root, detail=False, refresh=True)
-        except FileNotFoundError:
+        except FileNotFoundError as e:
+            if missing_bucket(e):  # (said as such by the caller)
+                raise
             return True
 
     def prune(self, root: str) -> None:

@@ -288,16 +288,21 @@ def from_client(error: BaseException) -> bool:
 
 
 _NO_BUCKET = re.compile(r"NoSuchBucket|bucket does not exist", re.I)
+_GCS_OBJECT_LISTING = re.compile(r"b/[^/]+/o")  # gcsfs's 404 of a listing: the request's path, no object in it
 
 
 def missing_bucket(error: BaseException) -> bool:
     """Whether ``error`` (a FileNotFoundError, mostly) says the bucket itself does not exist, not only
-    the object: S3's ``NoSuchBucket``, however the client words it."""
+    the object: S3's ``NoSuchBucket``, however the client words it; gcsfs's "not found" of a listing's
+    request (``b/<bucket>/o``: a listing in a bucket that exists finds nothing, or raises naming the
+    prefix, never 404 on the bucket's object list)."""
     for e in causes(error):
         response = getattr(e, "response", None)
         if isinstance(response, dict) and (response.get("Error") or {}).get("Code") == "NoSuchBucket":
             return True
         if type(e).__name__ == "NoSuchBucket" or _NO_BUCKET.search(str(e)):
+            return True
+        if isinstance(e, FileNotFoundError) and _GCS_OBJECT_LISTING.fullmatch(str(e)):
             return True
     return False
 
