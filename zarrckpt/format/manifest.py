@@ -13,7 +13,7 @@ from typing import Any
 
 from zarrckpt.errors import InvalidCheckpointError, InvalidKeyError
 from zarrckpt.format import integrity, jsondoc
-from zarrckpt.format.array import CONSTANT_VERSION, MAX_UNRECORDED_SLOTS, ArrayMeta, check_version, slots
+from zarrckpt.format.array import MAX_UNRECORDED_SLOTS, ArrayMeta, check_version, slots
 from zarrckpt.format.gcpause import gc_paused
 from zarrckpt.format.jsondoc import (
     Bad,
@@ -102,7 +102,7 @@ class Manifest:
             "node_type": "group",
             "attributes": {
                 "zarrckpt": {
-                    "format_version": max((1, *(CONSTANT_VERSION for a in arrays if a.constant is not None))),
+                    "format_version": max((1, *(a.version() for a in arrays))),
                     "save_id": self.save_id,
                     "created": self.created,
                     "library": self.library,

@@ -11,7 +11,7 @@ A. all-gather of a 16-byte digest of each rank's layout document (``16 x world``
 B. each class's lowest rank broadcasts its whole document (layouts, plain tensors, values);
 C. one MIN all-reduce of one flag per item of those documents: the items *every* member of a class
    holds identically (a step counter, the hyperparameters) are the class's common items;
-D. what is left on a rank (per-rank RNG keys and data-loader positions, ``LocalShard`` lists,
+D. what is left on a rank (RNG states and data-loader positions under per-rank keys, ``LocalShard`` lists,
    parts whose box no layout gives) is gathered to the coordinator only;
 E. the coordinator builds the whole plan (the same :func:`zarrckpt.plan.save.plan_held` as
    ``build_save_plan``, on the same holders) and scatters each rank its ``zarr.json`` share, the
@@ -20,6 +20,8 @@ E. the coordinator builds the whole plan (the same :func:`zarrckpt.plan.save.pla
 Every other rank derives the boxes of its class's tensors from the layouts and plans those tensors
 (with their holders in other classes too) with the coordinator's turns: for them, the plan
 ``build_save_plan`` gives from all descriptions, at a cost that grows with its class, not the job.
+A :class:`~zarrckpt.PerRank` value is a layout too (rank ``r`` holds row ``r`` of ``[world, ...]``, the
+same document on every rank), so per-rank state neither splits classes nor goes to the coordinator.
 Where that could differ (a per-rank part of a key classes also hold, per-rank parts that are
 replicated or joined as small shards) or there are over ``MAX_CLASSES`` classes, it answers None
 and the caller gathers descriptions as before.
@@ -88,7 +90,7 @@ def split(local: LocalState, to_group: Callable[[int], int] = lambda r: r) -> Sp
                 plain.append(["t", key, spec])
                 continue
             del spec["box"]
-            mesh = replace(layout, ranks=tuple(to_group(r) for r in layout.ranks))
+            mesh = layout if part.per_rank else replace(layout, ranks=tuple(to_group(r) for r in layout.ranks))
             layouts[key] = {"spec": spec, "mesh": mesh.to_json()}
     plain += [["v", k, v] for k, v in local.values.items()]
     return Split(layouts, plain)
@@ -197,7 +199,7 @@ def _with_boxes(spec: TensorSpec, boxes: list[Box]) -> list[TensorSpec]:
         found = made.get(box)
         if found is None:
             found = made[box] = TensorSpec(
-                spec.shape, spec.dtype, spec.kind, box, spec.topology, spec.python_type, spec.constant
+                spec.shape, spec.dtype, spec.kind, box, spec.topology, spec.python_type, spec.constant, spec.per_rank
             )
         out.append(found)
     return out

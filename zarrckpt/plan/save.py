@@ -271,6 +271,7 @@ def _grids(
             topology=dict(grid.topology),
             python_type=first.python_type,
             constant=layout.constant,
+            per_rank=first.per_rank,
         )
         placed[key] = meta, layout
         if layout.constant is None and (too_many := beyond_limits(meta.shape, meta.shard_shape, meta.chunk_shape)):
@@ -289,7 +290,7 @@ def _layout(
     grid = _grid(ranks, specs, world_size, chunk_bytes)
     dtype = specs[0].dtype
     constant = _constant(dtype, specs)
-    if constant is None and len(grid.owners) > 1 and small_tensor_bytes:
+    if constant is None and len(grid.owners) > 1 and small_tensor_bytes and not specs[0].per_rank:  # (a row: a shard)
         itemsize = storage_dtype(dtype).itemsize
         coarse = coarse_shard(grid.shape, grid.shard, itemsize, small_tensor_bytes)
         if coarse != grid.shard:
@@ -343,6 +344,13 @@ def _constant(dtype: str, specs: list[TensorSpec]) -> bytes | None:
 
 def _check(key: str, ranks: list[int], specs: list[TensorSpec]) -> list[str]:
     """Problems with one tensor: holders that disagree, or boxes that do not tile it exactly once."""
+    if any(t.per_rank for t in specs):
+        rows: dict[tuple[str, Shape, str, str], list[int]] = {}  # (json rows: padded alike)
+        for r, t in zip(ranks, specs, strict=True):
+            rows.setdefault((t.per_rank, t.shape[1:], t.dtype, t.kind), []).append(r)
+        if len(rows) > 1:
+            found = "; ".join(f"ranks {_ranges(rs)}: {list(s)} {d} {k}" for (_, s, d, k), rs in rows.items())
+            return [f"{key}: PerRank rows must have one shape and dtype on every rank ({found})"]
     problems = []
     for field_ in ("shape", "dtype", "kind"):
         if len({getattr(t, field_) for t in specs}) > 1:
@@ -373,6 +381,17 @@ def _grid(ranks: list[int], specs: list[TensorSpec], world_size: int, chunk_byte
     replicated = len({c.box for c in claims}) < len(claims)
     holders = holders_of_cells(shard, claims) if replicated else {}
     return _Grid(shape, shard, chunk, owner_of_cells(shape, shard, claims), topology, replicated, holders)
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``0-3, 7`` for ranks 0, 1, 2, 3 and 7."""
+    out: list[list[int]] = []
+    for r in sorted(set(ranks)):
+        if out and r == out[-1][1] + 1:
+            out[-1][1] = r
+        else:
+            out.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
 
 
 def _drop_empty_prefixes(values: Held, keys: set[str]) -> None:

@@ -1,0 +1,199 @@
+"""Per-rank state (``zarrckpt.PerRank``): one array ``[world, ...]`` per key, rank r writing row r.
+
+Saved by 2 gloo processes; loaded on 2 (each rank its row, bit-exact), on 3 and 1 (an error by
+default, ``per_rank="modulo"`` and ``"skip"``); read by ``zarrckpt.open`` and the peer readers; a save
+whose ranks disagree on a row's shape fails before anything is written; the layout-based planner
+keeps one class for ranks that differ only in their rows.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import zarrckpt
+from zarrckpt.plan import compact
+from zarrckpt.plan.localstate import collect
+from zarrckpt.plan.rankdesc import RankDescription
+from zarrckpt.plan.save import DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_TENSOR_BYTES, build_save_plan
+from zarrckpt.testing import spawn
+
+
+def _rng(rank: int) -> torch.Tensor:
+    return torch.Generator().manual_seed(100 + rank).get_state()
+
+
+def _position(rank: int) -> dict[str, Any]:
+    return {"epoch": 1, "sample": 17 * rank, "name": "r" * (rank + 1)}  # rows of different lengths: padded
+
+
+def _python(rank: int) -> Any:
+    return random.Random(rank).getstate()
+
+
+def _state(rank: int) -> dict[str, Any]:
+    return {
+        "model": {"w": torch.arange(6, dtype=torch.float32)},
+        "trainer": {
+            "step": 5,
+            "rng": {
+                "torch": zarrckpt.PerRank(_rng(rank)),
+                "python": zarrckpt.PerRank(_python(rank)),
+                "numpy": zarrckpt.PerRank(np.random.default_rng(rank).bit_generator.state),
+            },
+            "loader": zarrckpt.PerRank(_position(rank)),
+            "seen": zarrckpt.PerRank(np.array([rank, 2 * rank], dtype=np.int64)),
+        },
+    }
+
+
+def _target() -> dict[str, Any]:
+    return {
+        "model": {"w": torch.zeros(6)},
+        "trainer": {
+            "step": 0,
+            "rng": {
+                "torch": zarrckpt.PerRank(torch.zeros_like(_rng(0))),
+                "python": zarrckpt.PerRank(random.getstate()),
+                "numpy": zarrckpt.PerRank({}),
+            },
+            "loader": zarrckpt.PerRank(None),
+            "seen": zarrckpt.PerRank(np.zeros(2, dtype=np.int64)),
+        },
+    }
+
+
+def _save(rank: int, world: int, url: str) -> None:
+    zarrckpt.save(_state(rank), url)
+
+
+def _check_row(state: dict[str, Any], row: int) -> None:
+    t = state["trainer"]
+    assert torch.equal(t["rng"]["torch"].value, _rng(row))
+    assert t["rng"]["python"].value == _python(row)
+    assert t["rng"]["numpy"].value == np.random.default_rng(row).bit_generator.state
+    assert t["loader"] == zarrckpt.PerRank(_position(row))
+    assert t["seen"].value.tolist() == [row, 2 * row]
+    assert t["step"] == 5 and torch.equal(state["model"]["w"], torch.arange(6, dtype=torch.float32))
+
+
+def _load(rank: int, world: int, url: str, mode: str | None) -> None:
+    state = _target()
+    before = state["trainer"]["rng"]["torch"].value.clone()
+    if mode is None:
+        if world == 2:
+            zarrckpt.load(state, url)
+            _check_row(state, rank)
+            return
+        with pytest.raises(zarrckpt.LayoutMismatchError) as e:
+            zarrckpt.load(state, url)
+        message = str(e.value)
+        assert "trainer.loader: saved per rank by 2 ranks, loading on" in message
+        assert "per_rank='modulo'" in message and "per_rank='skip'" in message
+        assert torch.equal(state["trainer"]["rng"]["torch"].value, before)  # nothing loaded
+        return
+    zarrckpt.load(state, url, per_rank=mode)
+    if mode == "modulo":
+        _check_row(state, rank % 2)
+    else:  # skip: the per-rank targets stay as they were, the rest is loaded
+        assert torch.equal(state["trainer"]["rng"]["torch"].value, before)
+        assert state["trainer"]["loader"] == zarrckpt.PerRank(None) and state["trainer"]["step"] == 5
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> str:
+    url = str(tmp_path_factory.mktemp("perrank") / "ckpt")
+    spawn(2, _save, url)
+    return url
+
+
+def test_one_array_per_key_a_shard_per_row(saved: str) -> None:
+    root = Path(saved)
+    doc = json.loads((root / "trainer/rng/torch/zarr.json").read_text())
+    n = _rng(0).numel()
+    assert doc["shape"] == [2, n] and doc["chunk_grid"]["configuration"]["chunk_shape"] == [1, n]
+    ours = doc["attributes"]["zarrckpt"]
+    assert ours["per_rank"] == "tensor" and ours["format_version"] == 3 and ours["kind"] == "tensor"
+    assert sorted(p.name for p in (root / "trainer/rng/torch/c").iterdir()) == ["0", "1"]
+    loader = json.loads((root / "trainer/loader/zarr.json").read_text())
+    assert loader["data_type"] == "uint8" and loader["attributes"]["zarrckpt"]["per_rank"] == "json"
+    manifest = json.loads((root / "zarr.json").read_text())["attributes"]["zarrckpt"]
+    assert manifest["format_version"] == 3 and "trainer.loader" not in manifest["values"]
+
+
+@pytest.mark.parametrize(("world", "mode"), [(2, None), (3, None), (1, None), (3, "modulo"), (1, "modulo"), (3, "skip")])
+def test_load(saved: str, world: int, mode: str | None) -> None:
+    spawn(world, _load, saved, mode)
+
+
+def test_open_shows_the_rank_axis(saved: str) -> None:
+    ckpt = zarrckpt.open(saved)
+    view = ckpt["trainer.rng.torch"]
+    assert tuple(view.shape) == (2, _rng(0).numel())
+    assert torch.equal(view[1], _rng(1))
+    loader = ckpt["trainer.loader"][...]
+    rows = [json.loads(bytes(loader[r].numpy()).decode()) for r in range(2)]
+    assert rows == [_position(0), _position(1)]
+    assert bytes(loader[0].numpy()).endswith(b" ")  # the shorter row, padded with spaces
+
+
+def test_peer_readers_read_the_rows(saved: str) -> None:
+    zarr = pytest.importorskip("zarr")
+    ts = pytest.importorskip("tensorstore")
+    group = zarr.open_group(saved, mode="r", zarr_format=3)
+    want = torch.stack([_rng(0), _rng(1)]).numpy()
+    np.testing.assert_array_equal(group["trainer/rng/torch"][...], want)
+    text = group["trainer/loader"][...]
+    assert [json.loads(bytes(text[r])) for r in range(2)] == [_position(0), _position(1)]
+    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": f"{saved}/trainer/rng/torch"}}
+    np.testing.assert_array_equal(ts.open(spec).result().read().result(), want)
+    spec["kvstore"]["path"] = f"{saved}/trainer/seen"
+    np.testing.assert_array_equal(ts.open(spec).result().read().result(), [[0, 0], [1, 2]])
+
+
+def _disagree(rank: int, world: int, url: str, which: str) -> None:
+    state: dict[str, Any] = {"w": torch.ones(2)}
+    if which == "shape":
+        state["rng"] = zarrckpt.PerRank(torch.zeros(3 + rank))
+    elif rank == 0:  # "count": a PerRank value on rank 0 only
+        state["pos"] = zarrckpt.PerRank({"i": 1})
+    with pytest.raises(zarrckpt.SaveLayoutError) as e:
+        zarrckpt.save(state, url)
+    if which == "shape":
+        assert "rng: PerRank rows must have one shape and dtype on every rank" in str(e.value)
+        assert "ranks 0: [3] float32" in str(e.value) and "ranks 1: [4] float32" in str(e.value)
+    else:
+        assert "every rank must hold each PerRank key" in str(e.value)
+
+
+@pytest.mark.parametrize("which", ["shape", "count"])
+def test_ranks_that_disagree_fail_before_writing(tmp_path: Path, which: str) -> None:
+    spawn(2, _disagree, str(tmp_path / "c"), which)
+    assert not (tmp_path / "c").exists() or not any((tmp_path / "c").rglob("*"))
+
+
+def test_rows_do_not_split_the_planners_classes() -> None:
+    """Ranks whose rows differ describe per-rank arrays alike (the row is the rank), so the
+    layout-based planner keeps them in one class and sends nothing of theirs to the coordinator;
+    its plan equals the gathering planner's (a row per shard: no small-shard joining)."""
+    world = 4
+    locals_ = []
+    for rank in range(world):
+        local = collect({"rng": zarrckpt.PerRank(_rng(rank)), "pos": zarrckpt.PerRank({"i": 1})}, rank=rank, world=world)
+        local.pad_rows(local.json_rows())
+        locals_.append(local)
+    splits = [compact.split(local) for local in locals_]
+    assert len({s.digest() for s in splits}) == 1 and all(s.plain == [] for s in splits)
+    descriptions = [RankDescription.from_json(json.loads(json.dumps(x.describe().to_json()))) for x in locals_]
+    plan = build_save_plan(descriptions, DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_TENSOR_BYTES)
+    assert plan.arrays["rng"].shard_shape == (1, _rng(0).numel()) and not plan.gathers
+    assert plan.owners["rng"] == {(r, 0): r for r in range(world)}
+    docs = compact.class_docs([list(range(world))], [splits[0].doc()], np.ones(0, dtype=np.int64))
+    planned, _ = compact.coordinate(docs, [[] for _ in range(world)], world, DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_TENSOR_BYTES)
+    assert planned is not None and planned.plan == plan
