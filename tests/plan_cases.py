@@ -37,10 +37,18 @@ from zarrckpt.types import ArrayKind
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "uint8": 1}
 
 
+ADDED_LATER = {"per_rank": ""}  # fields added after EXPECTED was recorded -> their default (left out when so)
+
+
 def plain(obj: Any) -> Any:
-    """``obj`` as JSON-able data, every field and every dict's order kept."""
+    """``obj`` as JSON-able data, every field and every dict's order kept (fields added since the
+    recording, :data:`ADDED_LATER`, only where they differ from their default)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {
+            f.name: plain(getattr(obj, f.name))
+            for f in dataclasses.fields(obj)
+            if f.name not in ADDED_LATER or getattr(obj, f.name) != ADDED_LATER[f.name]
+        }
     if isinstance(obj, enum.Enum):
         return str(obj.value)
     if isinstance(obj, dict):
