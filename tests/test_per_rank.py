@@ -127,7 +127,9 @@ def test_one_array_per_key_a_shard_per_row(saved: str) -> None:
     assert manifest["format_version"] == 3 and "trainer.loader" not in manifest["values"]
 
 
-@pytest.mark.parametrize(("world", "mode"), [(2, None), (3, None), (1, None), (3, "modulo"), (1, "modulo"), (3, "skip")])
+@pytest.mark.parametrize(
+    ("world", "mode"), [(2, None), (3, None), (1, None), (3, "modulo"), (1, "modulo"), (3, "skip")]
+)
 def test_load(saved: str, world: int, mode: str | None) -> None:
     spawn(world, _load, saved, mode)
 
@@ -185,7 +187,9 @@ def test_rows_do_not_split_the_planners_classes() -> None:
     world = 4
     locals_ = []
     for rank in range(world):
-        local = collect({"rng": zarrckpt.PerRank(_rng(rank)), "pos": zarrckpt.PerRank({"i": 1})}, rank=rank, world=world)
+        local = collect(
+            {"rng": zarrckpt.PerRank(_rng(rank)), "pos": zarrckpt.PerRank({"i": 1})}, rank=rank, world=world
+        )
         local.pad_rows(local.json_rows())
         locals_.append(local)
     splits = [compact.split(local) for local in locals_]
@@ -195,5 +199,7 @@ def test_rows_do_not_split_the_planners_classes() -> None:
     assert plan.arrays["rng"].shard_shape == (1, _rng(0).numel()) and not plan.gathers
     assert plan.owners["rng"] == {(r, 0): r for r in range(world)}
     docs = compact.class_docs([list(range(world))], [splits[0].doc()], np.ones(0, dtype=np.int64))
-    planned, _ = compact.coordinate(docs, [[] for _ in range(world)], world, DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_TENSOR_BYTES)
+    planned, _ = compact.coordinate(
+        docs, [[] for _ in range(world)], world, DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_TENSOR_BYTES
+    )
     assert planned is not None and planned.plan == plan

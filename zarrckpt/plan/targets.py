@@ -217,12 +217,12 @@ def plan_requests(
     return requests, finish
 
 
-def target_boxes(meta: ArrayMeta, value: Any) -> list[Box]:
-    """The regions of the saved array ``meta`` that a target leaf receives: all of it for bytes and
-    numpy arrays, the tensor's own parts (its shard, for a DTensor) otherwise. The scale model
-    plans loads with it."""
+def target_boxes(meta: ArrayMeta, value: Any, rank: int = 0) -> list[Box]:
+    """The regions of the saved array ``meta`` that a target leaf of ``rank`` receives: all of it for
+    bytes and numpy arrays, the tensor's own parts (its shard, for a DTensor) otherwise, row ``rank %
+    saved world`` of a per-rank array. The scale model plans loads with it."""
     if isinstance(value, PerRank):
-        return [perrank.row_box(0, meta.shape[1:])]  # (the scale model: row 0's size, as every rank's)
+        return [perrank.row_box(rank % meta.shape[0], meta.shape[1:])]
     if meta.kind == ArrayKind.BYTES or isinstance(value, np.ndarray):
         return [Box.full(meta.shape)]
     return [box for _, _, box, _ in tensor_parts(value)]
