@@ -254,8 +254,8 @@ def manifest_parts(raw: bytes) -> dict[str, int]:
         "of which the inner chunks' crc32c (base64)": sum(len(t) for t in tables),
         "(the same with one crc32c per shard object instead, base64)": 4 * -(-(4 * shards) // 3),
         "consolidated metadata (every array's and group's `zarr.json`)": size(nodes),
-        "of which the per-rank RNG arrays and their groups": size(
-            {k: v for k, v in nodes.items() if k.startswith("rng/")}
+        "of which the per-rank arrays (`rng/*`, `dataloader`) and their groups": size(
+            {k: v for k, v in nodes.items() if k.startswith("rng/") or k in ("rng", "dataloader")}
         ),
         "saved values (`values`)": size(doc["attributes"]["zarrckpt"]["values"]),
     }

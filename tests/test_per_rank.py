@@ -159,6 +159,23 @@ def test_peer_readers_read_the_rows(saved: str) -> None:
     np.testing.assert_array_equal(ts.open(spec).result().read().result(), [[0, 0], [1, 2]])
 
 
+def test_zarrs_and_xarray_read_the_rows(saved: str) -> None:
+    zarr = pytest.importorskip("zarr")
+    zarrs = pytest.importorskip("zarrs")
+    xr = pytest.importorskip("xarray")
+    want = torch.stack([_rng(0), _rng(1)]).numpy()
+    strict = {"codec_pipeline.path": "zarrs.ZarrsCodecPipeline", "codec_pipeline.strict": True}
+    with zarr.config.set(strict):  # zarrs' Rust codecs only
+        arr = zarr.open_group(saved, mode="r", zarr_format=3)["trainer/rng/torch"]
+        assert isinstance(arr._async_array.codec_pipeline, zarrs.ZarrsCodecPipeline)
+        np.testing.assert_array_equal(arr[...], want)
+        text = zarr.open_group(saved, mode="r", zarr_format=3)["trainer/loader"][...]
+        assert json.loads(bytes(text[1])) == _position(1)
+    ds = xr.open_zarr(saved, group="trainer/rng", consolidated=False)
+    np.testing.assert_array_equal(ds["torch"].values, want)
+    assert ds["torch"].dims == ("torch_dim_0", "torch_dim_1")
+
+
 def _disagree(rank: int, world: int, url: str, which: str) -> None:
     state: dict[str, Any] = {"w": torch.ones(2)}
     if which == "shape":
