@@ -220,3 +220,76 @@ def test_rows_do_not_split_the_planners_classes() -> None:
         docs, [[] for _ in range(world)], world, DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_TENSOR_BYTES
     )
     assert planned is not None and planned.plan == plan
+
+
+def _save_planned(rank: int, world: int, url: str, force: bool) -> None:
+    """``zarrckpt.save`` of :func:`_state` with a DTensor beside, planned by gathering every
+    description where ``force`` (the planner before issue 28), else from layouts."""
+    import inspect
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from zarrckpt.api import _save as save_with
+
+    state = _state(rank)
+    mesh = init_device_mesh("cpu", (world,))
+    state["model"]["d"] = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
+    options = inspect.signature(zarrckpt.save).parameters
+    defaults = {k: p.default for k, p in options.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    save_with(state, url, **defaults, force_gather=force)
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            data = p.read_bytes()
+            if p.relative_to(root).as_posix() == "zarr.json":
+                doc = json.loads(data)
+                for per_save in ("save_id", "created", "attributes_crc32c"):
+                    doc["attributes"]["zarrckpt"][per_save] = None
+                data = json.dumps(doc).encode()
+            out[p.relative_to(root).as_posix()] = data
+    return out
+
+
+def test_both_planners_write_the_same_checkpoint(tmp_path: Path) -> None:
+    spawn(2, _save_planned, str(tmp_path / "gathered"), True)
+    spawn(2, _save_planned, str(tmp_path / "compact"), False)
+    before, after = _files(tmp_path / "gathered"), _files(tmp_path / "compact")
+    assert "trainer/loader/c/1/0" in before and before.keys() == after.keys()
+    assert [k for k in before if before[k] != after[k]] == []
+
+
+def test_async_save_and_a_plain_target_of_the_whole_array(tmp_path: Path) -> None:
+    zarrckpt.async_save(_state(0), tmp_path / "c").result(timeout=120)
+    whole = {"trainer": {"rng": {"torch": torch.zeros(1, _rng(0).numel(), dtype=torch.uint8)}}}
+    zarrckpt.load(whole, tmp_path / "c", strict=False)  # a plain [world, ...] tensor: the whole array
+    assert torch.equal(whole["trainer"]["rng"]["torch"][0], _rng(0))
+    row = {"trainer": {"rng": {"torch": torch.zeros_like(_rng(0))}, "loader": {}}}
+    with pytest.raises(zarrckpt.LayoutMismatchError) as e:
+        zarrckpt.load(row, tmp_path / "c", strict=False)
+    assert "trainer.rng.torch: saved per rank" in str(e.value) and "zarrckpt.PerRank" in str(e.value)
+    plain = {"trainer": {"step": zarrckpt.PerRank(0)}}
+    with pytest.raises(zarrckpt.LayoutMismatchError, match=r"trainer\.step: saved a plain value, expected a PerRank"):
+        zarrckpt.load(plain, tmp_path / "c", strict=False)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"per_rank": "rows"}, "per_rank 'rows' is not one of"),
+        ({"per_rank": 1}, "per_rank"),
+        ({"per_rank": "json"}, "must be stored as a 2-D uint8 array of kind bytes"),
+    ],
+)
+def test_readers_refuse_a_malformed_per_rank_array(change: dict[str, Any], message: str) -> None:
+    from zarrckpt.format.array import ArrayMeta
+
+    meta = ArrayMeta("rng", (2, 4), "float32", (1, 4), (1, 4), per_rank="tensor")
+    doc = meta.to_json()
+    assert doc["attributes"]["zarrckpt"]["format_version"] == 3 and ArrayMeta.from_json("rng", doc) == meta
+    doc["attributes"]["zarrckpt"].update(change)
+    with pytest.raises(zarrckpt.InvalidCheckpointError, match=message):
+        ArrayMeta.from_json("rng", doc)
