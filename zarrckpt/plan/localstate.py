@@ -42,9 +42,8 @@ class LocalTensor:
     topology: dict[str, Any] = field(default_factory=dict)
     python_type: str = ""  # bytes values: "bytearray" or "BytesIO" when not plain bytes
     layout: MeshLayout | None = None  # a DTensor's: every rank's box derives from it (zarrckpt.plan.compact)
-    per_rank: str = (
-        ""  # a PerRank value's row (zarrckpt.plan.perrank): "tensor" or "json"; its layout is in group ranks
-    )
+    # a PerRank value's row (zarrckpt.plan.perrank): "tensor" or "json"; its layout's ranks are the group's
+    per_rank: str = ""
 
     def spec(self) -> TensorSpec:
         return TensorSpec(
@@ -92,8 +91,7 @@ class LocalState:
         for key, length in lengths.items():
             (part,) = self.tensors[key]
             world, rank = part.shape[0], part.box.offsets[0]
-            raw = perrank.pad_row(bytes(part.data.numpy()), length)
-            row = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
+            row = torch.frombuffer(bytearray(perrank.pad_row(bytes(part.data.numpy()), length)), dtype=torch.uint8)
             self.tensors[key] = [per_rank_part(key, row.reshape(1, -1), rank, world, "uint8", part.kind, part.per_rank)]
 
     def describe(self) -> RankDescription:
@@ -259,14 +257,9 @@ def _row(key: str, value: Any, rank: int, world: int, allow_pickle: bool) -> Loc
         kind, how = (ArrayKind.NDARRAY if isinstance(value, np.ndarray) else ArrayKind.TENSOR), perrank.TENSOR_ROWS
     elif is_tensor_target(value):
         raise UnsupportedValueError("PerRank holds a rank's own plain tensor, not a DTensor or LocalShard")
-    else:
-        raw = perrank.encode_row(value, key, allow_pickle)
-        data, name, kind, how = (
-            torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8),
-            "uint8",
-            ArrayKind.BYTES,
-            perrank.JSON_ROWS,
-        )
+    else:  # JSON text: never empty
+        data = torch.frombuffer(bytearray(perrank.encode_row(value, key, allow_pickle)), dtype=torch.uint8)
+        name, kind, how = "uint8", ArrayKind.BYTES, perrank.JSON_ROWS
     return per_rank_part(key, data.reshape(1, *data.shape), rank, world, name, kind, how)
 
 

@@ -19,6 +19,7 @@ from zarrckpt.errors import InvalidCheckpointError, UnsupportedValueError
 from zarrckpt.format import values
 from zarrckpt.format.layout import Box, Shape
 from zarrckpt.plan.meshlayout import MeshLayout
+from zarrckpt.plan.rankdesc import TensorSpec
 
 TENSOR_ROWS = "tensor"  # ``per_rank``: a row is the rank's tensor (or numpy array)
 JSON_ROWS = "json"  # ``per_rank``: a row is the rank's value as typed JSON text, padded with spaces
@@ -78,6 +79,29 @@ def row_layout(world: int, row_shape: Shape) -> MeshLayout:
 def row_box(rank: int, row_shape: Shape) -> Box:
     """Row ``rank`` of a per-rank array whose rows have ``row_shape``."""
     return Box((rank, *(0 for _ in row_shape)), (1, *row_shape))
+
+
+def row_problems(key: str, ranks: list[int], specs: list[TensorSpec]) -> list[str]:
+    """The save's problem when the holders of a per-rank array's rows disagree on their shape, dtype
+    or kind (json rows are padded alike), naming which ranks hold which; else none."""
+    rows: dict[tuple[str, Shape, str, str], list[int]] = {}
+    for r, t in zip(ranks, specs, strict=True):
+        rows.setdefault((t.per_rank, t.shape[1:], t.dtype, t.kind), []).append(r)
+    if len(rows) == 1:
+        return []
+    found = "; ".join(f"ranks {_ranges(rs)}: {list(s)} {d} {k}" for (_, s, d, k), rs in rows.items())
+    return [f"{key}: PerRank rows must have one shape and dtype on every rank ({found})"]
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``0-3, 7`` for ranks 0, 1, 2, 3 and 7."""
+    out: list[list[int]] = []
+    for r in sorted(set(ranks)):
+        if out and r == out[-1][1] + 1:
+            out[-1][1] = r
+        else:
+            out.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
 
 
 def encode_row(value: Any, key: str, allow_pickle: bool) -> bytes:

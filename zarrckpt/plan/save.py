@@ -28,6 +28,7 @@ from zarrckpt.format.layout import (
     shard_shape_for,
 )
 from zarrckpt.format.manifest import group_json, group_paths
+from zarrckpt.plan import perrank
 from zarrckpt.plan.coarsen import Gather, Joins, coarse_shard
 from zarrckpt.plan.rankdesc import RankDescription, TensorSpec
 from zarrckpt.types import ArrayKind, Role
@@ -344,13 +345,8 @@ def _constant(dtype: str, specs: list[TensorSpec]) -> bytes | None:
 
 def _check(key: str, ranks: list[int], specs: list[TensorSpec]) -> list[str]:
     """Problems with one tensor: holders that disagree, or boxes that do not tile it exactly once."""
-    if any(t.per_rank for t in specs):
-        rows: dict[tuple[str, Shape, str, str], list[int]] = {}  # (json rows: padded alike)
-        for r, t in zip(ranks, specs, strict=True):
-            rows.setdefault((t.per_rank, t.shape[1:], t.dtype, t.kind), []).append(r)
-        if len(rows) > 1:
-            found = "; ".join(f"ranks {_ranges(rs)}: {list(s)} {d} {k}" for (_, s, d, k), rs in rows.items())
-            return [f"{key}: PerRank rows must have one shape and dtype on every rank ({found})"]
+    if any(t.per_rank for t in specs) and (differ := perrank.row_problems(key, ranks, specs)):
+        return differ
     problems = []
     for field_ in ("shape", "dtype", "kind"):
         if len({getattr(t, field_) for t in specs}) > 1:
@@ -381,17 +377,6 @@ def _grid(ranks: list[int], specs: list[TensorSpec], world_size: int, chunk_byte
     replicated = len({c.box for c in claims}) < len(claims)
     holders = holders_of_cells(shard, claims) if replicated else {}
     return _Grid(shape, shard, chunk, owner_of_cells(shape, shard, claims), topology, replicated, holders)
-
-
-def _ranges(ranks: list[int]) -> str:
-    """``0-3, 7`` for ranks 0, 1, 2, 3 and 7."""
-    out: list[list[int]] = []
-    for r in sorted(set(ranks)):
-        if out and r == out[-1][1] + 1:
-            out[-1][1] = r
-        else:
-            out.append([r, r])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
 
 
 def _drop_empty_prefixes(values: Held, keys: set[str]) -> None:
