@@ -18,7 +18,8 @@ E. the coordinator builds the whole plan (the same :func:`zarrckpt.plan.save.pla
    arrays of its per-rank parts it writes, and for its class's tensors the writer turns (counted
    over the whole save) and the numbers of their replicated blocks.
 Every other rank derives the boxes of its class's tensors from the layouts and plans those tensors
-(with their holders in other classes too) with the coordinator's turns: for them, the plan
+(with their holders in other classes too) with the coordinator's turns (but per-rank arrays, held
+by every rank: the coordinator sends each rank its row's array, as for its own items): for them, the plan
 ``build_save_plan`` gives from all descriptions, at a cost that grows with its class, not the job.
 A :class:`~zarrckpt.PerRank` value is a layout too (rank ``r`` holds row ``r`` of ``[world, ...]``, the
 same document on every rank), so per-rank state neither splits classes nor goes to the coordinator.
@@ -111,9 +112,11 @@ class ClassDoc:
     common: list[list[Any]]
     _held: dict[str, tuple[list[int], list[Any]]] = field(default_factory=dict)
 
-    def keys(self) -> set[str]:
-        """The tensor keys this class holds."""
-        return set(self.layouts) | {key for kind, key, _ in self.common if kind == "t"}
+    def keys(self, rows: bool = True) -> set[str]:
+        """The tensor keys this class holds (``rows=False``: but per-rank arrays, which every rank
+        holds a row of: the coordinator tells each rank its row's array)."""
+        layouts = self.layouts if rows else {k for k, v in self.layouts.items() if not v["spec"].get("per_rank")}
+        return set(layouts) | {key for kind, key, _ in self.common if kind == "t"}
 
     def held(self, only: set[str] | None = None) -> dict[str, tuple[list[int], list[Any]]]:
         """key -> (holder per part, parts) for this class's tensors and values (lists shared between
@@ -297,7 +300,8 @@ def coordinate(
     shares = metadata_shares(list(plan.arrays.values()), world)
     arrays: list[dict[str, Any]] = [{} for _ in range(world)]
     owners: list[dict[str, list[list[int]]]] = [{} for _ in range(world)]
-    for key in sorted(own & set(plan.arrays)):
+    rows = {k for k, meta in plan.arrays.items() if meta.per_rank}  # (a rank is told its rows, never plans them)
+    for key in sorted((own | rows) & set(plan.arrays)):
         for idx, rank in plan.owners[key].items():
             arrays[rank][key] = plan.arrays[key].to_json()
             owners[rank].setdefault(key, []).append(list(idx))
@@ -327,7 +331,7 @@ def local_plan(
         raise (kind if isinstance(kind, type) and issubclass(kind, ZarrckptError) else ZarrckptError)(got["error"][1])
     if got.get("fallback"):
         return None
-    mine = next(doc for doc in docs if rank in doc.members).keys()
+    mine = next(doc for doc in docs if rank in doc.members).keys(rows=False)
     tensors, _ = held_tables(docs, None, only=mine)
     turns = {k: (t, s) for k, (t, s) in got["class"]["turns"].items()}
     plan = plan_held(tensors, {}, world, chunk_bytes, small_tensor_bytes, turns)
@@ -337,6 +341,7 @@ def local_plan(
     for key, doc in own["arrays"].items():
         arrays[key] = ArrayMeta.from_json(key_to_path(key), doc)
         owners[key] = {tuple(idx): rank for idx in own["owners"][key]}
+    arrays, owners = dict(sorted(arrays.items())), dict(sorted(owners.items()))  # key order, as the whole plan's
     docs_ = tuple((p, d.encode()) for p, d in own["docs"])
     plan = replace(plan, arrays=arrays, owners=owners, docs=docs_, values={})
     return Planned(plan, got["blocks"], block_index(tensors, plan, got["class"]["starts"]))
