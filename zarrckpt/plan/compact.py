@@ -19,7 +19,7 @@ E. the coordinator builds the whole plan (the same :func:`zarrckpt.plan.save.pla
    over the whole save) and the numbers of their replicated blocks.
 Every other rank derives the boxes of its class's tensors from the layouts and plans those tensors
 (with their holders in other classes too) with the coordinator's turns (but per-rank arrays, held
-by every rank: the coordinator sends each rank its row's array, as for its own items): for them, the plan
+by every rank: the coordinator sends each class their metadata, and a rank writes its row): for them, the plan
 ``build_save_plan`` gives from all descriptions, at a cost that grows with its class, not the job.
 A :class:`~zarrckpt.PerRank` value is a layout too (rank ``r`` holds row ``r`` of ``[world, ...]``, the
 same document on every rank), so per-rank state neither splits classes nor goes to the coordinator.
@@ -287,11 +287,13 @@ def coordinate(
     if own & set().union(*class_keys) or own & (set(plan.gathers) | plan.replicated):
         return None, [b'{"fallback":true}'] * world
     blocks, starts = block_starts(tensors, plan)
+    rows = {k for k, meta in plan.arrays.items() if meta.per_rank}  # (a rank is told its rows, never plans them)
     of_class = [
         wire(
             {
                 "turns": {k: plan.turns[k] for k in sorted(keys & plan.turns.keys())},
                 "starts": {k: starts[k] for k in sorted(keys & starts.keys())},
+                **({"rows": {k: plan.arrays[k].to_json() for k in sorted(keys & rows)}} if keys & rows else {}),
             }
         )
         for keys in class_keys
@@ -300,8 +302,7 @@ def coordinate(
     shares = metadata_shares(list(plan.arrays.values()), world)
     arrays: list[dict[str, Any]] = [{} for _ in range(world)]
     owners: list[dict[str, list[list[int]]]] = [{} for _ in range(world)]
-    rows = {k for k, meta in plan.arrays.items() if meta.per_rank}  # (a rank is told its rows, never plans them)
-    for key in sorted((own | rows) & set(plan.arrays)):
+    for key in sorted(own & set(plan.arrays)):
         for idx, rank in plan.owners[key].items():
             arrays[rank][key] = plan.arrays[key].to_json()
             owners[rank].setdefault(key, []).append(list(idx))
@@ -341,6 +342,9 @@ def local_plan(
     for key, doc in own["arrays"].items():
         arrays[key] = ArrayMeta.from_json(key_to_path(key), doc)
         owners[key] = {tuple(idx): rank for idx in own["owners"][key]}
+    for key, doc in got["class"].get("rows", {}).items():  # per-rank arrays: this rank writes its row's shard
+        meta = arrays[key] = ArrayMeta.from_json(key_to_path(key), doc)
+        owners[key] = {} if meta.constant is not None else {(rank, *(0 for _ in meta.shape[1:])): rank}
     arrays, owners = dict(sorted(arrays.items())), dict(sorted(owners.items()))  # key order, as the whole plan's
     docs_ = tuple((p, d.encode()) for p, d in own["docs"])
     plan = replace(plan, arrays=arrays, owners=owners, docs=docs_, values={})
