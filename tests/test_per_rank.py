@@ -293,3 +293,22 @@ def test_readers_refuse_a_malformed_per_rank_array(change: dict[str, Any], messa
     doc["attributes"]["zarrckpt"].update(change)
     with pytest.raises(zarrckpt.InvalidCheckpointError, match=message):
         ArrayMeta.from_json("rng", doc)
+
+
+@pytest.mark.parametrize("row", [(3,), (0,), (), (2, 0, 5)])
+def test_the_planners_shortcut_for_rows_gives_the_general_grid(row: tuple[int, ...]) -> None:
+    """Rows held one per rank in rank order skip the box-by-box check and grid (``exact_rows``);
+    what they give equals the general path's for the same boxes as plain parts."""
+    import dataclasses
+
+    world = 5
+    locals_ = [collect({"x": zarrckpt.PerRank(torch.zeros(row))}, rank=r, world=world) for r in range(world)]
+    descriptions = [x.describe() for x in locals_]
+    plain = [
+        RankDescription(tuple(dataclasses.replace(s, per_rank="") for s in d.specs), d.tensors, d.values)
+        for d in descriptions
+    ]
+    rows, general = build_save_plan(descriptions), build_save_plan(plain)
+    assert rows.owners == general.owners
+    assert rows.owners["x"] == ({} if 0 in row else {(r, *(0 for _ in row)): r for r in range(world)})
+    assert dataclasses.replace(rows.arrays["x"], per_rank="") == general.arrays["x"]

@@ -134,8 +134,8 @@ class ClassDoc:
             c = wire(entry).decode()
             if c not in by_entry:
                 spec = TensorSpec.from_json({**entry["spec"], "box": [[], []]})
-                boxes = dict(MeshLayout.from_json(spec.shape, entry["mesh"]).holders())
-                by_entry[c] = (self.members, _with_boxes(spec, [boxes[m] for m in self.members]))
+                boxes = MeshLayout.from_json(spec.shape, entry["mesh"]).boxes_of(self.members)
+                by_entry[c] = (self.members, _with_boxes(spec, boxes))
             self._held[key] = by_entry[c]
         parts: dict[str, list[Any]] = {}
         specs: dict[str, TensorSpec] = {}  # equal items: one spec object (keys with equal holders share a grid)

@@ -93,6 +93,21 @@ def row_problems(key: str, ranks: list[int], specs: list[TensorSpec]) -> list[st
     return [f"{key}: PerRank rows must have one shape and dtype on every rank ({found})"]
 
 
+def exact_rows(ranks: list[int], specs: list[TensorSpec]) -> bool:
+    """Whether holder ``i`` is rank ``i`` holding row ``i`` of ``[len(ranks), ...]``, as every save of
+    ``PerRank`` values gives: then the rows tile the array exactly once and each row is a shard, which
+    the planner takes without checking ``world`` boxes one by one."""
+    first = specs[0]
+    if not first.per_rank or not first.shape or first.shape[0] != len(ranks) or 0 in first.shape:
+        return False  # (an empty array has no shard to write: the general path says so)
+    rest = first.shape[1:]
+    zeros, sizes = (0,) * len(rest), (1, *rest)
+    return all(
+        r == i and t.shape == first.shape and t.box.offsets == (i, *zeros) and t.box.sizes == sizes
+        for i, (r, t) in enumerate(zip(ranks, specs, strict=True))
+    )
+
+
 def _ranges(ranks: list[int]) -> str:
     """``0-3, 7`` for ranks 0, 1, 2, 3 and 7."""
     out: list[list[int]] = []

@@ -345,8 +345,11 @@ def _constant(dtype: str, specs: list[TensorSpec]) -> bytes | None:
 
 def _check(key: str, ranks: list[int], specs: list[TensorSpec]) -> list[str]:
     """Problems with one tensor: holders that disagree, or boxes that do not tile it exactly once."""
-    if any(t.per_rank for t in specs) and (differ := perrank.row_problems(key, ranks, specs)):
-        return differ
+    if any(t.per_rank for t in specs):
+        if differ := perrank.row_problems(key, ranks, specs):
+            return differ
+        if perrank.exact_rows(ranks, specs):
+            return []
     problems = []
     for field_ in ("shape", "dtype", "kind"):
         if len({getattr(t, field_) for t in specs}) > 1:
@@ -371,6 +374,10 @@ def _grid(ranks: list[int], specs: list[TensorSpec], world_size: int, chunk_byte
         holders = {zero: tuple(sorted(set(ranks)))} if replicated else {}  # (as holders_of_cells gives them)
         chunk = _chunk_of(shape, itemsize, chunk_bytes)
         return _Grid(shape, shape, chunk, {zero: min(ranks)}, topology, replicated, holders)
+    if perrank.exact_rows(ranks, specs):  # a row per rank, each a shard of its own
+        shard = (1, *shape[1:])
+        owners = {(r, *(0 for _ in shape[1:])): r for r in ranks}
+        return _Grid(shape, shard, _chunk_of(shard, itemsize, chunk_bytes), owners, topology, False)
     claims = [Claim(r, t.box) for r, t in zip(ranks, specs, strict=True)]
     shard = shard_shape_for(shape, [c.box for c in claims])
     chunk = _chunk_of(shard, itemsize, chunk_bytes)
