@@ -185,6 +185,17 @@ def rank_state(dims: Dims, layout: Layout, rank: int) -> dict[str, Any]:
     }
 
 
+def per_rank_keys_state(layout: Layout, rank: int) -> dict[str, Any]:
+    """The same state under a key per rank (RNG) and per DP rank (data loader), as the scale model held it
+    before issue 40: ``tests/plan_cases.py`` records the planner's plans of it."""
+    dp_rank = rank % layout.dp
+    rng = torch.Generator().manual_seed(rank).get_state().numpy().tobytes()
+    return {
+        "dataloader": {f"dp_{dp_rank:04d}": {"epoch": 0, "sample_index": STEP * 16 + dp_rank, "shard": dp_rank % 97}},
+        "rng": {f"rank_{rank:04d}": {"cpu": rng, "cuda": bytes(16)}},
+    }
+
+
 def per_rank_state(layout: Layout, rank: int) -> dict[str, Any]:
     """The state that differs by rank: RNG states and the data-loader position, as ``zarrckpt.PerRank``
     arrays (one array per key, a row per rank; issue 40), not as keys per rank."""
