@@ -13,12 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scale_model import manifest_of, save_counts
-from scale_state import STEP, Dims, Layout, Timing, fake_rank, measure, rank_state
+from scale_state import Dims, Layout, Timing, fake_rank, measure, per_rank_state, rank_state
 
 from zarrckpt.format.manifest import Manifest
 from zarrckpt.plan.localstate import collect
@@ -68,12 +67,12 @@ def load_planning(dims: Dims, name: str, layout: Layout, raw: bytes, reps: int) 
     parse_t, manifest = measure(lambda: Manifest.loads(raw, "scale model"), reps)
 
     def plan() -> tuple[Any, list[Any], list[Any]]:
-        matched = targets.match(state, manifest)
+        matched = targets.match(state, manifest, rank=rank, world=world, per_rank="modulo")
         saved = targets.saved_keys(manifest)
         requested = matched.requested()
         flags = np.fromiter((k not in requested for k in saved), dtype=np.int64, count=len(saved))
         view = matched.view(set(saved))
-        requests, _ = load_requests(state, manifest)
+        requests, _ = load_requests(state, manifest, rank)
         return [flags, view], requests, plan_fetches(requests, OBJECT_STORE)
 
     plan_t, (shared, requests, fetches) = measure(plan, reps)
@@ -123,12 +122,7 @@ class CompactScale:
 
 def rank_state_light(dims: Dims, layout: Layout, rank: int) -> dict[str, Any]:
     """The per-rank leaves of :func:`rank_state` only (the rest is its stage leader's)."""
-    dp_rank = rank % layout.dp
-    rng = torch.Generator().manual_seed(rank).get_state().numpy().tobytes()
-    return {
-        "dataloader": {f"dp_{dp_rank:04d}": {"epoch": 0, "sample_index": STEP * 16 + dp_rank, "shard": dp_rank % 97}},
-        "rng": {f"rank_{rank:04d}": {"cpu": rng, "cuda": bytes(16)}},
-    }
+    return per_rank_state(layout, rank)
 
 
 def simulated_splits(dims: Dims, layout: Layout, full_ranks: Sequence[int]) -> list[Any]:
@@ -147,7 +141,7 @@ def simulated_splits(dims: Dims, layout: Layout, full_ranks: Sequence[int]) -> l
             splits.append(full[rank])
             continue
         lead = full[rank - rank % layout.dp]
-        own = compact.split(collect(rank_state_light(dims, layout, rank))).plain
+        own = compact.split(collect(rank_state_light(dims, layout, rank), rank=rank, world=world)).plain
         shared = [it for it in lead.plain if not it[1].startswith(("rng.", "dataloader."))]
         splits.append(compact.Split(lead.layouts, shared + own))
     return splits
@@ -260,8 +254,8 @@ def manifest_parts(raw: bytes) -> dict[str, int]:
         "of which the inner chunks' crc32c (base64)": sum(len(t) for t in tables),
         "(the same with one crc32c per shard object instead, base64)": 4 * -(-(4 * shards) // 3),
         "consolidated metadata (every array's and group's `zarr.json`)": size(nodes),
-        "of which the per-rank RNG arrays and their groups": size(
-            {k: v for k, v in nodes.items() if k.startswith("rng/")}
+        "of which the per-rank arrays (`rng/*`, `dataloader`) and their groups": size(
+            {k: v for k, v in nodes.items() if k.startswith("rng/") or k in ("rng", "dataloader")}
         ),
         "saved values (`values`)": size(doc["attributes"]["zarrckpt"]["values"]),
     }

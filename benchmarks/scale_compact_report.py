@@ -79,11 +79,13 @@ def render_compact(rs: Sequence[Any]) -> str:
             "`zarrckpt.plan.compact` (what `zarrckpt.save` runs on more than one rank): a 16-byte digest "
             "all-gather of each rank's DTensor layouts groups ranks into classes; each class's lowest rank "
             "broadcasts its document (layouts, plain tensors, values); one MIN all-reduce of one flag per "
-            "document item finds the items every member holds; per-rank items go to rank 0 only, which builds the "
-            "whole plan and scatters each rank its `zarr.json` share, its per-rank arrays, its class's writer "
-            "turns and the numbers of its replicated blocks; every rank derives the boxes of its class's tensors "
-            "from the layouts (`zarrckpt.plan.meshlayout`) and plans those tensors only (the ranks of other "
-            "classes holding the same key included). Times are medians; received bytes count what each "
+            "document item finds the items every member holds; items of single ranks go to rank 0 only, which "
+            "builds the whole plan and scatters each rank its `zarr.json` share, its own items' arrays, its class's "
+            "writer turns and the numbers of its replicated blocks; every rank derives the boxes of its class's "
+            "tensors from the layouts (`zarrckpt.plan.meshlayout`) and plans those tensors only (the ranks of other "
+            "classes holding the same key included). Per-rank state (RNG states, the data-loader position) is "
+            "`zarrckpt.PerRank` arrays `[world, ...]` (issue 40): one layout on every rank, like a DTensor's, so it "
+            "neither splits classes nor reaches rank 0. Times are medians; received bytes count what each "
             "collective delivers to a rank "
             "(an all-reduce's result once; a ring moves about twice that over the wire).",
             "",
@@ -103,21 +105,18 @@ def render_compact(rs: Sequence[Any]) -> str:
             "",
             "### What still gathers, and what it costs",
             "",
-            "- Per-rank keys (here 2 RNG arrays per rank and a data-loader position per DP rank) reach rank 0 "
-            "only: the coordinator receives the longest rank's items from every rank "
-            f"({_mb(big.coordinator_received)} at {w}), and they are {2 * big.world:,} of the "
-            f"{big.arrays:,} arrays at {w}.",
+            "- Per-rank state here is 3 `PerRank` arrays (2 RNG states and the data-loader position), a row per "
+            f"rank: 3 of the {big.arrays:,} arrays at {w}, and nothing the coordinator gathers (it receives "
+            f"{_mb(big.coordinator_received)} at {w}, every rank's items included). State saved under a key per "
+            "rank instead is an array or value per rank, each with its `zarr.json` and groups in the manifest, "
+            'gathered to rank 0 (docs/functions.md, "Per-rank state").',
             "- The manifest: the commit record holds a crc32c per inner chunk (so a partial read checks what it "
             "reads against the commit, in the one GET of its bytes), and with inner chunks of at most an eighth "
             "of a shard (issue 27's resharding reads) that is most shards' 8 slots; the consolidated metadata is "
-            "a full `zarr.json` per array, which zarr-python and xarray read. Neither fits 16 MB at "
-            f"{w} ranks without a format change, and it takes two (rows above): a record of one crc32c per shard "
-            "object (its shard index holds the inner chunks' checksums), which costs a partial read of one inner "
-            "chunk a second GET (the index) or a longer one, against issue 27's one-GET lazy slice; and per-rank "
-            "state kept out of the consolidated metadata (each array keeps its own `zarr.json`; readers listing "
-            "the group through the consolidated metadata would not see it) or stacked into one array per kind "
-            "(which changes the keys users saved). Moving the record out of the manifest costs a lazy read a "
-            "second GET as well. Which promise gives way is a decision for the format, not made here.",
+            "a full `zarr.json` per array, which zarr-python and xarray read. With per-rank state stacked into "
+            "`PerRank` arrays (issue 40, rows above) the consolidated metadata no longer grows with the world; "
+            "the commit record does (the per-rank arrays' one slot per rank included), and moving it out of the "
+            "manifest (a binary table, issue 40) costs a lazy read a second GET.",
             "- Tensors whose boxes no layout gives -- `LocalShard` lists, ShardedTensor shards, DTensors with "
             "`_StridedShard` placements, plain tensors held by some but not all ranks of a class -- are per-rank "
             "items, sent to rank 0 with their boxes. When such a key is also held as a class item, or is "
@@ -127,8 +126,8 @@ def render_compact(rs: Sequence[Any]) -> str:
             "- A rank plans the tensors of its class only, but with every holder of each (the ranks of its "
             "class, 1,024 at 16,384): its planning grows with the size of its class, not of the job.",
             "- Load: every loading rank parses the whole manifest (all arrays' metadata and commit records), "
-            f"which is most of its planning at {w} ranks and grows with the saving world (two RNG arrays per "
-            "rank); the same code measured about twice as long on a slower VM in another session. "
+            f"which is most of its planning at {w} ranks and grows with the saving world (the commit record); "
+            "the same code measured about twice as long on a slower VM in another session. "
             "A load fans out only under a million requests in all "
             "(`zarrckpt.engine.fanread.MAX_GATHERED_REQUESTS`): its planning gathers every rank's requests, so "
             "at these sizes each rank reads what it needs, and replicated regions (none in these layouts: "
@@ -162,8 +161,9 @@ def _load_lines(loads: Sequence[Any], w: str) -> list[str]:
         "The last rank of each target layout (state built in full: meta DTensors under the fake process group) "
         "runs what `zarrckpt.load` runs before its first read: it parses the manifest rank 0 broadcast, matches "
         "its target, makes its flags and view for the agreement (one MIN all-reduce of a flag per saved key; "
-        "views as digests plus each distinct view once, or gathered whole past 256 distinct ones: ranks beyond "
-        "the saved world lack their per-rank keys, so theirs differ), and plans its reads on an object store. "
+        "views as digests plus each distinct view once, or gathered whole past 256 distinct ones; per-rank "
+        "state is `PerRank` arrays, so every rank asks for the same keys, each rank row `rank % saved world` "
+        'with `per_rank="modulo"`), and plans its reads on an object store. '
         "Shrink: PP 16 x DP 512 (EP-MP 128 x EP-DP 4); grow: PP 16 x DP 1,536 (EP-MP 128 x EP-DP 12).",
         "",
         *_table(["", *(x.name for x in loads)], rows),

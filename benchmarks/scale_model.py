@@ -207,15 +207,16 @@ def _nowhere(meta: ArrayMeta, box: Box) -> np.ndarray:
     return np.lib.stride_tricks.as_strided(one, shape=box.sizes, strides=(0,) * len(box.sizes))
 
 
-def load_requests(state: dict[str, Any], manifest: Manifest) -> tuple[list[Request], list[str]]:
-    """The read requests ``zarrckpt.load`` makes for ``state`` (one per saved array leaf), and its keys."""
+def load_requests(state: dict[str, Any], manifest: Manifest, rank: int = 0) -> tuple[list[Request], list[str]]:
+    """The read requests ``zarrckpt.load`` makes for ``state`` of ``rank`` (one per saved array leaf; a
+    per-rank array's row ``rank % saved world``), and its keys."""
     requests, keys = [], []
     for path, value in iter_leaves(state):
         key = flat_key(path)
         keys.append(key)
         meta = manifest.arrays.get(key)
         if meta is not None:
-            requests += [Request(meta, box, _nowhere(meta, box)) for box in target_boxes(meta, value)]
+            requests += [Request(meta, box, _nowhere(meta, box)) for box in target_boxes(meta, value, rank)]
     return requests, sorted(keys)
 
 
@@ -296,7 +297,7 @@ def plan_load(dims: Dims, layout: Layout, manifest_raw: bytes, reps: int, dcp: D
     for rank in range(world):
         with fake_rank(rank, world):
             state = rank_state(dims, layout, rank)
-        reqs, keys = load_requests(state, manifest)
+        reqs, keys = load_requests(state, manifest, rank)
         all_reqs.append(reqs)
         missing += sum(1 for k in keys if k.startswith("rng.") and k not in manifest.arrays)
         if rank in (0, world // 2, world - 1):  # timed on a few ranks (every rank plans the same kind of work)

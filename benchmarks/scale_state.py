@@ -24,6 +24,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+import zarrckpt
 from zarrckpt.plan.localstate import collect
 
 # -- the model --------------------------------------------------------------------------------------
@@ -157,7 +158,7 @@ def rank_state(dims: Dims, layout: Layout, rank: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (layout.pp, layout.dp), mesh_dim_names=("pp", "dp"))
     emesh = init_device_mesh("cpu", (layout.pp, layout.ep_mp, layout.ep_dp), mesh_dim_names=("pp", "ep_mp", "ep_dp"))
     dense, experts = mesh["dp"], emesh["ep_mp", "ep_dp"]
-    stage, dp_rank = divmod(rank, layout.dp)
+    stage = rank // layout.dp
     model: dict[str, Any] = {}
     optim: dict[str, Any] = {}
     groups: dict[str, Any] = {}
@@ -175,14 +176,35 @@ def rank_state(dims: Dims, layout: Layout, rank: int) -> dict[str, Any]:
             "step": torch.tensor(float(STEP)),  # torch.optim.Adam: a plain 0-d tensor per parameter
         }
         groups[key] = dict(HYPER)
-    rng = torch.Generator().manual_seed(rank).get_state().numpy().tobytes()
     return {
         "model": model,
         "optim": {"state": optim, "param_groups": groups},
         "lr_scheduler": {"last_epoch": STEP, "_step_count": STEP + 1, "base_lrs": [HYPER["lr"]]},
         "trainer": {"step": STEP, "tokens_seen": STEP * CONFIG["global_batch_tokens"], "epoch": 0, "config": CONFIG},
+        **per_rank_state(layout, rank),
+    }
+
+
+def per_rank_keys_state(layout: Layout, rank: int) -> dict[str, Any]:
+    """The same state under a key per rank (RNG) and per DP rank (data loader), as the scale model held it
+    before issue 40: ``tests/plan_cases.py`` records the planner's plans of it."""
+    dp_rank = rank % layout.dp
+    rng = torch.Generator().manual_seed(rank).get_state().numpy().tobytes()
+    return {
         "dataloader": {f"dp_{dp_rank:04d}": {"epoch": 0, "sample_index": STEP * 16 + dp_rank, "shard": dp_rank % 97}},
         "rng": {f"rank_{rank:04d}": {"cpu": rng, "cuda": bytes(16)}},
+    }
+
+
+def per_rank_state(layout: Layout, rank: int) -> dict[str, Any]:
+    """The state that differs by rank: RNG states and the data-loader position, as ``zarrckpt.PerRank``
+    arrays (one array per key, a row per rank; issue 40), not as keys per rank."""
+    dp_rank = rank % layout.dp
+    rng = torch.Generator().manual_seed(rank).get_state()
+    position = [0, STEP * 16 + dp_rank, dp_rank % 97]  # epoch, sample index, shard
+    return {
+        "dataloader": zarrckpt.PerRank(torch.tensor(position, dtype=torch.int64)),
+        "rng": {"cpu": zarrckpt.PerRank(rng), "cuda": zarrckpt.PerRank(torch.zeros(16, dtype=torch.uint8))},
     }
 
 

@@ -251,7 +251,8 @@ def test_resume_on_2_continues_the_uninterrupted_run(saved: Path, mode: str) -> 
     ckpt = zarrckpt.open(saved / mode / "zarr")
     assert ckpt.saved_world_size == 2
     assert ckpt.metadata["accelerate"]["mode"] == ("MULTI_CPU" if mode == "ddp" else "FSDP")
-    assert {"models.0.0.weight", "optimizers.0.state.0.weight.exp_avg", "rank1.rng.torch"} <= set(ckpt.keys())
+    assert {"models.0.0.weight", "optimizers.0.state.0.weight.exp_avg", "rng.torch"} <= set(ckpt.keys())
+    assert ckpt["rng.torch"].shape[0] == 2 and ckpt["rng.torch"].meta.per_rank == "tensor"  # a row per process
 
 
 @pytest.mark.slow
@@ -468,6 +469,24 @@ def test_grad_scaler_and_sampler_seed_come_back(tmp_path: Path, alone: Any) -> N
     without = _setup("none")
     with pytest.raises(zarrckpt.LayoutMismatchError, match="scaler: True saved, False prepared"):
         load_state(without[0], tmp_path / "ck")
+
+
+def test_rng_states_of_the_old_layout_still_load(tmp_path: Path, alone: Any) -> None:
+    """zarrckpt before per-rank arrays saved the RNG states as ``rank<r>.rng``: they load as before."""
+    import random
+
+    from zarrckpt.integrations.accelerate import _state
+
+    run = _setup("none")
+    torch.manual_seed(7)
+    random.seed(8)
+    zarrckpt.save(_state(run[0], 0, saving=True, url=None), tmp_path / "old")  # the old layout
+    want = torch.get_rng_state(), random.getstate()
+    assert "rank0.rng.torch" in zarrckpt.open(tmp_path / "old")
+    torch.manual_seed(1)
+    random.seed(2)
+    load_state(_setup("none")[0], tmp_path / "old")
+    assert torch.equal(torch.get_rng_state(), want[0]) and random.getstate() == want[1]
 
 
 @pytest.mark.parametrize("store", ["s3", "gcs"])

@@ -148,8 +148,17 @@ def _check_ray_storage(ns: dict[str, Any], wd: Path) -> None:
     assert config.storage_filesystem.handler.fs.storage_options["endpoint_url"] == "http://127.0.0.1:7480"
 
 
+def _check_per_rank(ns: dict[str, Any], wd: Path) -> None:
+    target, state = ns["target"], ns["state"]
+    assert target["loader"] == zarrckpt.PerRank({"epoch": 3, "position": 1200}) and target["step"] == 100
+    assert torch.equal(target["rng"]["torch"].value, state["rng"]["torch"].value)
+    assert target["rng"]["python"] == state["rng"]["python"]
+    assert zarrckpt.open(wd / "perrank-ckpt")["rng.torch"].shape == (1, state["rng"]["torch"].value.numel())
+
+
 # a substring found in exactly one unmarked python block -> how that block runs
 SNIPPETS = {
+    'zarrckpt.load(target, "perrank-ckpt", per_rank="modulo")': Snippet("", _check_per_rank),
     'run_storage("s3://bucket/ray_results", storage_options=opts)': Snippet(
         "import pytest\nray = pytest.importorskip('ray')\nimport ray.train\n", _check_ray_storage
     ),

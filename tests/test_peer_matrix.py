@@ -4,7 +4,8 @@ Checkpoints (both written by one 2-rank run, ~10 s):
 
 - ``example``: the example MoE job's ``Trainer`` (``zarrckpt.example``) after 2 steps on 2 ranks, its
   ``state_dict()`` saved by ``zarrckpt.save`` (DTensor weights on a 2-D mesh, Adam moments, 0-d
-  ``step`` counters, the uint8 torch RNG state: 127 arrays); the truth is each DTensor's ``full_tensor()``.
+  ``step`` counters, its per-rank RNG states and data-loader position (``PerRank``): 130 arrays); the
+  truth is each DTensor's ``full_tensor()``, each per-rank array every rank's row.
 - ``dtensor``: DTensors of every dtype zarrckpt writes, ``Shard`` split unevenly over the 2 ranks
   (5 rows -> 3 + 2, 5 columns -> 3 + 2, 1 row -> 1 + 0), 0-d tensors, empty tensors, small chunks.
 
@@ -116,6 +117,29 @@ def _flat_tensors(state: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _per_rank_truth(state: Any, world: int, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The ``[world, ...]`` arrays of the ``zarrckpt.PerRank`` leaves of ``state``: every rank's row
+    (a value's row: its typed JSON, padded with spaces to the longest), gathered."""
+    import torch.distributed as dist
+
+    from zarrckpt.plan.perrank import encode_row
+
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(state, dict):
+        for k, v in state.items():
+            out |= _per_rank_truth(v, world, f"{prefix}{k}.")
+    elif isinstance(state, zarrckpt.PerRank):
+        key, value = prefix[:-1], state.value
+        row = value if isinstance(value, torch.Tensor) else torch.tensor(list(encode_row(value, key, False)))
+        rows: list[Any] = [None] * world
+        dist.all_gather_object(rows, row.detach().clone())
+        if not isinstance(value, torch.Tensor):
+            n = max(len(r) for r in rows)
+            rows = [torch.cat([r, torch.full((n - len(r),), 0x20)]).to(torch.uint8) for r in rows]
+        out[key] = torch.stack(rows)
+    return out
+
+
 def _shard(full: torch.Tensor, mesh: Any, placements: list[Any]) -> Any:
     """This rank's part of ``full`` as a DTensor (gloo's scatter, which distribute_tensor uses, knows
     neither uint16/32/64 nor float8)."""
@@ -142,6 +166,7 @@ def _save_both(rank: int, world: int, example_url: str, dtensor_url: str, truth:
     full = {
         k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in _flat_tensors(state).items()
     }
+    full |= _per_rank_truth(state, world)
     if rank == 0:
         torch.save(full, truth)
 
@@ -228,7 +253,7 @@ def test_the_checkpoints_hold_every_case(checkpoints) -> None:
     meta = json.loads((root / "zarr.json").read_text())["consolidated_metadata"]["metadata"]
     arrays = {p: m for p, m in meta.items() if m["node_type"] == "array"}
     assert set(arrays) == {_path(k) for k in flat}
-    assert len(arrays) == 127
+    assert len(arrays) == 130
     assert {m["data_type"] for m in arrays.values()} == {"float32", "float64", "uint8"}
     assert sum(m["shape"] == [] for m in arrays.values()) == 31  # Adam's step counters
     w1 = arrays["model/layers/0/moe/experts/w1"]

@@ -66,16 +66,19 @@ def test_descriptions_share_specs(raws: list[bytes]) -> None:
 def test_plan_has_the_shards_the_layout_implies(plan: ZarrSavePlan) -> None:
     params = DIMS.params()
     world = SAVE.world
-    assert len(plan.arrays) == 4 * len(params) + 2 * world  # weight, 2 moments, step; 2 RNG states per rank
+    # weight, 2 moments, step; the per-rank arrays (issue 40): 2 RNG states and the data-loader position
+    assert len(plan.arrays) == 4 * len(params) + 3
     per_tensor = {"dense": SAVE.dp, "expert": SAVE.ep_mp * SAVE.ep_dp}  # Shard(0) over DP; EP-MP x EP-DP boxes
-    # weight, 2 moments; the CPU RNG state of each rank. The 0-d step counters and the all-zero
-    # CUDA RNG placeholders are constant arrays: metadata only, no shard to write
-    expected = sum(3 * per_tensor[group] for _, _, group, _ in params) + world
+    # weight, 2 moments; a row of each per-rank array per rank. The 0-d step counters are constant
+    # arrays: metadata only, no shard to write (a per-rank array never is: its rows differ by rank)
+    expected = sum(3 * per_tensor[group] for _, _, group, _ in params) + 3 * world
     assert sum(len(owner) for owner in plan.owners.values()) == expected
+    for key in ("rng.cpu", "rng.cuda", "dataloader"):
+        meta = plan.arrays[key]
+        assert meta.per_rank == "tensor" and meta.shape[0] == world and meta.shard_shape[0] == 1, key
+        assert plan.owners[key] == {(r, *(0 for _ in meta.shape[1:])): r for r in range(world)}, key
     constant = {k for k, m in plan.arrays.items() if m.constant is not None}
-    assert constant == {f"{key.replace('model.', 'optim.state.model.', 1)}.step" for key, _, _, _ in params} | {
-        f"rng.rank_{r:04d}.cuda" for r in range(world)
-    }
+    assert constant == {f"{key.replace('model.', 'optim.state.model.', 1)}.step" for key, _, _, _ in params}
     assert all(plan.owners[k] == {} for k in constant)
     meta = plan.arrays["model.layers.0.moe.experts.w1"]
     assert meta.shard_shape == (DIMS.experts // SAVE.ep_mp, DIMS.d_model // SAVE.ep_dp, DIMS.d_ff)
@@ -98,13 +101,13 @@ def test_every_tensor_is_tiled_exactly_once_by_a_holder(plan: ZarrSavePlan, raws
 
 
 def test_writers_per_rank(plan: ZarrSavePlan) -> None:
-    """Each rank writes its own box of every tensor of its stage and its CPU RNG state; the
-    replicated step counters (constant arrays) are written by no one."""
+    """Each rank writes its own box of every tensor of its stage and its rows of the 3 per-rank
+    arrays; the replicated step counters (constant arrays) are written by no one."""
     writes = Counter(rank for owner in plan.owners.values() for rank in owner.values())
     stage_params = Counter(SAVE.stage_of(DIMS, layer, key) for key, _, _, layer in DIMS.params())
     for rank in range(SAVE.world):
         stage, _ = divmod(rank, SAVE.dp)
-        assert writes[rank] == 3 * stage_params[stage] + 1, rank
+        assert writes[rank] == 3 * stage_params[stage] + 3, rank
     assert set(writes) == set(range(SAVE.world))
     assert sum(len(plan.shards_of(r)) for r in range(SAVE.world)) == sum(writes.values())
     docs = [path for r in range(SAVE.world) for path, _ in plan.metadata_of(r)]
@@ -121,6 +124,8 @@ def test_small_tensors_are_written_whole_by_ranks_in_turn(raws: list[bytes], sma
     for key, meta in plan.arrays.items():
         if meta.constant is not None:  # step counters, zero RNG placeholders: metadata only
             assert plan.owners[key] == {} and key not in plan.gathers, key
+        elif meta.per_rank:  # a row per rank, each written by its rank: never joined
+            assert meta.shard_shape[0] == 1 and key not in plan.gathers, key
         elif meta.nbytes < small:
             assert meta.shard_shape == tuple(max(1, n) for n in meta.shape) and len(plan.owners[key]) == 1, key
         elif len(plan.owners[key]) > 1:

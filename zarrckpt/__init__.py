@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from zarrckpt.lifecycle import collect_garbage, committed_steps, delete, latest_step, list_checkpoints
     from zarrckpt.manager import CheckpointManager
     from zarrckpt.plan.localstate import LocalShard
+    from zarrckpt.plan.perrank import PerRank
     from zarrckpt.staging import StagingStats
     from zarrckpt.storage.clients import fsspec_filesystem
     from zarrckpt.tensorview import TensorView, UncheckedReadWarning
@@ -79,6 +80,7 @@ _LAZY = {
     "copy_checkpoint": "zarrckpt.transfer",
     "fsspec_filesystem": "zarrckpt.storage.clients",
     "LocalShard": "zarrckpt.plan.localstate",
+    "PerRank": "zarrckpt.plan.perrank",
     "CheckpointManager": "zarrckpt.manager",
     "register_zarr_dtypes": "zarrckpt_dtypes.zarr_types",
 }
@@ -116,6 +118,7 @@ __all__ = [
     "LayoutMismatchError",
     "LocalShard",
     "ModifiedCheckpointError",
+    "PerRank",
     "Role",
     "SaveLayoutError",
     "SourceKind",

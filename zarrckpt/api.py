@@ -154,7 +154,9 @@ def _save(
     start = time.perf_counter()
     budget = save_budget(staging_budget_bytes)
     resolved, _ = stateful.resolve(state_dict)
-    local = group.run_together(lambda: collect(resolved, allow_pickle), "collecting the state dict")
+    local = group.run_together(
+        lambda: collect(resolved, allow_pickle, group.rank, group.size), "collecting the state dict"
+    )
     storage = Storage(url, storage_options, verify_writes=verify_after_save)
     names = partial(check_names, limits=storage.name_limits, where=storage.url)  # before anything is written
     plan = plan_save(
@@ -200,6 +202,7 @@ def load(
     allow_modified: bool = False,
     fan_out: bool = True,
     progress: ProgressOption = False,
+    per_rank: str = "error",
 ) -> dict[str, int]:
     """Load the checkpoint at ``url`` into ``state_dict`` in place; every rank calls it. Returns what
     the load cost the store on this rank, as :func:`save` does (``bytes_read``: index and
@@ -248,6 +251,11 @@ def load(
             (thousands of ranks) is not fanned out (logged at INFO).
         progress: as for :func:`save`: the bytes this rank reads or receives from other ranks, of
             the bytes its tensors take (index and read-through bytes can run a little past it).
+        per_rank: what :class:`~zarrckpt.PerRank` targets receive when this load runs on another
+            number of ranks than the save: ``"error"`` (default) raises ``LayoutMismatchError``
+            naming the keys; ``"modulo"``: rank r takes the row of saved rank r % saved world size;
+            ``"skip"``: they are left as they are (to reseed). On the same number of ranks each
+            rank always receives its own row.
 
     Raises:
         LayoutMismatchError: the target does not match the checkpoint (keys, shapes, dtypes);
@@ -267,7 +275,9 @@ def load(
     manifest = loader.open_manifest(group, storage, allow_modified=allow_modified)
     state_dict, after_load = stateful.resolve(state_dict)
     start = time.perf_counter()
-    matched = targets.match(state_dict, manifest, keys=keys, cast=cast)
+    matched = targets.match(
+        state_dict, manifest, keys=keys, cast=cast, rank=group.rank, world=group.size, per_rank=per_rank
+    )
     agreed = loader.agree(group, matched, manifest, keys=keys, strict=strict, url=storage.url)
     integrity.refuse_modified(manifest.modified, agreed.found, storage.url)  # same on every rank
     if group.rank == 0:
@@ -281,7 +291,7 @@ def load(
     decoded = group.run_together(  # before anything changes: may refuse a pickle
         lambda: targets.decode_values(matched, manifest, allow_pickle=allow_pickle), "decoding the saved values"
     )
-    requests, finish = targets.plan_requests(matched, manifest, state_dict)
+    requests, finish = targets.plan_requests(matched, manifest, state_dict, allow_pickle=allow_pickle)
     total = sum(r.dest.nbytes for r in requests)
     bar = watch(storage, progress, f"load {storage.url}", total, group.rank, group.size)
     try:

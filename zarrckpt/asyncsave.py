@@ -170,7 +170,9 @@ def async_save(
             wait_for([_background.last])
         group = Group(process_group)
         resolved, _ = stateful.resolve(state_dict)
-        local = group.run_together(lambda: collect(resolved, allow_pickle), "collecting the state dict")
+        local = group.run_together(
+            lambda: collect(resolved, allow_pickle, group.rank, group.size), "collecting the state dict"
+        )
         # staging in the background: the small-tensor exchange runs on the writer thread too, before the copy
         later = staging == "background"
         storage = Storage(url, storage_options, verify_writes=verify_after_save)

@@ -307,7 +307,17 @@ class Checkpoint:
             doc = None
         own = ArrayMeta.from_json(meta.path, doc, self.storage.where(path))
         if own != meta:
-            fields = ("shape", "dtype", "shard_shape", "chunk_shape", "role", "kind", "python_type", "constant")
+            fields = (
+                "shape",
+                "dtype",
+                "shard_shape",
+                "chunk_shape",
+                "role",
+                "kind",
+                "python_type",
+                "constant",
+                "per_rank",
+            )
             differ = [f for f in fields if getattr(own, f) != getattr(meta, f)]
             changed = [f"{f} {_shown(meta, f)} -> {_shown(own, f)}" for f in differ]
             changes = ", ".join(changed)

@@ -17,6 +17,7 @@ import numpy as np
 from zarrckpt.engine import replicas
 from zarrckpt.engine.dist import Group
 from zarrckpt.engine.exchange import gather_small
+from zarrckpt.errors import SaveLayoutError
 from zarrckpt.format.array import ArrayMeta
 from zarrckpt.plan import compact
 from zarrckpt.plan.blocks import replica_vector
@@ -47,6 +48,7 @@ def plan_save(
 
     ``check`` (the object-name check) sees every array of the plan before anything else: on rank 0,
     whose error every rank raises, or on every rank where each has the whole plan."""
+    pad_rows(group, local)
     planned = None
     if group.active and not force_gather:
         planned = plan_compact(group, local, chunk_bytes, small_tensor_bytes, group.to_group_rank, check)
@@ -70,6 +72,25 @@ def plan_save(
     if exchange:
         gather_small(group, plan, local)
     return plan
+
+
+def pad_rows(group: Group, local: LocalState) -> None:
+    """Pad every rank's ``json`` rows of :class:`~zarrckpt.PerRank` values to the longest (a MIN
+    all-reduce of the ranks' counts of them, then, when there are any, one of their lengths)."""
+    lengths = local.json_rows()
+    if group.active:
+        n = len(lengths)
+        low = group.all_reduce_min(np.array([n, -n], dtype=np.int64))
+        if low[0] != -low[1]:
+            mine = ", ".join(list(lengths)[:5]) or "none"
+            raise SaveLayoutError(
+                f"nothing was written: ranks hold {low[0]} to {-low[1]} PerRank values that are not tensors "
+                f"(this rank, {group.rank}, holds {n}: {mine}); every rank must hold each PerRank key"
+            )
+        if n:
+            longest = -group.all_reduce_min(-np.array(list(lengths.values()), dtype=np.int64))
+            lengths = dict(zip(lengths, (int(x) for x in longest), strict=True))
+    local.pad_rows(lengths)
 
 
 class Collectives(Protocol):

@@ -134,11 +134,12 @@ class Trainer:
                 "step": self.step,
                 "tokens": self.tokens,
                 "epoch": self.loader.epoch,
-                "loader": self.loader.state_dict(),
+                # per-rank state: one array [world, ...] per key, each rank its row (zarrckpt.PerRank)
+                "loader": zarrckpt.PerRank(self.loader.state_dict()),
                 "rng": {
-                    "torch": torch.get_rng_state(),
-                    "numpy": self.np_rng.bit_generator.state,
-                    "python": random.getstate(),
+                    "torch": zarrckpt.PerRank(torch.get_rng_state()),
+                    "numpy": zarrckpt.PerRank(self.np_rng.bit_generator.state),
+                    "python": zarrckpt.PerRank(random.getstate()),
                 },
                 "bookkeeping": {"losses": self.losses, "grad_norms": self.grad_norms},
                 "config": self.train.to_json(self.cfg),
@@ -169,13 +170,15 @@ class Trainer:
                 f"this run reads {data.manifest(self.cfg, self.train)}"
             )
         state = self.state_dict()
-        zarrckpt.load(state, url, storage_options=storage_options)
+        # every rank of this job draws the same samples, so the saved rows are equal: on another number
+        # of ranks, rank r takes saved rank r % saved world's (a job whose ranks differ might reseed: "skip")
+        zarrckpt.load(state, url, storage_options=storage_options, per_rank="modulo")
         t = state["trainer"]
         self.step, self.tokens = int(t["step"]), int(t["tokens"])
-        self.loader.load_state_dict(t["loader"])
-        torch.set_rng_state(t["rng"]["torch"])
-        self.np_rng.bit_generator.state = t["rng"]["numpy"]
-        version, internal, gauss = t["rng"]["python"]
+        self.loader.load_state_dict(t["loader"].value)
+        torch.set_rng_state(t["rng"]["torch"].value)
+        self.np_rng.bit_generator.state = t["rng"]["numpy"].value
+        version, internal, gauss = t["rng"]["python"].value
         random.setstate((version, tuple(internal), gauss))
         self.losses, self.grad_norms = t["bookkeeping"]["losses"], t["bookkeeping"]["grad_norms"]
 

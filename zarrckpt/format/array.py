@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 FORMAT_VERSION = 3  # the newest this zarrckpt reads; it writes the oldest that describes a checkpoint
 CONSTANT_VERSION = 2  # constant arrays (no shard objects) first appeared in format version 2
 TABLE_VERSION = 3  # the chunk checksum table (a manifest's commit record outside the JSON) first appeared in 3
+PER_RANK_VERSION = 3  # per-rank arrays ([world, ...], rank r's row; "per_rank" attribute) in format version 3
+PER_RANK_KINDS = ("tensor", "json")  # an array's "per_rank": a row is the rank's tensor, or its value's JSON text
 ARRAY_KINDS: tuple[str, ...] = tuple(kind.value for kind in ArrayKind)  # an array's stored "kind"s
 BYTES_TYPE_NAMES = ("bytes", "bytearray", "BytesIO")
 MAX_ELEMENTS = 2**62
@@ -52,6 +54,7 @@ class ArrayMeta:
     topology: dict[str, Any] = field(default_factory=dict, compare=False)
     python_type: str = ""  # kind "bytes": the saved value's type when not bytes ("bytearray" or "BytesIO")
     constant: bytes | None = None  # a constant array: every element's bytes (little-endian); no shard objects
+    per_rank: str = ""  # a per-rank array ("tensor" or "json" rows): row r is rank r's (zarrckpt.plan.perrank)
     # integrity.py: the commit's record of every inner chunk's crc32c (bytes; a Deferred while a lazy
     # read fetches them), and where they lie in the chunk checksum table, (offset, bytes, crc32c)
     committed_crc32c: bytes | Deferred = field(default=b"", compare=False, repr=False)
@@ -91,7 +94,7 @@ class ArrayMeta:
             "codecs": grid["codecs"],
             "attributes": {
                 "zarrckpt": {
-                    "format_version": 1 if self.constant is None else CONSTANT_VERSION,
+                    "format_version": self.version(),
                     "key": self.key,
                     "role": self.role,
                     "kind": self.kind,
@@ -99,9 +102,14 @@ class ArrayMeta:
                     "topology": self.topology,
                     **({"python_type": self.python_type} if self.python_type else {}),
                     **({"constant": True} if self.constant is not None else {}),
+                    **({"per_rank": self.per_rank} if self.per_rank else {}),
                 }
             },
         }
+
+    def version(self) -> int:
+        """The oldest format version that describes this array."""
+        return PER_RANK_VERSION if self.per_rank else 1 if self.constant is None else CONSTANT_VERSION
 
     def fill_json(self) -> Any:
         """A constant array's ``fill_value``: its elements' exact value (:mod:`zarrckpt.format.fill`)."""
@@ -138,6 +146,11 @@ class ArrayMeta:
         topology = get_field(ours, "topology", dict, bad, {}, at=attrs)
         python_type = get_field(ours, "python_type", str, bad, "", at=attrs)
         is_constant = get_field(ours, "constant", bool, bad, False, at=attrs)
+        per_rank = get_field(ours, "per_rank", str, bad, "", at=attrs)
+        if per_rank not in ("", *PER_RANK_KINDS) or (per_rank and not shape):
+            raise bad(f"per_rank {short(per_rank)} is not one of {PER_RANK_KINDS} on an array of at least 1 dimension")
+        if per_rank == "json" and (kind != "bytes" or dtype != "uint8" or len(shape) != 2):
+            raise bad("a per-rank value (per_rank 'json') must be stored as a 2-D uint8 array of kind bytes")
         if python_type not in ("", *BYTES_TYPE_NAMES) or (python_type and kind != "bytes"):
             raise bad(f"python_type {short(python_type)} is not one of {BYTES_TYPE_NAMES} on a bytes array")
         if not (len(shape) == len(shard) == len(chunk)):
@@ -164,7 +177,7 @@ class ArrayMeta:
             )
         if role not in ROLES or kind not in ARRAY_KINDS:
             raise bad(f"unknown role {short(role)} or kind {short(kind)}")
-        if kind == "bytes" and (dtype != "uint8" or len(shape) != 1):
+        if kind == "bytes" and not per_rank and (dtype != "uint8" or len(shape) != 1):
             raise bad(f"a bytes value must be stored as 1-D uint8, not {len(shape)}-D {dtype}")
         if get_field(ours, "order", str, bad, "C", at=attrs) != "C" or doc.get("storage_transformers"):
             raise bad("only C order and no storage transformers are supported")
@@ -175,7 +188,19 @@ class ArrayMeta:
                 raise bad(
                     f"field 'fill_value' {short(doc.get('fill_value'))} is not a {dtype} value of a constant array"
                 )
-        meta = cls(key, shape, dtype, shard, chunk, Role(role), ArrayKind(kind), topology, python_type, constant)
+        meta = cls(
+            key,
+            shape,
+            dtype,
+            shard,
+            chunk,
+            Role(role),
+            ArrayKind(kind),
+            topology,
+            python_type,
+            constant,
+            per_rank=per_rank,
+        )
         expected = _expected_grid(shard, chunk)  # what to_json writes for them, built once per grid
         if not is_constant:
             expected = {**expected, "fill_value": dtypes.fill_value(dtype)}

@@ -13,14 +13,7 @@ from typing import Any
 
 from zarrckpt.errors import InvalidCheckpointError, InvalidKeyError
 from zarrckpt.format import integrity, jsondoc
-from zarrckpt.format.array import (
-    CONSTANT_VERSION,
-    MAX_UNRECORDED_SLOTS,
-    TABLE_VERSION,
-    ArrayMeta,
-    check_version,
-    slots,
-)
+from zarrckpt.format.array import MAX_UNRECORDED_SLOTS, TABLE_VERSION, ArrayMeta, check_version, slots
 from zarrckpt.format.gcpause import gc_paused
 from zarrckpt.format.jsondoc import (
     Bad,
@@ -129,9 +122,8 @@ class Manifest:
     @property
     def format_version(self) -> int:
         """The oldest format version that describes this manifest (docs/FORMAT.md §7)."""
-        if self.table_ref is not None and self.integrity is not None:
-            return TABLE_VERSION
-        return max((1, *(CONSTANT_VERSION for a in self.arrays.values() if a.constant is not None)))
+        table = TABLE_VERSION if self.table_ref is not None and self.integrity is not None else 1
+        return max((table, *(a.version() for a in self.arrays.values())))
 
     def _record(self) -> dict[str, Any]:
         return (

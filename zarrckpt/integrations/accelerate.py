@@ -16,9 +16,11 @@ pickled ``optimizer.bin`` / ``scheduler.bin`` / ``custom_checkpoint_<i>.pkl`` an
 - ``schedulers.<i>``, ``custom.<i>`` (``register_for_checkpointing``), ``scaler`` (a ``GradScaler``),
   ``dataloaders.<i>`` (the epoch a prepared data loader is at and its seedable sampler's seed);
 - ``accelerate``: ``step``, the save ``iteration`` and the saving mode (one value, equal on every rank);
-- ``rank<r>.rng``: process ``r``'s Python, NumPy and torch (and CUDA) generator states, as Accelerate's
-  ``random_states_<r>.pkl``. A process ``r`` of a run with another number of processes takes the states
-  of saved process ``r % N``.
+- ``rng``: every process's Python, NumPy and torch (and CUDA) generator states, as Accelerate's
+  ``random_states_<r>.pkl``: per-rank arrays (:class:`zarrckpt.PerRank`), row ``r`` process ``r``'s. A
+  process ``r`` of a run with another number of processes takes the states of saved process ``r % N``
+  (``load(..., per_rank="modulo")``). Checkpoints of zarrckpt before per-rank arrays hold them as
+  ``rank<r>.rng``, one subtree per process; they still load.
 
 Nothing is pickled unless ``allow_pickle`` (a custom object whose ``state_dict()`` holds other types).
 
@@ -95,7 +97,7 @@ def save_state(
     """
     config = accelerator.project_configuration
     iteration = int(config.iteration)
-    state = _state(accelerator, accelerator.process_index, saving=True, url=url)
+    state = _state(accelerator, None, saving=True, url=url)
     saved = str(url) if url is not None else f"{checkpoints_root(accelerator)}/step_{iteration:010d}"
     if rank() == 0:
         make_way(saved, storage_options)
@@ -176,7 +178,8 @@ def load_state(
             accelerator.num_processes,
             world,
         )
-    state = _state(accelerator, accelerator.process_index % world, saving=False, url=where)
+    legacy = "rng.torch" not in ckpt  # saved as rank<r>.rng (zarrckpt before per-rank arrays)
+    state = _state(accelerator, accelerator.process_index % world if legacy else None, saving=False, url=where)
     differences = [
         f"{kind}: {saved_as!r} saved, {state['accelerate']['objects'].get(kind)!r} prepared"
         for kind, saved_as in saved.get("objects", {}).items()
@@ -188,7 +191,9 @@ def load_state(
             "taking them out count as not saved); nothing was loaded:\n  " + "\n  ".join(differences),
             differences,
         )
-    zarrckpt.load(state, where, storage_options=storage_options, strict=strict, allow_pickle=allow_pickle)
+    zarrckpt.load(
+        state, where, storage_options=storage_options, strict=strict, allow_pickle=allow_pickle, per_rank="modulo"
+    )
     loaded = state["accelerate"]
     accelerator.step = int(loaded["step"])
     accelerator.project_configuration.iteration = int(loaded["iteration"]) + 1
@@ -213,8 +218,9 @@ def checkpoints_root(accelerator: Accelerator) -> str:
 # -- the state dict ---------------------------------------------------------------------------------
 
 
-def _state(accelerator: Accelerator, rng_of: int, *, saving: bool, url: Any) -> dict[str, Any]:
-    """What every rank saves (or loads into): Stateful wrappers around the prepared objects."""
+def _state(accelerator: Accelerator, rng_of: int | None, *, saving: bool, url: Any) -> dict[str, Any]:
+    """What every rank saves (or loads into): Stateful wrappers around the prepared objects (the RNG
+    states as ``rank<rng_of>.rng`` where ``rng_of`` is given: a checkpoint of the old layout)."""
     models = list(accelerator._models)
     if saving:  # Accelerate's pre-hooks: hook(models, weights, output_dir) may take weights out of the list
         weights = [_Model(m).state_dict() for m in models]
@@ -249,8 +255,11 @@ def _state(accelerator: Accelerator, rng_of: int, *, saving: bool, url: Any) -> 
         "schedulers": {str(i): s for i, s in enumerate(accelerator._schedulers)},
         "dataloaders": {str(i): _Loader(dl) for i, dl in enumerate(accelerator._dataloaders)},
         "custom": {str(i): obj for i, obj in enumerate(accelerator._custom_objects)},
-        f"rank{rng_of}": {"rng": _RNG()},
     }
+    if rng_of is None:
+        state["rng"] = _RNG()
+    else:
+        state[f"rank{rng_of}"] = {"rng": _RNG(per_rank=False)}
     if state["accelerate"]["objects"]["scaler"]:
         state["scaler"] = scaler
     return {k: v for k, v in state.items() if not (isinstance(v, dict) and not v)}  # no empty subtrees
@@ -333,7 +342,11 @@ def _sampler(loader: Any) -> SeedableRandomSampler | None:
 
 
 class _RNG:
-    """This process's generators, as Accelerate's ``random_states_<rank>.pkl`` holds them."""
+    """This process's generators, as Accelerate's ``random_states_<rank>.pkl`` holds them: each a
+    :class:`zarrckpt.PerRank` (``per_rank=False``: plain, as ``rank<r>.rng`` of old checkpoints)."""
+
+    def __init__(self, per_rank: bool = True) -> None:
+        self.per_rank = per_rank
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {
@@ -342,13 +355,18 @@ class _RNG:
             "torch": torch.get_rng_state(),
         }
         if torch.cuda.is_available():
-            state["cuda"] = {str(i): s for i, s in enumerate(torch.cuda.get_rng_state_all())}
-        return state
+            cuda = torch.cuda.get_rng_state_all()
+            state["cuda"] = torch.stack(cuda) if self.per_rank else {str(i): s for i, s in enumerate(cuda)}
+        return {k: zarrckpt.PerRank(v) for k, v in state.items()} if self.per_rank else state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = {k: v.value if isinstance(v, zarrckpt.PerRank) else v for k, v in state.items()}
         version, internal, gauss = state["python"]
         random.setstate((version, tuple(internal), gauss))
         np.random.set_state(state["numpy"])
         torch.set_rng_state(state["torch"])
         if "cuda" in state:
-            torch.cuda.set_rng_state_all([state["cuda"][str(i)] for i in range(len(state["cuda"]))])
+            cuda = state["cuda"]
+            torch.cuda.set_rng_state_all(
+                list(cuda) if isinstance(cuda, torch.Tensor) else [cuda[str(i)] for i in range(len(cuda))]
+            )

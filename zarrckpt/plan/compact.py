@@ -11,15 +11,18 @@ A. all-gather of a 16-byte digest of each rank's layout document (``16 x world``
 B. each class's lowest rank broadcasts its whole document (layouts, plain tensors, values);
 C. one MIN all-reduce of one flag per item of those documents: the items *every* member of a class
    holds identically (a step counter, the hyperparameters) are the class's common items;
-D. what is left on a rank (per-rank RNG keys and data-loader positions, ``LocalShard`` lists,
+D. what is left on a rank (RNG states and data-loader positions under per-rank keys, ``LocalShard`` lists,
    parts whose box no layout gives) is gathered to the coordinator only;
 E. the coordinator builds the whole plan (the same :func:`zarrckpt.plan.save.plan_held` as
    ``build_save_plan``, on the same holders) and scatters each rank its ``zarr.json`` share, the
    arrays of its per-rank parts it writes, and for its class's tensors the writer turns (counted
    over the whole save) and the numbers of their replicated blocks.
 Every other rank derives the boxes of its class's tensors from the layouts and plans those tensors
-(with their holders in other classes too) with the coordinator's turns: for them, the plan
+(with their holders in other classes too) with the coordinator's turns (but per-rank arrays, held
+by every rank: the coordinator sends each class their metadata, and a rank writes its row): for them, the plan
 ``build_save_plan`` gives from all descriptions, at a cost that grows with its class, not the job.
+A :class:`~zarrckpt.PerRank` value is a layout too (rank ``r`` holds row ``r`` of ``[world, ...]``, the
+same document on every rank), so per-rank state neither splits classes nor goes to the coordinator.
 Where that could differ (a per-rank part of a key classes also hold, per-rank parts that are
 replicated or joined as small shards) or there are over ``MAX_CLASSES`` classes, it answers None
 and the caller gathers descriptions as before.
@@ -88,7 +91,7 @@ def split(local: LocalState, to_group: Callable[[int], int] = lambda r: r) -> Sp
                 plain.append(["t", key, spec])
                 continue
             del spec["box"]
-            mesh = replace(layout, ranks=tuple(to_group(r) for r in layout.ranks))
+            mesh = layout if part.per_rank else replace(layout, ranks=tuple(to_group(r) for r in layout.ranks))
             layouts[key] = {"spec": spec, "mesh": mesh.to_json()}
     plain += [["v", k, v] for k, v in local.values.items()]
     return Split(layouts, plain)
@@ -109,9 +112,11 @@ class ClassDoc:
     common: list[list[Any]]
     _held: dict[str, tuple[list[int], list[Any]]] = field(default_factory=dict)
 
-    def keys(self) -> set[str]:
-        """The tensor keys this class holds."""
-        return set(self.layouts) | {key for kind, key, _ in self.common if kind == "t"}
+    def keys(self, rows: bool = True) -> set[str]:
+        """The tensor keys this class holds (``rows=False``: but per-rank arrays, which every rank
+        holds a row of: the coordinator tells each rank its row's array)."""
+        layouts = self.layouts if rows else {k for k, v in self.layouts.items() if not v["spec"].get("per_rank")}
+        return set(layouts) | {key for kind, key, _ in self.common if kind == "t"}
 
     def held(self, only: set[str] | None = None) -> dict[str, tuple[list[int], list[Any]]]:
         """key -> (holder per part, parts) for this class's tensors and values (lists shared between
@@ -129,8 +134,8 @@ class ClassDoc:
             c = wire(entry).decode()
             if c not in by_entry:
                 spec = TensorSpec.from_json({**entry["spec"], "box": [[], []]})
-                boxes = dict(MeshLayout.from_json(spec.shape, entry["mesh"]).holders())
-                by_entry[c] = (self.members, _with_boxes(spec, [boxes[m] for m in self.members]))
+                boxes = MeshLayout.from_json(spec.shape, entry["mesh"]).boxes_of(self.members)
+                by_entry[c] = (self.members, _with_boxes(spec, boxes))
             self._held[key] = by_entry[c]
         parts: dict[str, list[Any]] = {}
         specs: dict[str, TensorSpec] = {}  # equal items: one spec object (keys with equal holders share a grid)
@@ -197,7 +202,7 @@ def _with_boxes(spec: TensorSpec, boxes: list[Box]) -> list[TensorSpec]:
         found = made.get(box)
         if found is None:
             found = made[box] = TensorSpec(
-                spec.shape, spec.dtype, spec.kind, box, spec.topology, spec.python_type, spec.constant
+                spec.shape, spec.dtype, spec.kind, box, spec.topology, spec.python_type, spec.constant, spec.per_rank
             )
         out.append(found)
     return out
@@ -282,11 +287,13 @@ def coordinate(
     if own & set().union(*class_keys) or own & (set(plan.gathers) | plan.replicated):
         return None, [b'{"fallback":true}'] * world
     blocks, starts = block_starts(tensors, plan)
+    rows = {k for k, meta in plan.arrays.items() if meta.per_rank}  # (a rank is told its rows, never plans them)
     of_class = [
         wire(
             {
                 "turns": {k: plan.turns[k] for k in sorted(keys & plan.turns.keys())},
                 "starts": {k: starts[k] for k in sorted(keys & starts.keys())},
+                **({"rows": {k: plan.arrays[k].to_json() for k in sorted(keys & rows)}} if keys & rows else {}),
             }
         )
         for keys in class_keys
@@ -325,7 +332,7 @@ def local_plan(
         raise (kind if isinstance(kind, type) and issubclass(kind, ZarrckptError) else ZarrckptError)(got["error"][1])
     if got.get("fallback"):
         return None
-    mine = next(doc for doc in docs if rank in doc.members).keys()
+    mine = next(doc for doc in docs if rank in doc.members).keys(rows=False)
     tensors, _ = held_tables(docs, None, only=mine)
     turns = {k: (t, s) for k, (t, s) in got["class"]["turns"].items()}
     plan = plan_held(tensors, {}, world, chunk_bytes, small_tensor_bytes, turns)
@@ -335,6 +342,10 @@ def local_plan(
     for key, doc in own["arrays"].items():
         arrays[key] = ArrayMeta.from_json(key_to_path(key), doc)
         owners[key] = {tuple(idx): rank for idx in own["owners"][key]}
+    for key, doc in got["class"].get("rows", {}).items():  # per-rank arrays: this rank writes its row's shard
+        meta = arrays[key] = ArrayMeta.from_json(key_to_path(key), doc)
+        owners[key] = {} if meta.constant is not None else {(rank, *(0 for _ in meta.shape[1:])): rank}
+    arrays, owners = dict(sorted(arrays.items())), dict(sorted(owners.items()))  # key order, as the whole plan's
     docs_ = tuple((p, d.encode()) for p, d in own["docs"])
     plan = replace(plan, arrays=arrays, owners=owners, docs=docs_, values={})
     return Planned(plan, got["blocks"], block_index(tensors, plan, got["class"]["starts"]))

@@ -17,7 +17,9 @@ from zarrckpt.format import dtypes, fill
 from zarrckpt.format.keys import flat_leaves
 from zarrckpt.format.layout import Box, Shape
 from zarrckpt.format.values import encode
+from zarrckpt.plan import perrank
 from zarrckpt.plan.meshlayout import REPLICATE, MeshLayout
+from zarrckpt.plan.perrank import PerRank
 from zarrckpt.plan.rankdesc import RankDescription, TensorSpec
 from zarrckpt.types import ArrayKind
 
@@ -40,14 +42,20 @@ class LocalTensor:
     topology: dict[str, Any] = field(default_factory=dict)
     python_type: str = ""  # bytes values: "bytearray" or "BytesIO" when not plain bytes
     layout: MeshLayout | None = None  # a DTensor's: every rank's box derives from it (zarrckpt.plan.compact)
+    # a PerRank value's row (zarrckpt.plan.perrank): "tensor" or "json"; its layout's ranks are the group's
+    per_rank: str = ""
 
     def spec(self) -> TensorSpec:
-        return TensorSpec(self.shape, self.dtype, self.kind, self.box, self.topology, self.python_type, self.constant())
+        return TensorSpec(
+            self.shape, self.dtype, self.kind, self.box, self.topology, self.python_type, self.constant(), self.per_rank
+        )
 
     def constant(self) -> str:
         """Hex of the one element's bytes when every element of this part has the same bits and the
         part is small enough to check (``fill.CHECK_BYTES``); else "" (and for meta tensors)."""
         data = self.data
+        if self.per_rank:  # rows differ by rank: a constant would tell ranks apart (and split their class)
+            return ""
         if data.is_meta or not 0 < data.numel() * data.element_size() <= fill.CHECK_BYTES:
             return ""
         found = fill.constant_of(dtypes.as_numpy(data.detach().cpu()), self.dtype)
@@ -69,6 +77,22 @@ class LocalState:
     def part_holding(self, key: str, box: Box) -> LocalTensor | None:
         """The part of ``key`` that holds all of ``box`` (None when no part does)."""
         return next((part for part in self.tensors.get(key, ()) if part.box.contains(box)), None)
+
+    def json_rows(self) -> dict[str, int]:
+        """Each ``json`` per-rank row's length before padding, by key (sorted)."""
+        return {
+            key: parts[0].data.shape[1]
+            for key, parts in sorted(self.tensors.items())
+            if parts[0].per_rank == perrank.JSON_ROWS
+        }
+
+    def pad_rows(self, lengths: Mapping[str, int]) -> None:
+        """Pad each ``json`` row to the longest of every rank's (``lengths``), with spaces."""
+        for key, length in lengths.items():
+            (part,) = self.tensors[key]
+            world, rank = part.shape[0], part.box.offsets[0]
+            row = torch.frombuffer(bytearray(perrank.pad_row(bytes(part.data.numpy()), length)), dtype=torch.uint8)
+            self.tensors[key] = [per_rank_part(key, row.reshape(1, -1), rank, world, "uint8", part.kind, part.per_rank)]
 
     def describe(self) -> RankDescription:
         """What this rank holds, for :func:`zarrckpt.plan.save.build_save_plan` (every save path's
@@ -177,11 +201,21 @@ def tensor_info(value: torch.Tensor | LocalShard | Sequence[LocalShard]) -> tupl
     return tuple(first.global_shape), first.data.dtype
 
 
-def collect(state_dict: Mapping[str, Any], allow_pickle: bool = False) -> LocalState:
-    """Split a (nested) state dict into this rank's tensor parts and JSON values (:mod:`zarrckpt.format.values`)."""
+def collect(
+    state_dict: Mapping[str, Any], allow_pickle: bool = False, rank: int | None = None, world: int | None = None
+) -> LocalState:
+    """Split a (nested) state dict into this rank's tensor parts and JSON values (:mod:`zarrckpt.format.values`).
+
+    ``rank`` of ``world`` (default: the default process group's, else 0 of 1) places the rows of
+    :class:`~zarrckpt.PerRank` values; a ``json`` row is left unpadded (:meth:`LocalState.pad_rows`)."""
     state = LocalState({}, {})
+    if rank is None or world is None:
+        rank, world = _default_rank()
     for key, (_, value) in flat_leaves(state_dict).items():
         try:
+            if isinstance(value, PerRank):
+                state.add(_row(key, value.value, rank, world, allow_pickle))
+                continue
             _collect_leaf(state, key, value, allow_pickle)
         except UnsupportedValueError as e:
             raise e if str(e).startswith(repr(key)) else UnsupportedValueError(f"{key!r}: {e}") from None
@@ -206,6 +240,39 @@ def _collect_leaf(state: LocalState, key: str, value: Any, allow_pickle: bool) -
             state.add(LocalTensor(key, data, shape, box, name, ArrayKind.TENSOR, topology, layout=layout))
     else:
         state.values[key] = encode(value, key, allow_pickle)
+
+
+def _default_rank() -> tuple[int, int]:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _row(key: str, value: Any, rank: int, world: int, allow_pickle: bool) -> LocalTensor:
+    """This rank's row of a :class:`~zarrckpt.PerRank` value."""
+    if isinstance(value, np.ndarray) or (isinstance(value, torch.Tensor) and not is_dtensor(value)):
+        data = torch.from_numpy(np.ascontiguousarray(value)) if isinstance(value, np.ndarray) else value
+        name = dtypes.numpy_name(value.dtype) if isinstance(value, np.ndarray) else dtypes.zarr_name(data.dtype)
+        kind, how = (ArrayKind.NDARRAY if isinstance(value, np.ndarray) else ArrayKind.TENSOR), perrank.TENSOR_ROWS
+    elif is_tensor_target(value):
+        raise UnsupportedValueError("PerRank holds a rank's own plain tensor, not a DTensor or LocalShard")
+    else:  # JSON text: never empty
+        data = torch.frombuffer(bytearray(perrank.encode_row(value, key, allow_pickle)), dtype=torch.uint8)
+        name, kind, how = "uint8", ArrayKind.BYTES, perrank.JSON_ROWS
+    return per_rank_part(key, data.reshape(1, *data.shape), rank, world, name, kind, how)
+
+
+def per_rank_part(
+    key: str, row: torch.Tensor, rank: int, world: int, dtype: str, kind: ArrayKind, how: str
+) -> LocalTensor:
+    """Row ``rank`` (``row``: shape ``[1, ...]``) of a per-rank array of ``world`` rows."""
+    shape = tuple(row.shape[1:])
+    layout = perrank.row_layout(world, shape)
+    box = perrank.row_box(rank, shape)
+    return LocalTensor(
+        key, row, layout.shape, box, dtype, kind, {"placements": ["PerRank"]}, layout=layout, per_rank=how
+    )
 
 
 def mesh_layout(value: DTensor, box: Box) -> MeshLayout | None:

@@ -77,6 +77,18 @@ class MeshLayout:
             out.append((rank, self.box_at(coordinate[::-1])))
         return sorted(out, key=lambda held: held[0])
 
+    def boxes_of(self, ranks: Sequence[int]) -> list[Box]:
+        """The box each of ``ranks`` holds (each must be in the mesh), computed for those ranks only."""
+        position = dict(zip(self.ranks, range(len(self.ranks)), strict=True))
+        out = []
+        for rank in ranks:
+            coordinate, rest = [], position[rank]
+            for n in reversed(self.mesh_shape):
+                rest, c = divmod(rest, n)
+                coordinate.append(c)
+            out.append(self.box_at(coordinate[::-1]))
+        return out
+
     def box_of(self, rank: int) -> Box:
         """The box ``rank`` holds (it must be in the mesh)."""
         for held, box in self.holders():

@@ -33,6 +33,7 @@ class TensorSpec:
     topology: Mapping[str, Any]
     python_type: str = ""  # bytes values: "bytearray" or "BytesIO" when not plain bytes
     constant: str = ""  # hex of the one element's bytes when every element of the part has them (zarrckpt.format.fill)
+    per_rank: str = ""  # a row of a per-rank array (zarrckpt.plan.perrank): "tensor" or "json"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -43,6 +44,7 @@ class TensorSpec:
             "topology": dict(self.topology),
             **({"python_type": self.python_type} if self.python_type else {}),
             **({"constant": self.constant} if self.constant else {}),
+            **({"per_rank": self.per_rank} if self.per_rank else {}),
         }
 
     @staticmethod
@@ -57,6 +59,7 @@ class TensorSpec:
                 topology=dict(doc.get("topology") or {}),
                 python_type=str(doc.get("python_type", "")),
                 constant=str(doc.get("constant", "")),
+                per_rank=str(doc.get("per_rank", "")),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise SaveLayoutError(f"a rank sent a malformed tensor description ({e!r}): {short(doc)}") from None

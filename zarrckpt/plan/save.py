@@ -28,6 +28,7 @@ from zarrckpt.format.layout import (
     shard_shape_for,
 )
 from zarrckpt.format.manifest import group_json, group_paths
+from zarrckpt.plan import perrank
 from zarrckpt.plan.coarsen import Gather, Joins, coarse_shard
 from zarrckpt.plan.rankdesc import RankDescription, TensorSpec
 from zarrckpt.types import ArrayKind, Role
@@ -271,6 +272,7 @@ def _grids(
             topology=dict(grid.topology),
             python_type=first.python_type,
             constant=layout.constant,
+            per_rank=first.per_rank,
         )
         placed[key] = meta, layout
         if layout.constant is None and (too_many := beyond_limits(meta.shape, meta.shard_shape, meta.chunk_shape)):
@@ -289,7 +291,7 @@ def _layout(
     grid = _grid(ranks, specs, world_size, chunk_bytes)
     dtype = specs[0].dtype
     constant = _constant(dtype, specs)
-    if constant is None and len(grid.owners) > 1 and small_tensor_bytes:
+    if constant is None and len(grid.owners) > 1 and small_tensor_bytes and not specs[0].per_rank:  # (a row: a shard)
         itemsize = storage_dtype(dtype).itemsize
         coarse = coarse_shard(grid.shape, grid.shard, itemsize, small_tensor_bytes)
         if coarse != grid.shard:
@@ -343,6 +345,11 @@ def _constant(dtype: str, specs: list[TensorSpec]) -> bytes | None:
 
 def _check(key: str, ranks: list[int], specs: list[TensorSpec]) -> list[str]:
     """Problems with one tensor: holders that disagree, or boxes that do not tile it exactly once."""
+    if any(t.per_rank for t in specs):
+        if differ := perrank.row_problems(key, ranks, specs):
+            return differ
+        if perrank.exact_rows(ranks, specs):
+            return []
     problems = []
     for field_ in ("shape", "dtype", "kind"):
         if len({getattr(t, field_) for t in specs}) > 1:
@@ -367,6 +374,10 @@ def _grid(ranks: list[int], specs: list[TensorSpec], world_size: int, chunk_byte
         holders = {zero: tuple(sorted(set(ranks)))} if replicated else {}  # (as holders_of_cells gives them)
         chunk = _chunk_of(shape, itemsize, chunk_bytes)
         return _Grid(shape, shape, chunk, {zero: min(ranks)}, topology, replicated, holders)
+    if perrank.exact_rows(ranks, specs):  # a row per rank, each a shard of its own
+        shard = (1, *shape[1:])
+        owners = {(r, *(0 for _ in shape[1:])): r for r in ranks}
+        return _Grid(shape, shard, _chunk_of(shard, itemsize, chunk_bytes), owners, topology, False)
     claims = [Claim(r, t.box) for r, t in zip(ranks, specs, strict=True)]
     shard = shard_shape_for(shape, [c.box for c in claims])
     chunk = _chunk_of(shard, itemsize, chunk_bytes)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Mapping, MutableMapping, Sequence, Set
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -26,8 +26,10 @@ from zarrckpt.format.gcpause import gc_paused
 from zarrckpt.format.keys import Path, flat_leaves, nest, set_leaf
 from zarrckpt.format.layout import Box
 from zarrckpt.format.manifest import Manifest
+from zarrckpt.plan import perrank, perrankload
 from zarrckpt.plan.fetch import Request, allocate
 from zarrckpt.plan.localstate import BYTES_TYPES, is_tensor_target, tensor_info, tensor_parts
+from zarrckpt.plan.perrank import PerRank
 from zarrckpt.types import ArrayKind
 
 MAX_LISTED = 100  # differences a LayoutMismatchError message lists (``.differences`` has them all)
@@ -46,12 +48,15 @@ class Match:
         mismatches: how leaves differ from what was saved (shape, dtype, kind).
         empty: target entries that are empty dicts where the checkpoint holds tensors -> why that is
             an error (they would load nothing: a fresh optimizer's ``state``).
+        rows: :class:`~zarrckpt.PerRank` targets -> the row of the saved per-rank array this rank
+            reads (None: none, the target stays as it is).
     """
 
     leaves: Leaves
     subtrees: dict[str, list[str]]
     mismatches: list[str]
     empty: dict[str, str]
+    rows: dict[str, int | None] = field(default_factory=dict)
 
     def requested(self) -> set[str]:
         """The keys this rank asks for (a value subtree: the saved keys under it)."""
@@ -84,20 +89,39 @@ class Agreement:
 
 @gc_paused()  # a load of 20,000 tensors: millions of small objects next to the state's, none in a cycle
 def match(
-    state_dict: Mapping[str, Any], manifest: Manifest, *, keys: Sequence[str] | None = None, cast: bool = False
+    state_dict: Mapping[str, Any],
+    manifest: Manifest,
+    *,
+    keys: Sequence[str] | None = None,
+    cast: bool = False,
+    rank: int = 0,
+    world: int = 1,
+    per_rank: str = "error",
 ) -> Match:
     """Match this rank's target ``state_dict`` (Stateful objects already resolved) against ``manifest``.
 
     Args:
         keys: fnmatch patterns: only the target leaves matching one take part.
         cast: a tensor target of another dtype is loadable (converted), not a mismatch.
+        rank, world: this rank and the load's world size: the row a :class:`~zarrckpt.PerRank`
+            target receives (:mod:`zarrckpt.plan.perrankload`).
+        per_rank: on another world size than the save's, ``"modulo"`` (rank r reads row
+            r % saved world), ``"skip"`` (no row), or ``"error"`` (a mismatch).
     """
+    perrank.check_mode(per_rank)
     leaves = flat_leaves(state_dict)
     if keys is not None:
         leaves = {k: leaf for k, leaf in leaves.items() if _selected(k, keys)}
     saved = manifest.arrays.keys() | manifest.values.keys()
-    mismatches = [d for key, (_, v) in leaves.items() if key in saved for d in _compare(key, v, manifest, cast)]
-    return Match(leaves, _value_subtrees(leaves, manifest), mismatches, _empty_targets(leaves, manifest))
+    mismatches = [
+        d for key, (_, v) in leaves.items() if key in saved for d in _compare(key, v, manifest, cast, world, per_rank)
+    ]
+    rows = {
+        key: perrank.row_of(rank, world, manifest.arrays[key].shape[0], per_rank)
+        for key, (_, v) in leaves.items()
+        if isinstance(v, PerRank) and key in manifest.arrays and manifest.arrays[key].per_rank
+    }
+    return Match(leaves, _value_subtrees(leaves, manifest), mismatches, _empty_targets(leaves, manifest), rows)
 
 
 def saved_keys(manifest: Manifest) -> list[str]:
@@ -167,17 +191,22 @@ def set_values(state_dict: MutableMapping[str, Any], matched: Match, decoded: Ma
 
 @gc_paused()
 def plan_requests(
-    matched: Match, manifest: Manifest, state_dict: MutableMapping[str, Any]
+    matched: Match, manifest: Manifest, state_dict: MutableMapping[str, Any], *, allow_pickle: bool = False
 ) -> tuple[list[Request], list[Callable[[], Any]]]:
     """Read requests for every array target, and what to run once the data is in (copies to GPU
-    or to another dtype, bytes values set in the target)."""
+    or to another dtype, bytes values and per-rank values set in the target)."""
     requests: list[Request] = []
     finish: list[Callable[[], Any]] = []
     for key, (path, value) in matched.leaves.items():
         meta = manifest.arrays.get(key)
         if meta is None:
             continue
-        if meta.kind == ArrayKind.BYTES:
+        if isinstance(value, PerRank):
+            row = matched.rows.get(key)
+            requests += perrankload.requests(
+                key, path, value, meta, row, state_dict, finish, _tensor_request, allow_pickle
+            )
+        elif meta.kind == ArrayKind.BYTES:
             buf = allocate(meta)
             requests.append(Request(meta, Box.full(meta.shape), buf))
             finish.append(partial(_set_bytes, state_dict, path, buf, type(value)))
@@ -188,10 +217,12 @@ def plan_requests(
     return requests, finish
 
 
-def target_boxes(meta: ArrayMeta, value: Any) -> list[Box]:
-    """The regions of the saved array ``meta`` that a target leaf receives: all of it for bytes and
-    numpy arrays, the tensor's own parts (its shard, for a DTensor) otherwise. The scale model
-    plans loads with it."""
+def target_boxes(meta: ArrayMeta, value: Any, rank: int = 0) -> list[Box]:
+    """The regions of the saved array ``meta`` that a target leaf of ``rank`` receives: all of it for
+    bytes and numpy arrays, the tensor's own parts (its shard, for a DTensor) otherwise, row ``rank %
+    saved world`` of a per-rank array. The scale model plans loads with it."""
+    if isinstance(value, PerRank):
+        return [perrank.row_box(rank % meta.shape[0], meta.shape[1:])]
     if meta.kind == ArrayKind.BYTES or isinstance(value, np.ndarray):
         return [Box.full(meta.shape)]
     return [box for _, _, box, _ in tensor_parts(value)]
@@ -242,9 +273,14 @@ def _value_subtrees(leaves: Leaves, manifest: Manifest) -> dict[str, list[str]]:
     return out
 
 
-def _compare(key: str, value: Any, manifest: Manifest, cast: bool = False) -> list[str]:
+def _compare(
+    key: str, value: Any, manifest: Manifest, cast: bool = False, world: int = 1, per_rank: str = "error"
+) -> list[str]:
     """How a target leaf differs from what was saved under ``key`` (empty when it can be loaded)."""
     meta = manifest.arrays.get(key)
+    found = perrankload.compare(key, value, meta, cast, world, per_rank)
+    if found is not None:
+        return found
     if meta is None:  # saved as a plain value
         if is_tensor_target(value) or isinstance(value, (np.ndarray, *BYTES_TYPES)):
             return [f"{key}: saved a plain value, expected a {type(value).__name__}"]
