@@ -210,6 +210,13 @@ def plan_shard(task: ShardTask, caps: ReadCaps, partial: bool = False) -> ShardR
     return ShardRead(task, layout, tuple(fetches))
 
 
+def lazy_caps(caps: ReadCaps) -> ReadCaps:
+    """``caps`` for a lazy view's reads, where bytes count more than requests (a notebook's link): a
+    gap between needed chunks is read through only up to RANGE_MERGE_GAP, as between the pieces of
+    a chunk (a column tile of each row band of a shard: one GET per tile, not the shard)."""
+    return replace(caps, read_through_bytes=min(caps.read_through_bytes, RANGE_MERGE_GAP))
+
+
 def reads_whole(layout: ShardLayout, needed: list[int], caps: ReadCaps) -> bool:
     """Object stores: whether a shard is fetched whole in one GET rather than index + ranged GETs.
 
