@@ -21,7 +21,7 @@ from zarrckpt.engine.saveplan import plan_save
 from zarrckpt.engine.writer import commit_save
 from zarrckpt.format import integrity
 from zarrckpt.format.gcpause import gc_paused
-from zarrckpt.format.layout import ChunkRule, chunk_rule
+from zarrckpt.format.layout import chunk_rule
 from zarrckpt.plan import stateful, targets
 from zarrckpt.plan.localstate import collect
 from zarrckpt.plan.names import check_names
@@ -130,13 +130,14 @@ def save(
         storage_options=storage_options,
         process_group=process_group,
         overwrite=overwrite,
-        chunk_bytes=chunk_rule(chunk_bytes, chunk_policy),
+        chunk_bytes=chunk_bytes,
         small_tensor_bytes=small_tensor_bytes,
         check_replicas=check_replicas,
         allow_pickle=allow_pickle,
         verify_after_save=verify_after_save,
         progress=progress,
         staging_budget_bytes=staging_budget_bytes,
+        chunk_policy=chunk_policy,
     )
 
 
@@ -147,17 +148,19 @@ def _save(
     storage_options: dict[str, Any] | None,
     process_group: ProcessGroup | None,
     overwrite: bool,
-    chunk_bytes: int | ChunkRule,
+    chunk_bytes: int,
     small_tensor_bytes: int,
     check_replicas: bool,
     allow_pickle: bool,
     verify_after_save: bool | None,
     progress: ProgressOption,
     staging_budget_bytes: int | None,
+    chunk_policy: str = "rows",
     force_gather: bool = False,
 ) -> dict[str, int]:
     """:func:`save`; ``force_gather`` (tests): plan from every rank's gathered description, as
     before issue 28 (:func:`zarrckpt.engine.saveplan.plan_save`)."""
+    rule = chunk_rule(chunk_bytes, chunk_policy)
     group = Group(process_group)
     start = time.perf_counter()
     budget = save_budget(staging_budget_bytes)
@@ -166,7 +169,7 @@ def _save(
     storage = Storage(url, storage_options, verify_writes=verify_after_save)
     names = partial(check_names, limits=storage.name_limits, where=storage.url)  # before anything is written
     plan = plan_save(
-        group, local, chunk_bytes, check_replicas, small_tensor_bytes, check=names, force_gather=force_gather
+        group, local, rule, check_replicas, small_tensor_bytes, check=names, force_gather=force_gather
     )
     whole = plan.total_bytes() if progress is True and group.rank == 0 else None  # (rank 0's plan: every array)
     bar = watch(storage, progress, f"save {storage.url}", plan.bytes_of(group.rank), group.rank, group.size, whole)
