@@ -5,7 +5,10 @@ cost with row-band inner chunks (the rule before) and with column tiles (FORMAT.
         [--reps 3] [--storage local,s3] [--rules rows,tiles]
 
 A ``[rows, cols]`` float32 matrix is saved by ``--world`` gloo ranks, ``Shard(0)`` (each rank a
-``LocalShard`` of its rows), on local disk (a temporary folder, page cache warm) and on moto S3.
+``LocalShard`` of its rows), on local disk (a temporary folder, page cache warm), on moto S3 and
+(``--storage rgw``, where Ceph's packages are installed) on a real S3 server, Ceph's RADOS Gateway.
+moto copies a whole object for every ranged GET, so its times for ranged reads of large shards
+say little; RGW's do.
 Then, for each rule, ``--reps`` times:
 
 - lazy reads in this process (``zarrckpt.open(url)[key][...]``, a fresh ``open`` each): ``[:, :16]``,
@@ -21,11 +24,13 @@ the load); times are medians with the range over repetitions. The rules are ``sa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 import zarrckpt
-from zarrckpt.testing import S3Server, spawn, unique_url
+from zarrckpt.testing import S3Server, rgw, spawn
 
 KEY = "w"
 
@@ -106,11 +111,13 @@ def lazy(url: str, opts: dict[str, Any] | None, rows: int, cols: int, world: int
 Results = dict[str, list[dict[str, float]]]  # read -> one measurement per repetition
 
 
-def run(storage: str, rules: list[str], args: argparse.Namespace, s3: S3Server | None, tmp: Path) -> dict[str, Results]:
+def run(
+    storage: str, rules: list[str], args: argparse.Namespace, remote: tuple[str, dict[str, Any]] | None, tmp: Path
+) -> dict[str, Results]:
     """Save once per rule, then repeat every read of every rule, the rules' order alternating (so
     that a slower phase of a busy machine falls on both)."""
-    opts = s3.storage_options if s3 else None
-    urls = {rule: unique_url("s3", s3.bucket) if s3 else str(tmp / f"{storage}-{rule}") for rule in rules}
+    opts = remote[1] if remote else None
+    urls = {rule: f"{remote[0]}/{uuid.uuid4().hex}" if remote else str(tmp / f"{storage}-{rule}") for rule in rules}
     for rule, url in urls.items():
         spawn(args.world, _save, url, opts, args.rows, args.cols, rule)
     results: dict[str, Results] = {rule: {} for rule in rules}
@@ -154,10 +161,16 @@ def main() -> None:
     parser.add_argument("--rules", default="rows,tiles")
     args = parser.parse_args()
     all_results: dict[tuple[str, str], Results] = {}
-    with tempfile.TemporaryDirectory() as d, S3Server() as s3:
+    with tempfile.TemporaryDirectory() as d, contextlib.ExitStack() as stack:
         for storage in args.storage.split(","):
-            rules = args.rules.split(",")
-            for rule, results in run(storage, rules, args, s3 if storage == "s3" else None, Path(d)).items():
+            remote = None
+            if storage == "s3":
+                s3 = stack.enter_context(S3Server())
+                remote = (s3.url, s3.storage_options)
+            elif storage == "rgw":
+                endpoint = stack.enter_context(rgw.rgw_server())
+                remote = (f"s3://{rgw.BUCKET}", rgw.rgw_storage_options(endpoint))
+            for rule, results in run(storage, args.rules.split(","), args, remote, Path(d)).items():
                 all_results[(storage, rule)] = results
                 print(table({(storage, rule): results}), file=sys.stderr, flush=True)
     print(f"[{args.rows}, {args.cols}] float32, saved by {args.world} ranks (Shard(0)), {args.reps} repetitions\n")

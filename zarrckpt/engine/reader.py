@@ -82,7 +82,20 @@ def read_regions(
     caps = storage.caps if read_through else replace(storage.caps, read_through_bytes=0)
     caps = lazy_caps(caps) if lazy else caps
     # planned shard by shard as the reads go: a read that fails stops the planning too
-    return _run_all(storage, (plan_shard(task, caps, partial) for task in plan_reads(stored)), partly)
+    reads = (plan_shard(task, caps, partial) for task in plan_reads(stored))
+    return _run_all(storage, (one for read in reads for one in _apart(read, lazy)), partly)
+
+
+def _apart(read: ShardRead, lazy: bool) -> list[ShardRead]:
+    """A lazy read's GETs of one shard, each a read of its own so that they run concurrently (a
+    column of tiles: a GET per band), where none holds the index and no chunk's pieces span two of
+    them; otherwise ``read`` as it is (its fetches run in order)."""
+    if not lazy or len(read.fetches) < 2 or read.reads_index:
+        return [read]
+    pieces = [k for fetch in read.fetches for k in {k for k, _, _ in fetch.pieces}]
+    if len(pieces) != len(set(pieces)):
+        return [read]
+    return [ShardRead(read.task, read.layout, (fetch,)) for fetch in read.fetches]
 
 
 def _run_all(storage: Storage, work: Iterable[ShardRead | ShardTask], partly: list[PartRead] | None = None) -> int:

@@ -10,7 +10,8 @@ storage does well (:class:`~zarrckpt.storage.caps.ReadCaps`) shapes the plan:
 - otherwise the index, then one ranged read per run of needed chunks (at most
   ``max_request_bytes`` each): chunks stored back to back, and on object stores also chunks at
   most ``ReadCaps.read_through_bytes`` apart (the gap is fetched and dropped: cheaper than a
-  request); on local files a run whose chunks each go whole into one destination
+  request; a lazy view's reads, where bytes count more, only up to RANGE_MERGE_GAP: :func:`lazy_caps`);
+  on local files a run whose chunks each go whole into one destination
   is read straight into those destinations (one vectored read). On object stores, when the
   manifest has a commit record (every chunk's crc32c), the byte offsets follow from the manifest
   and the index GET is left out: each chunk is checked against its committed crc32c, and the
