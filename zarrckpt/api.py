@@ -85,8 +85,8 @@ def save(
             shard; ``"tiles"``: bands of at least 512 KiB are cut into up to 8 column tiles (of at
             least 256 KiB), so that a lazy column slice of a row-sharded matrix reads about an
             eighth of it, not all of it, while a load into another layout reads the same bytes (in
-            more, smaller chunks: on local disk such a load took 1.2-1.5x as long in our
-            measurements). See FORMAT.md §4 and docs/exploring.md.
+            8x as many chunks: from local disk such a load took about 1.5x as long,
+            ``benchmarks/column_slices.py``). See FORMAT.md §4 and docs/exploring.md.
         small_tensor_bytes: parts smaller than this (ranks' blocks of a tensor) are joined into
             objects of at least this size (a smaller tensor: one object), each written by one of
             its holders, which the others send their parts (one exchange per save); 0 writes
@@ -168,9 +168,7 @@ def _save(
     local = group.run_together(lambda: collect(resolved, allow_pickle), "collecting the state dict")
     storage = Storage(url, storage_options, verify_writes=verify_after_save)
     names = partial(check_names, limits=storage.name_limits, where=storage.url)  # before anything is written
-    plan = plan_save(
-        group, local, rule, check_replicas, small_tensor_bytes, check=names, force_gather=force_gather
-    )
+    plan = plan_save(group, local, rule, check_replicas, small_tensor_bytes, check=names, force_gather=force_gather)
     whole = plan.total_bytes() if progress is True and group.rank == 0 else None  # (rank 0's plan: every array)
     bar = watch(storage, progress, f"save {storage.url}", plan.bytes_of(group.rank), group.rank, group.size, whole)
     save_id = group.run_together(
