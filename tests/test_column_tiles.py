@@ -171,3 +171,19 @@ def test_save_and_async_save_take_the_policy(tmp_path: Any) -> None:
         ckpt = zarrckpt.open(str(tmp_path / name))
         assert ckpt.manifest.arrays["w"].chunk_shape == chunk
         assert torch.equal(ckpt["w"][:, 1000:1010], w[:, 1000:1010])
+
+
+def test_a_lazy_read_runs_a_shards_gets_apart_only_when_each_stands_alone() -> None:
+    from zarrckpt.engine.reader import _apart
+    from zarrckpt.format.shard import ShardLayout
+    from zarrckpt.plan.fetch import Fetch, ShardRead, ShardTask
+
+    meta = ArrayMeta("w", (1024, 4096), "float32", (1024, 4096), (128, 512), committed_crc32c=b"\0" * 4)
+    task, layout = ShardTask(meta, (0, 0)), ShardLayout.of(meta, (0, 0))
+    whole = ShardRead(task, layout, (Fetch(0, 10, chunks=(0,)), Fetch(20, 30, chunks=(8,))))
+    assert [r.fetches for r in _apart(whole, lazy=True)] == [(whole.fetches[0],), (whole.fetches[1],)]
+    assert _apart(whole, lazy=False) == [whole]  # a load keeps its order
+    indexed = ShardRead(task, layout, (Fetch(0, 10, index=True, chunks=(0,)), Fetch(20, 30, chunks=(8,))))
+    assert _apart(indexed, lazy=True) == [indexed]  # the index is checked before any chunk is used
+    spanning = ShardRead(task, layout, (Fetch(0, 10, pieces=((0, 0, 4),)), Fetch(20, 30, pieces=((0, 8, 12),))))
+    assert _apart(spanning, lazy=True) == [spanning]  # one chunk's pieces gathered across two reads
