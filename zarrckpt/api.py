@@ -21,6 +21,7 @@ from zarrckpt.engine.saveplan import plan_save
 from zarrckpt.engine.writer import commit_save
 from zarrckpt.format import integrity
 from zarrckpt.format.gcpause import gc_paused
+from zarrckpt.format.layout import chunk_rule
 from zarrckpt.plan import stateful, targets
 from zarrckpt.plan.localstate import collect
 from zarrckpt.plan.names import check_names
@@ -50,6 +51,7 @@ def save(
     verify_after_save: bool | None = None,
     progress: ProgressOption = False,
     staging_budget_bytes: int | None = None,
+    chunk_policy: str = "rows",
 ) -> dict[str, int]:
     """Save ``state_dict`` as a Zarr v3 checkpoint at ``url``; every rank calls it.
 
@@ -79,6 +81,12 @@ def save(
             save still running there is never replaced (``IncompleteCheckpointError``).
         chunk_bytes: the largest inner chunk (the unit of a read and of a checksum); a shard under 8x this
             is cut into about 8 inner chunks of at least 256 KiB, so that a load into another layout wastes little.
+        chunk_policy: ``"rows"`` (default): a 2-D shard's inner chunks are row bands as wide as the
+            shard; ``"tiles"``: bands of at least 512 KiB are cut into up to 8 column tiles (of at
+            least 256 KiB), so that a lazy column slice of a row-sharded matrix reads about an
+            eighth of it, not all of it, while a load into another layout reads the same bytes (in
+            8x as many chunks: from local disk such a load took about 1.5x as long,
+            ``benchmarks/column_slices.py``). See FORMAT.md §4 and docs/exploring.md.
         small_tensor_bytes: parts smaller than this (ranks' blocks of a tensor) are joined into
             objects of at least this size (a smaller tensor: one object), each written by one of
             its holders, which the others send their parts (one exchange per save); 0 writes
@@ -129,6 +137,7 @@ def save(
         verify_after_save=verify_after_save,
         progress=progress,
         staging_budget_bytes=staging_budget_bytes,
+        chunk_policy=chunk_policy,
     )
 
 
@@ -146,10 +155,12 @@ def _save(
     verify_after_save: bool | None,
     progress: ProgressOption,
     staging_budget_bytes: int | None,
+    chunk_policy: str = "rows",
     force_gather: bool = False,
 ) -> dict[str, int]:
     """:func:`save`; ``force_gather`` (tests): plan from every rank's gathered description, as
     before issue 28 (:func:`zarrckpt.engine.saveplan.plan_save`)."""
+    rule = chunk_rule(chunk_bytes, chunk_policy)
     group = Group(process_group)
     start = time.perf_counter()
     budget = save_budget(staging_budget_bytes)
@@ -159,9 +170,7 @@ def _save(
     )
     storage = Storage(url, storage_options, verify_writes=verify_after_save)
     names = partial(check_names, limits=storage.name_limits, where=storage.url)  # before anything is written
-    plan = plan_save(
-        group, local, chunk_bytes, check_replicas, small_tensor_bytes, check=names, force_gather=force_gather
-    )
+    plan = plan_save(group, local, rule, check_replicas, small_tensor_bytes, check=names, force_gather=force_gather)
     whole = plan.total_bytes() if progress is True and group.rank == 0 else None  # (rank 0's plan: every array)
     bar = watch(storage, progress, f"save {storage.url}", plan.bytes_of(group.rank), group.rank, group.size, whole)
     save_id = group.run_together(

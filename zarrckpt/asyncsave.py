@@ -43,6 +43,7 @@ from zarrckpt.engine.saveplan import plan_save
 from zarrckpt.engine.writer import commit_save
 from zarrckpt.errors import ZarrckptError
 from zarrckpt.format import dtypes, integrity
+from zarrckpt.format.layout import chunk_rule
 from zarrckpt.plan import stateful
 from zarrckpt.plan.localstate import LocalState, LocalTensor, collect
 from zarrckpt.plan.names import check_names
@@ -131,6 +132,7 @@ def async_save(
     staging: Staging = "caller",
     verify_after_save: bool | None = None,
     progress: ProgressOption = False,
+    chunk_policy: str = "rows",
 ) -> AsyncSave:
     """Start saving ``state_dict`` to ``url``; every rank calls it.
 
@@ -146,6 +148,7 @@ def async_save(
         staging_budget_bytes: bound on the host memory holding staged copies (default: none).
         overwrite: as for :func:`zarrckpt.save`.
         chunk_bytes: as for :func:`zarrckpt.save`.
+        chunk_policy: as for :func:`zarrckpt.save`.
         small_tensor_bytes: as for :func:`zarrckpt.save` (the parts of small tensors are sent to
             their writers before the call returns with ``staging="caller"``; with ``"background"``,
             by the writing thread before the copy, so before ``wait_staged()`` returns).
@@ -163,6 +166,7 @@ def async_save(
         SaveLayoutError: layout and replica problems, before the call returns (nothing written).
         ZarrckptError: ``staging`` is neither ``"caller"`` nor ``"background"``.
     """
+    rule = chunk_rule(chunk_bytes, chunk_policy)
     if staging not in ("caller", "background"):
         raise ZarrckptError(f"async_save: staging must be 'caller' or 'background', not {staging!r}")
     with _background.lock:
@@ -177,7 +181,7 @@ def async_save(
         later = staging == "background"
         storage = Storage(url, storage_options, verify_writes=verify_after_save)
         names = partial(check_names, limits=storage.name_limits, where=storage.url)  # raises here, at the call
-        plan = plan_save(group, local, chunk_bytes, check_replicas, small_tensor_bytes, exchange=not later, check=names)
+        plan = plan_save(group, local, rule, check_replicas, small_tensor_bytes, exchange=not later, check=names)
         background = side_group(process_group) if group.active else group
         handoff = Handoff(staging_budget_bytes)
         expected: dict[int, tuple[LocalTensor, int]] | None = None

@@ -184,6 +184,7 @@ class TensorView:
                     ckpt.storage,
                     [Request(self.meta, box, buf)],
                     partial=ckpt.partial_reads,
+                    lazy=True,
                     any_layout=ckpt.allow_modified,
                     partly=partly,
                 )

@@ -38,6 +38,7 @@ from zarrckpt.plan.fetch import (
     Request,
     ShardRead,
     ShardTask,
+    lazy_caps,
     plan_reads,
     plan_shard,
 )
@@ -60,6 +61,7 @@ def read_regions(
     partial: bool = False,
     any_layout: bool = False,
     read_through: bool = True,
+    lazy: bool = False,
     partly: list[PartRead] | None = None,
 ) -> int:
     """Fill every request's ``dest``; returns the number of bytes fetched from storage.
@@ -69,7 +71,7 @@ def read_regions(
     chunk is appended to ``partly`` (when given).
     ``any_layout``: read shards laid out by any Zarr writer (``allow_modified``), see :func:`_read_any`.
     ``read_through=False``: never fetch the chunks between two needed ones (a fanned-out read: other
-    ranks read those).
+    ranks read those). ``lazy``: a lazy view's read, which reads through smaller gaps (:func:`lazy_caps`).
     """
     if any_layout:  # constant arrays too: a peer may have written chunks into them since
         return _run_all(storage, plan_reads(requests))
@@ -78,8 +80,22 @@ def read_regions(
             req.dest[...] = fill_value(req.meta)
     stored = [req for req in requests if req.meta.constant is None]
     caps = storage.caps if read_through else replace(storage.caps, read_through_bytes=0)
+    caps = lazy_caps(caps) if lazy else caps
     # planned shard by shard as the reads go: a read that fails stops the planning too
-    return _run_all(storage, (plan_shard(task, caps, partial) for task in plan_reads(stored)), partly)
+    reads = (plan_shard(task, caps, partial) for task in plan_reads(stored))
+    return _run_all(storage, (one for read in reads for one in _apart(read, lazy)), partly)
+
+
+def _apart(read: ShardRead, lazy: bool) -> list[ShardRead]:
+    """A lazy read's GETs of one shard, each a read of its own so that they run concurrently (a
+    column of tiles: a GET per band), where none holds the index and no chunk's pieces span two of
+    them; otherwise ``read`` as it is (its fetches run in order)."""
+    if not lazy or len(read.fetches) < 2 or read.reads_index:
+        return [read]
+    pieces = [k for fetch in read.fetches for k in {k for k, _, _ in fetch.pieces}]
+    if len(pieces) != len(set(pieces)):
+        return [read]
+    return [ShardRead(read.task, read.layout, (fetch,)) for fetch in read.fetches]
 
 
 def _run_all(storage: Storage, work: Iterable[ShardRead | ShardTask], partly: list[PartRead] | None = None) -> int:

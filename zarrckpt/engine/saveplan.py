@@ -19,6 +19,7 @@ from zarrckpt.engine.dist import Group
 from zarrckpt.engine.exchange import gather_small
 from zarrckpt.errors import SaveLayoutError
 from zarrckpt.format.array import ArrayMeta
+from zarrckpt.format.layout import ChunkRule
 from zarrckpt.plan import compact
 from zarrckpt.plan.blocks import replica_vector
 from zarrckpt.plan.localstate import LocalState
@@ -29,7 +30,7 @@ from zarrckpt.plan.save import ZarrSavePlan, build_save_plan
 def plan_save(
     group: Group,
     local: LocalState,
-    chunk_bytes: int,
+    chunk_bytes: int | ChunkRule,
     check_replicas: bool,
     small_tensor_bytes: int,
     *,
@@ -109,7 +110,7 @@ class Collectives(Protocol):
 def plan_compact(
     coll: Collectives,
     local: LocalState,
-    chunk_bytes: int,
+    chunk_bytes: int | ChunkRule,
     small_tensor_bytes: int,
     to_group: Callable[[int], int] = lambda r: r,
     check: compact.Check | None = None,

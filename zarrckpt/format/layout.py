@@ -13,6 +13,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from zarrckpt.errors import ZarrckptError
+
 Shape = tuple[int, ...]
 
 
@@ -154,6 +156,35 @@ def shard_shape_for(shape: Shape, boxes: Sequence[Box]) -> Shape:
 STACKED_SLICE_BYTES = 64 * 1024  # a stacked (>= 3-d) array's slices this large are chunks of their own
 CHUNKS_PER_SHARD = 8  # a shard is cut into about this many inner chunks when it is at most 8x the target ...
 MIN_SPLIT_BYTES = 256 * 1024  # ... down to inner chunks of this size (smaller shards stay one chunk)
+COLUMN_TILES = 8  # chunk policy "tiles": a 2-D row band is cut into up to this many column tiles ...
+MIN_TILE_BYTES = 256 * 1024  # ... of at least this size
+CHUNK_POLICIES = ("rows", "tiles")
+
+
+@dataclass(frozen=True)
+class ChunkRule:
+    """How a save cuts shards into inner chunks (FORMAT.md §4): about ``target_bytes`` each
+    (:func:`chunk_target`), and with ``policy="tiles"`` the row bands of 2-D shards cut into
+    column tiles too (:func:`column_tiles`). Plans take it, or a plain ``int`` (``policy="rows"``)."""
+
+    target_bytes: int
+    policy: str = "rows"
+
+    def __post_init__(self) -> None:
+        if self.policy not in CHUNK_POLICIES:
+            raise ZarrckptError(
+                f"chunk_policy must be one of {', '.join(map(repr, CHUNK_POLICIES))}, not {self.policy!r}"
+            )
+
+    def __str__(self) -> str:
+        return f"{self.target_bytes}, chunk_policy={self.policy!r}"
+
+
+def chunk_rule(chunk_bytes: int, policy: str) -> int | ChunkRule:
+    """What a plan takes for ``save(chunk_bytes=..., chunk_policy=...)``: the plain byte target for
+    the default policy (so a default plan is the one it always was), a :class:`ChunkRule` otherwise."""
+    rule = ChunkRule(chunk_bytes, policy)
+    return chunk_bytes if policy == "rows" else rule
 
 
 def chunk_target(shard_bytes: int, target_bytes: int) -> int:
@@ -164,8 +195,8 @@ def chunk_target(shard_bytes: int, target_bytes: int) -> int:
     return min(target_bytes, max(MIN_SPLIT_BYTES, shard_bytes // CHUNKS_PER_SHARD))
 
 
-def inner_chunk_shape(shard: Shape, itemsize: int, target_bytes: int) -> Shape:
-    """Split ``shard`` into inner chunks of about ``target_bytes`` (at most; :func:`chunk_target`).
+def inner_chunk_shape(shard: Shape, itemsize: int, rule: int | ChunkRule) -> Shape:
+    """Split ``shard`` into inner chunks of about ``rule``'s target bytes (at most; :func:`chunk_target`).
 
     Outer dimensions are split first (so one expert / one row block stays contiguous) and every
     chunk extent divides the shard extent, as Zarr's sharding codec requires. When a dimension
@@ -175,9 +206,12 @@ def inner_chunk_shape(shard: Shape, itemsize: int, target_bytes: int) -> Shape:
     A shard of 3 or more dimensions is a stack (experts, layers, heads): each slice along the
     first dimension of at least STACKED_SLICE_BYTES is a chunk of its own (or several), so that
     reading one expert reads whole chunks, each checked by its crc32c, in one request.
+
+    With the policy "tiles", a 2-D row band is then cut into column tiles (:func:`column_tiles`).
     """
+    rule = rule if isinstance(rule, ChunkRule) else ChunkRule(rule)
     chunk = list(shard)
-    target_bytes = chunk_target(math.prod(shard) * itemsize, target_bytes)
+    target_bytes = chunk_target(math.prod(shard) * itemsize, rule.target_bytes)
     if len(chunk) >= 3 and math.prod(chunk[1:]) * itemsize >= STACKED_SLICE_BYTES:
         chunk[0] = 1
     for d in range(len(chunk)):
@@ -189,7 +223,26 @@ def inner_chunk_shape(shard: Shape, itemsize: int, target_bytes: int) -> Shape:
         # the divisor below unless that makes chunks 8x smaller than the target (in bytes, not
         # in rounded-down extents); then the one above, and the next dimension splits further
         chunk[d] = lower if lower * step * 8 >= target_bytes else upper
-    return tuple(chunk)
+    return column_tiles(shard, tuple(chunk), itemsize) if rule.policy == "tiles" else tuple(chunk)
+
+
+def column_tiles(shard: Shape, chunk: Shape, itemsize: int) -> Shape:
+    """Cut a 2-D row band (``chunk`` as wide as ``shard``) into column tiles, so that a column slice
+    of a row-sharded matrix reads a fraction of each shard, not all of it.
+
+    The rows stay as they are (a reshard boundary across rows costs what it did: one band), and
+    the columns are split into at most :data:`COLUMN_TILES` tiles of at least
+    :data:`MIN_TILE_BYTES`: the tile width is the smallest divisor of the shard's width that is at
+    least width / tiles (a prime width stays whole). Anything else is returned as it is.
+    """
+    if len(shard) != 2 or chunk[1] != shard[1]:
+        return chunk
+    rows, width = chunk
+    tiles = min(COLUMN_TILES, rows * width * itemsize // MIN_TILE_BYTES)
+    if tiles < 2:
+        return chunk
+    _, cols = _divisors_around(width, -(-width // tiles))
+    return (rows, cols)
 
 
 def _divisors_around(n: int, want: int) -> tuple[int, int]:

@@ -44,7 +44,7 @@ from zarrckpt.errors import ZarrckptError
 from zarrckpt.format.array import ArrayMeta
 from zarrckpt.format.gcpause import gc_paused
 from zarrckpt.format.keys import key_to_path
-from zarrckpt.format.layout import Box
+from zarrckpt.format.layout import Box, ChunkRule
 from zarrckpt.plan.blocks import block_index, block_starts
 from zarrckpt.plan.localstate import LocalState
 from zarrckpt.plan.meshlayout import MeshLayout
@@ -267,7 +267,7 @@ def coordinate(
     docs: list[ClassDoc],
     privates: list[list[list[Any]]],
     world: int,
-    chunk_bytes: int,
+    chunk_bytes: int | ChunkRule,
     small_tensor_bytes: int,
     check: Check | None = None,
 ) -> tuple[Planned | None, list[bytes]]:
@@ -320,7 +320,7 @@ def coordinate(
 
 @gc_paused()
 def local_plan(
-    docs: list[ClassDoc], payload: bytes, rank: int, world: int, chunk_bytes: int, small_tensor_bytes: int
+    docs: list[ClassDoc], payload: bytes, rank: int, world: int, chunk_bytes: int | ChunkRule, small_tensor_bytes: int
 ) -> Planned | None:
     """A rank other than 0: the plan of the tensors its class holds (with every holder, also in other
     classes) and the writer turns the coordinator counted over the whole save, with the

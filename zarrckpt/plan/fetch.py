@@ -10,7 +10,8 @@ storage does well (:class:`~zarrckpt.storage.caps.ReadCaps`) shapes the plan:
 - otherwise the index, then one ranged read per run of needed chunks (at most
   ``max_request_bytes`` each): chunks stored back to back, and on object stores also chunks at
   most ``ReadCaps.read_through_bytes`` apart (the gap is fetched and dropped: cheaper than a
-  request); on local files a run whose chunks each go whole into one destination
+  request; a lazy view's reads, where bytes count more, only up to RANGE_MERGE_GAP: :func:`lazy_caps`);
+  on local files a run whose chunks each go whole into one destination
   is read straight into those destinations (one vectored read). On object stores, when the
   manifest has a commit record (every chunk's crc32c), the byte offsets follow from the manifest
   and the index GET is left out: each chunk is checked against its committed crc32c, and the
@@ -208,6 +209,13 @@ def plan_shard(task: ShardTask, caps: ReadCaps, partial: bool = False) -> ShardR
         # the index and the chunks right behind it in one read (a small shard: one open, not two)
         fetches[:2] = [replace(fetches[1], start=0, index=True)]
     return ShardRead(task, layout, tuple(fetches))
+
+
+def lazy_caps(caps: ReadCaps) -> ReadCaps:
+    """``caps`` for a lazy view's reads, where bytes count more than requests (a notebook's link): a
+    gap between needed chunks is read through only up to RANGE_MERGE_GAP, as between the pieces of
+    a chunk (a column tile of each row band of a shard: one GET per tile, not the shard)."""
+    return replace(caps, read_through_bytes=min(caps.read_through_bytes, RANGE_MERGE_GAP))
 
 
 def reads_whole(layout: ShardLayout, needed: list[int], caps: ReadCaps) -> bool:

@@ -18,6 +18,7 @@ from zarrckpt.format.gcpause import gc_paused
 from zarrckpt.format.keys import infer_role, validate_keys
 from zarrckpt.format.layout import (
     Box,
+    ChunkRule,
     Claim,
     Shape,
     cell_box,
@@ -115,7 +116,7 @@ class _Grid:
 
 def build_save_plan(
     descriptions: Sequence[RankDescription],
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int | ChunkRule = DEFAULT_CHUNK_BYTES,
     small_tensor_bytes: int = 0,
 ) -> ZarrSavePlan:
     """Check that ranks agree and every global tensor is covered exactly once; choose grids and writers.
@@ -137,7 +138,9 @@ def build_save_plan(
 Held = dict[str, tuple[list[int], list[Any]]]  # key -> (the holder of each part or copy, in rank order; the parts)
 
 
-def _build(descriptions: Sequence[RankDescription], chunk_bytes: int, small_tensor_bytes: int) -> ZarrSavePlan:
+def _build(
+    descriptions: Sequence[RankDescription], chunk_bytes: int | ChunkRule, small_tensor_bytes: int
+) -> ZarrSavePlan:
     tensors: Held = {}  # key -> (holder of each part, the parts)
     values: Held = {}
     for rank, desc in enumerate(descriptions):
@@ -153,7 +156,7 @@ def plan_held(
     tensors: Held,
     values: Held,
     world_size: int,
-    chunk_bytes: int,
+    chunk_bytes: int | ChunkRule,
     small_tensor_bytes: int,
     turns: Mapping[str, tuple[int, int]] | None = None,
 ) -> ZarrSavePlan:
@@ -173,7 +176,7 @@ def _plan(
     tensors: Held,
     values: Held,
     world_size: int,
-    chunk_bytes: int,
+    chunk_bytes: int | ChunkRule,
     small_tensor_bytes: int,
     turns: Mapping[str, tuple[int, int]] | None,
 ) -> ZarrSavePlan:
@@ -239,7 +242,7 @@ class _Layouts:
 
 
 def _grids(
-    tensors: Held, world_size: int, chunk_bytes: int, small_tensor_bytes: int, problems: list[str]
+    tensors: Held, world_size: int, chunk_bytes: int | ChunkRule, small_tensor_bytes: int, problems: list[str]
 ) -> dict[str, tuple[ArrayMeta, _Layout]]:
     """The grid pass: every tensor's metadata and layout, in key order; what is wrong is added to
     ``problems`` (past 50 of them, the keys left are skipped, but those of new layouts are checked)."""
@@ -284,7 +287,7 @@ def _grids(
 
 
 def _layout(
-    ranks: list[int], specs: list[TensorSpec], world_size: int, chunk_bytes: int, small_tensor_bytes: int
+    ranks: list[int], specs: list[TensorSpec], world_size: int, chunk_bytes: int | ChunkRule, small_tensor_bytes: int
 ) -> _Layout:
     """The layout of holders that passed :func:`_check`: shards under ``small_tensor_bytes`` (of a
     tensor in several shards, not constant) are joined into a coarser grid."""
@@ -362,7 +365,7 @@ def _check(key: str, ranks: list[int], specs: list[TensorSpec]) -> list[str]:
 _chunk_of = functools.lru_cache(maxsize=4096)(inner_chunk_shape)  # many tensors share a shape
 
 
-def _grid(ranks: list[int], specs: list[TensorSpec], world_size: int, chunk_bytes: int) -> _Grid:
+def _grid(ranks: list[int], specs: list[TensorSpec], world_size: int, chunk_bytes: int | ChunkRule) -> _Grid:
     """Shard grid, inner chunks, writers and topology of a tensor whose holders passed :func:`_check`."""
     first = specs[0]
     shape = first.shape
