@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from collections.abc import Sequence
@@ -16,7 +15,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scale_model import manifest_of, save_counts
+from scale_model import manifest_and_table, save_counts
 from scale_state import Dims, Layout, Timing, fake_rank, measure, per_rank_state, rank_state
 
 from zarrckpt.format.manifest import Manifest
@@ -43,7 +42,7 @@ class LoadPlanning:
 
     name: str
     world: int
-    parse: Timing  # Manifest.loads of the broadcast manifest
+    parse: Timing  # Manifest.loads of the broadcast manifest, the broadcast table's checksums attached
     planning: Timing  # match, the flags and view, the read requests and their fetch plans
     requests: int  # this rank's read requests
     fetches: int  # its shard objects to read
@@ -51,7 +50,7 @@ class LoadPlanning:
     fanned_out: bool  # whether the load would plan a fan-out (under MAX_GATHERED_REQUESTS in all)
 
 
-def load_planning(dims: Dims, name: str, layout: Layout, raw: bytes, reps: int) -> LoadPlanning:
+def load_planning(dims: Dims, name: str, layout: Layout, raw: bytes, table: bytes, reps: int) -> LoadPlanning:
     """Time the last rank of ``layout`` planning its load of the manifest ``raw`` (the steps of
     ``zarrckpt.load`` before its first read; the collectives' results sized as they would arrive)."""
     from scale_model import load_requests
@@ -64,7 +63,7 @@ def load_planning(dims: Dims, name: str, layout: Layout, raw: bytes, reps: int) 
     rank, world = layout.world - 1, layout.world
     with fake_rank(rank, world):
         state = rank_state(dims, layout, rank)
-    parse_t, manifest = measure(lambda: Manifest.loads(raw, "scale model"), reps)
+    parse_t, manifest = measure(lambda: parse_with_table(raw, table), reps)
 
     def plan() -> tuple[Any, list[Any], list[Any]]:
         matched = targets.match(state, manifest, rank=rank, world=world, per_rank="modulo")
@@ -85,6 +84,7 @@ def load_planning(dims: Dims, name: str, layout: Layout, raw: bytes, reps: int) 
     fanned = len(requests) * world <= MAX_GATHERED_REQUESTS
     received = {
         "the manifest (rank 0 reads it, a broadcast)": len(raw) + 8,
+        "the chunk checksum table (rank 0 reads it, a broadcast)": len(table) + 8,
         "MIN all-reduce of a flag per saved key (int64)": 8 * len(flags),
         "digests of the views (16 bytes per rank)": 16 * world,
         "the views: one broadcast per distinct view, or all gathered": (
@@ -110,7 +110,9 @@ class CompactScale:
     coordinator_received: int
     manifest_bytes: int
     manifest_parts: dict[str, int]  # bytes of its parts: the commit record, the consolidated metadata, ...
-    manifest_parse: Timing  # Manifest.loads: what every loading rank does first
+    manifest_parse: Timing  # Manifest.loads and the table's checksums attached: what every loading rank does first
+    table_bytes: int  # the chunk checksum table beside the manifest (format version 3): a load's second object
+    resident: int  # bytes the parsed manifest (table attached) holds in memory on each loading rank
     arrays: int
     shard_objects: int
     puts: int
@@ -197,9 +199,10 @@ def compact_scale(dims: Dims, layout: Layout, reps: int, loads: dict[str, Layout
     typical_t, _ = measure(typical, reps)
     fallback = planned is None
     plan = build_save_plan([]) if planned is None else planned.plan  # (never None at these layouts)
-    manifest_t, manifest = measure(lambda: manifest_of(plan), 1)
-    parse_t, _ = measure(lambda: Manifest.loads(manifest, "scale model"), 1)
-    counts = save_counts(plan, manifest)
+    manifest_t, (manifest, table) = measure(lambda: manifest_and_table(plan), 1)
+    parse_t, _ = measure(lambda: parse_with_table(manifest, table), 1)
+    resident = resident_bytes(lambda: parse_with_table(manifest, table))
+    counts = save_counts(plan, manifest, table)
     received = {
         "A. all-gather of 16-byte layout digests": 16 * world,
         "B. one broadcast per class (the classes' documents)": sum(len(d) + 8 for d in docs),
@@ -222,13 +225,15 @@ def compact_scale(dims: Dims, layout: Layout, reps: int, loads: dict[str, Layout
         manifest_bytes=len(manifest),
         manifest_parts=manifest_parts(manifest),
         manifest_parse=parse_t,
+        table_bytes=len(table),
+        resident=resident,
         arrays=counts.arrays,
         shard_objects=counts.shard_objects,
         puts=counts.puts,
         fallback=fallback,
         gather_received=len(desc) * world,
         dcp_plan_bytes=dcp_plan_bytes(dims, layout, last),
-        loads=[load_planning(dims, n, lay, manifest, reps) for n, lay in (loads or {}).items()],
+        loads=[load_planning(dims, n, lay, manifest, table, reps) for n, lay in (loads or {}).items()],
     )
 
 
@@ -241,24 +246,38 @@ def manifest_parts(raw: bytes) -> dict[str, int]:
 
     nodes = doc["consolidated_metadata"]["metadata"]
     record = doc["attributes"]["zarrckpt"]["integrity"]
-    tables = [r["chunk_crc32c"] for r in record["arrays"].values() if "chunk_crc32c" in r]
-    shards = sum(
-        math.prod(
-            -(-n // s) for n, s in zip(node["shape"], node["chunk_grid"]["configuration"]["chunk_shape"], strict=True)
-        )
-        for path, node in nodes.items()
-        if path in record["arrays"] and "chunk_crc32c" in record["arrays"][path]
-    )
     return {
-        "commit record (`integrity`: every inner chunk's crc32c, base64)": size(record),
-        "of which the inner chunks' crc32c (base64)": sum(len(t) for t in tables),
-        "(the same with one crc32c per shard object instead, base64)": 4 * -(-(4 * shards) // 3),
+        "commit record (`integrity`: per array its shape, digests and segment of the table)": size(record),
         "consolidated metadata (every array's and group's `zarr.json`)": size(nodes),
         "of which the per-rank arrays (`rng/*`, `dataloader`) and their groups": size(
             {k: v for k, v in nodes.items() if k.startswith("rng/") or k in ("rng", "dataloader")}
         ),
         "saved values (`values`)": size(doc["attributes"]["zarrckpt"]["values"]),
     }
+
+
+def parse_with_table(raw: bytes, table: bytes) -> Manifest:
+    """What every loading rank does with the two objects rank 0 read and broadcast (``open_manifest``)."""
+    return Manifest.loads(raw, "scale model").with_table(table)
+
+
+def resident_bytes(build: Any) -> int:
+    """Bytes still allocated (tracemalloc) by what ``build`` returns, once it returned: the resident
+    cost of a parsed manifest on a rank for the whole load."""
+    import gc
+    import tracemalloc
+
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        kept = build()
+        gc.collect()
+        after = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    del kept
+    return after - before
 
 
 def collect_desc(dims: Dims, layout: Layout, rank: int) -> Any:

@@ -35,12 +35,14 @@ def render_compact(rs: Sequence[Any]) -> str:
         ["today's all-gather of descriptions: received per rank", *(_mb(r.gather_received) for r in rs)],
         ["DCP: per rank, its local plan scattered back (pickle)", *(_mb(r.dcp_plan_bytes) for r in rs)],
         ["DCP: coordinator gathers every local plan", *(_mb(r.dcp_plan_bytes * r.world) for r in rs)],
-        ["manifest (one GET per job)", *(_mb(r.manifest_bytes) for r in rs)],
+        ["manifest (one GET per job; all `zarrckpt.open` downloads)", *(_mb(r.manifest_bytes) for r in rs)],
         *([f"- {k}", *(_mb(r.manifest_parts[k]) for r in rs)] for k in rs[0].manifest_parts),
+        ["chunk checksum table (`.zarrckpt-crc32c`: one GET per load)", *(_mb(r.table_bytes) for r in rs)],
         [
-            "manifest parse (`Manifest.loads`: every loading rank, before planning)",
+            "manifest parse and the table attached (every loading rank, before planning)",
             *(str(r.manifest_parse) for r in rs),
         ],
+        ["resident memory of the parsed manifest and table, per loading rank", *(_mb(r.resident) for r in rs)],
         ["arrays", *(f"{r.arrays:,}" for r in rs)],
         ["shard objects", *(f"{r.shard_objects:,}" for r in rs)],
         ["PUT requests per save", *(f"{r.puts:,}" for r in rs)],
@@ -56,7 +58,15 @@ def render_compact(rs: Sequence[Any]) -> str:
         [f"per-rank save planning <= 2 s at {w}", str(big.typical), verdict(big.typical.wall <= 2)],
         [f"received per rank <= 4 MB at {w}", _mb(per_rank[big.world]), verdict(per_rank[big.world] <= 4e6)],
         [f"coordinator <= 10 s at {w}", str(big.coordinator), verdict(big.coordinator.wall <= 10)],
-        [f"manifest <= 16 MB at {w} (one GET per job)", _mb(big.manifest_bytes), verdict(big.manifest_bytes <= 16e6)],
+        [f"manifest <= 8 MB at {w} (one GET per job)", _mb(big.manifest_bytes), verdict(big.manifest_bytes <= 8e6)],
+        [f"objects a load fetches before the data <= 2 at {w}", "2 (the manifest, the table)", "PASS"],
+        [
+            f"parsing <= 0.5 s per loading rank at {w}",
+            str(big.manifest_parse),
+            verdict(big.manifest_parse.wall <= 0.5),
+        ],
+        [f"resident <= 200 MB per loading rank at {w}", _mb(big.resident), verdict(big.resident <= 200e6)],
+        [f"`open()` downloads <= 8 MB at {w}", _mb(big.manifest_bytes), verdict(big.manifest_bytes <= 8e6)],
         [
             "load planning (shrink to 8,192, grow to 24,576) <= 3 s per rank",
             load_measured,
@@ -110,13 +120,12 @@ def render_compact(rs: Sequence[Any]) -> str:
             f"{_mb(big.coordinator_received)} at {w}, every rank's items included). State saved under a key per "
             "rank instead is an array or value per rank, each with its `zarr.json` and groups in the manifest, "
             'gathered to rank 0 (docs/functions.md, "Per-rank state").',
-            "- The manifest: the commit record holds a crc32c per inner chunk (so a partial read checks what it "
-            "reads against the commit, in the one GET of its bytes), and with inner chunks of at most an eighth "
-            "of a shard (issue 27's resharding reads) that is most shards' 8 slots; the consolidated metadata is "
-            "a full `zarr.json` per array, which zarr-python and xarray read. With per-rank state stacked into "
-            "`PerRank` arrays (issue 40, rows above) the consolidated metadata no longer grows with the world; "
-            "the commit record does (the per-rank arrays' one slot per rank included), and moving it out of the "
-            "manifest (a binary table, issue 40) costs a lazy read a second GET.",
+            "- The manifest: the crc32c of every inner chunk (so a partial read checks what it reads against the "
+            "commit) is in the chunk checksum table beside it since format version 3 (issue 40), 4 bytes a chunk; "
+            "the manifest keeps each array's segment of it (offset, size, crc32c). A load reads the table once "
+            "(rank 0, broadcast); a lazy read fetches its tensor's segment beside its first data GET, one round "
+            "trip. The consolidated metadata is a full `zarr.json` per array, which zarr-python and xarray read; "
+            "with per-rank state stacked into `PerRank` arrays it no longer grows with the world.",
             "- Tensors whose boxes no layout gives -- `LocalShard` lists, ShardedTensor shards, DTensors with "
             "`_StridedShard` placements, plain tensors held by some but not all ranks of a class -- are per-rank "
             "items, sent to rank 0 with their boxes. When such a key is also held as a class item, or is "
@@ -125,8 +134,8 @@ def render_compact(rs: Sequence[Any]) -> str:
             "So does a job with more than 256 classes (e.g. every rank its own DTensor layout).",
             "- A rank plans the tensors of its class only, but with every holder of each (the ranks of its "
             "class, 1,024 at 16,384): its planning grows with the size of its class, not of the job.",
-            "- Load: every loading rank parses the whole manifest (all arrays' metadata and commit records), "
-            f"which is most of its planning at {w} ranks and grows with the saving world (the commit record); "
+            "- Load: every loading rank parses the whole manifest (all arrays' metadata and commit records) and "
+            f"takes its arrays' segments of the table, most of its planning at {w} ranks; "
             "the same code measured about twice as long on a slower VM in another session. "
             "A load fans out only under a million requests in all "
             "(`zarrckpt.engine.fanread.MAX_GATHERED_REQUESTS`): its planning gathers every rank's requests, so "
@@ -144,7 +153,7 @@ def _load_lines(loads: Sequence[Any], w: str) -> list[str]:
         return []
     rows = [
         ["ranks loading", *(f"{x.world:,}" for x in loads)],
-        ["manifest parse (`Manifest.loads`)", *(str(x.parse) for x in loads)],
+        ["manifest parse and the table attached", *(str(x.parse) for x in loads)],
         ["matching, flags, read requests and their fetch plans", *(str(x.planning) for x in loads)],
         ["**load planning per rank, in all**", *(f"**{x.parse.wall + x.planning.wall:.2f} s**" for x in loads)],
         ["read requests / shard objects of the rank", *(f"{x.requests:,} / {x.fetches:,}" for x in loads)],

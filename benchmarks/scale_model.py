@@ -155,7 +155,7 @@ SIZE_BINS = [
 ]
 
 
-def save_counts(plan: ZarrSavePlan, manifest: bytes) -> SaveCounts:
+def save_counts(plan: ZarrSavePlan, manifest: bytes, table: bytes = b"") -> SaveCounts:
     world = plan.world_size
     per_bytes, per_puts = [0] * world, [0] * world
     bins = dict.fromkeys((label for _, label in SIZE_BINS), 0)
@@ -176,8 +176,8 @@ def save_counts(plan: ZarrSavePlan, manifest: bytes) -> SaveCounts:
             per_bytes[rank] += len(doc)
             per_puts[rank] += 1
             doc_bytes += len(doc)
-    per_bytes[0] += len(manifest)
-    per_puts[0] += 2  # the pending marker, then the manifest (commit)
+    per_bytes[0] += len(manifest) + len(table)
+    per_puts[0] += 3  # the pending marker, the chunk checksum table, then the manifest (commit)
     arrays = list(plan.arrays.values())
     return SaveCounts(
         arrays=len(arrays),

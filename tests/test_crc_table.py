@@ -167,3 +167,26 @@ def _record_remote(ckpt: zarrckpt.Checkpoint) -> dict[str, Any]:
         for m in ckpt.manifest.arrays.values()
         if m.crc_segment
     }
+
+
+def test_a_tensors_first_read_sends_its_segment_and_data_together(s3_server: str) -> None:
+    """Behind a proxy that holds every request 0.3 s (a far server), the segment's GET and the data
+    GET are in flight together: each arrives before the other is answered (one round trip, not two)."""
+    from zarrckpt.testing import unique_url
+    from zarrckpt.testing.proxy import FaultProxy
+    from zarrckpt.testing.s3 import s3_storage_options
+
+    proxy = FaultProxy(s3_server)
+    try:
+        url, opts = unique_url("s3"), s3_storage_options(proxy.endpoint)
+        zarrckpt.save(_state(), url, storage_options=opts, chunk_bytes=1024)
+        ckpt = zarrckpt.open(url, storage_options=opts)
+        proxy.delay, proxy.timeline = 0.3, []
+        assert torch.equal(ckpt["a"][10:12], _state()["a"][10:12])
+        gets = [
+            (path.rsplit("/", 1)[-1].split("?")[0], arrived, answered) for _, path, arrived, answered in proxy.timeline
+        ]
+        assert sorted(name for name, _, _ in gets) == sorted([integrity.TABLE, "0"]), gets  # (the shard a/c/0/0)
+        assert max(arrived for _, arrived, _ in gets) < min(answered for _, _, answered in gets), gets
+    finally:
+        proxy.close()

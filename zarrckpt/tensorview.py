@@ -177,8 +177,6 @@ class TensorView:
             ckpt = self.checkpoint
             integrity.refuse_modified(ckpt.manifest.modified, [self.key], ckpt.storage.url)
             partly: list[PartRead] = []
-            if isinstance(self.meta.committed_crc32c, integrity.Deferred):
-                self.meta.committed_crc32c.start()  # its committed chunk checksums beside the data: one round trip
             try:
                 read_regions(
                     ckpt.storage,

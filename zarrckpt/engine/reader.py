@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 from typing import TypeVar
 
@@ -83,7 +83,21 @@ def read_regions(
     caps = lazy_caps(caps) if lazy else caps
     # planned shard by shard as the reads go: a read that fails stops the planning too
     reads = (plan_shard(task, caps, partial) for task in plan_reads(stored))
-    return _run_all(storage, (one for read in reads for one in _apart(read, lazy)), partly)
+    return _run_all(storage, _checksums_beside(stored, (one for read in reads for one in _apart(read, lazy))), partly)
+
+
+def _checksums_beside(requests: Sequence[Request], reads: Iterator[ShardRead]) -> Iterator[ShardRead]:
+    """``reads``, the committed chunk checksums still on their way (a lazy view's first read of a
+    tensor, :class:`~zarrckpt.format.integrity.Deferred`) requested as the first read goes out: the
+    segment's GET and the first data GET in flight together, one round trip."""
+    first = True
+    for read in reads:
+        if first:
+            for req in requests:
+                if isinstance(req.meta.committed_crc32c, integrity.Deferred):
+                    req.meta.committed_crc32c.start()
+            first = False
+        yield read
 
 
 def _apart(read: ShardRead, lazy: bool) -> list[ShardRead]:

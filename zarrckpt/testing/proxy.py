@@ -10,7 +10,10 @@
   ``response_flip_at`` picks in the body (by default one drawn from a seeded generator), for the
   next ``response_flips`` answers that ``response_flip_if`` accepts (by default GETs answered 200
   or 206 with a body);
-- ``refuse_deletes``: bulk deletes (``POST ?delete``) answer 200 with every key refused.
+- ``refuse_deletes``: bulk deletes (``POST ?delete``) answer 200 with every key refused;
+- ``delay``: seconds every forwarded request waits before it goes on (a far server's latency);
+  ``timeline`` logs (method, path, arrived, answered) on the proxy's monotonic clock, so a test
+  tells requests in flight together from requests in turn.
 
 Everything else is forwarded unchanged (headers included, so signatures still match) and answered
 as the server answered. ``answered`` logs (method, path, status); ``flipped`` the damaged requests,
@@ -24,6 +27,7 @@ import http.server
 import random
 import re
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
@@ -49,6 +53,8 @@ class FaultProxy:
         self.answered: list[tuple[str, str, int]] = []
         self.signed: list[str] = []  # each PUT's x-amz-content-sha256
         self.refuse_deletes = False
+        self.delay = 0.0
+        self.timeline: list[tuple[str, str, float, float]] = []
         self.flips = 0
         self.flip_if: Callable[[str, str, bytes], bool] = big_upload
         self.flipped: list[tuple[str, str]] = []
@@ -69,6 +75,7 @@ class FaultProxy:
                 pass
 
             def _any(self) -> None:
+                arrived = time.monotonic()
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 if self.command == "PUT":
                     proxy.signed.append(self.headers.get("x-amz-content-sha256", ""))
@@ -95,6 +102,8 @@ class FaultProxy:
                         fault[2], f"{xml}<Error><Code>{code}</Code><Message>injected</Message></Error>".encode()
                     )
                     return
+                if proxy.delay:
+                    time.sleep(proxy.delay)
                 conn = http.client.HTTPConnection(target.hostname or "127.0.0.1", target.port, timeout=60)
                 conn.request(self.command, self.path, body=body, headers=dict(self.headers))
                 answer = conn.getresponse()
@@ -109,6 +118,7 @@ class FaultProxy:
                 if self.command != "HEAD":
                     self.wfile.write(data)
                 conn.close()
+                proxy.timeline.append((self.command, self.path, arrived, time.monotonic()))
 
             def _answer(self, status: int, payload: bytes) -> None:
                 self.send_response(status)
