@@ -153,6 +153,30 @@ def round_trips(hits: list[Any]) -> int:
     return trips
 
 
+LATENCY_S = 0.1  # the delay a proxy adds to every request in round_trips_behind_latency
+
+
+def round_trips_behind_latency(url: str, opts: dict[str, Any], key: str, i: int, j: int) -> dict[str, float]:
+    """Round trips of a tensor's first read (``[i]``) and a later one (``[j]``), as a far server sees
+    them: through a proxy that holds every request :data:`LATENCY_S`, a read's time over that delay
+    (about 1: its requests were in flight together; 2: one waited for another). On loopback the
+    server's own log cannot tell, a request being over before the next is even sent."""
+    from zarrckpt.testing.proxy import FaultProxy
+
+    proxy = FaultProxy(opts["endpoint_url"])
+    try:
+        proxy.delay = LATENCY_S
+        ckpt = zarrckpt.open(url, storage_options={**opts, "endpoint_url": proxy.endpoint})
+        out = {}
+        for name, index in (("zarrckpt_index", i), ("zarrckpt_later", j)):
+            start = time.perf_counter()
+            ckpt[key][index]
+            out[name] = round((time.perf_counter() - start) / LATENCY_S, 1)
+        return out
+    finally:
+        proxy.close()
+
+
 def lazy_scenario(args: argparse.Namespace, store: Store) -> dict[str, Any]:
     """Save the expert tensors with ``--lazy-ranks`` ranks, then read one slice here, counting requests."""
     import torch.distributed.checkpoint as dcp
@@ -217,6 +241,10 @@ def lazy_scenario(args: argparse.Namespace, store: Store) -> dict[str, Any]:
             got, read = counted(durl, dcp_read)
         assert torch.equal(got, expected), "DCP read returned wrong data"
         runs["dcp"].append(read)
+    trips = round_trips_behind_latency(zurl, opts, key, i, j)
+    for name in ("zarrckpt_index", "zarrckpt_later"):  # (the server's log cannot tell them on loopback)
+        for run in runs[name]:
+            run["round_trips"] = trips[name]
     layout = next(t for t in zarrckpt.open(zurl, storage_options=opts).tensors() if t["key"] == key)
     remove_tree(url, opts)
     out: dict[str, Any] = {

@@ -16,7 +16,7 @@ class Target:
     measured: float | None
     threshold: float
     higher_is_better: bool
-    unit: str  # "x" (a ratio), "%", "n" (a count) or "s" (seconds)
+    unit: str  # "x" (a ratio), "%", "n" (a count, or tenths of one) or "s" (seconds)
     profile: str | None = None  # the profiled operation to show when missed
 
     @property
@@ -33,8 +33,8 @@ class Target:
         return self.measured / self.threshold if self.higher_is_better else self.threshold / self.measured
 
     def fmt(self, value: float) -> str:
-        if self.unit == "n":  # a count
-            return f"{value:.0f}"
+        if self.unit == "n":  # a count (round trips come in tenths: a read's time over a latency)
+            return f"{value:.0f}" if float(value).is_integer() else f"{value:.1f}"
         if self.unit == "s":  # seconds
             return f"{value:.2f} s"
         return f"{value:.0%}" if self.unit == "%" else f"{value:.2f}x"

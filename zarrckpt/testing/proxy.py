@@ -70,6 +70,9 @@ class FaultProxy:
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            # headers and body go out in two writes: with Nagle's algorithm a small body waits for
+            # the client's delayed ACK of the headers (40 ms on Linux), which servers do not add
+            disable_nagle_algorithm = True
 
             def log_message(self, *args: Any) -> None:
                 pass
