@@ -24,6 +24,7 @@ from zarrckpt.engine import crctable
 from zarrckpt.errors import InvalidCheckpointError, KeyNotFoundError, ModifiedCheckpointError, ZarrckptError
 from zarrckpt.format import integrity, values
 from zarrckpt.format.array import ArrayMeta
+from zarrckpt.format.deferred import Deferred
 from zarrckpt.format.keys import nest
 from zarrckpt.format.manifest import Manifest
 from zarrckpt.storage.store import Storage
@@ -97,7 +98,7 @@ class Checkpoint:
     partial_reads: bool = True
     allow_modified: bool = False
     # key -> its committed chunk checksums, fetched from the table with the array's first read
-    _segments: dict[str, integrity.Deferred] = field(default_factory=dict, init=False, compare=False, repr=False)
+    _segments: dict[str, Deferred] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def keys(self) -> list[str]:
         """The keys of the stored arrays (tensors, byte strings, numpy arrays).

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from zarrckpt.format import integrity
 from zarrckpt.format.array import ArrayMeta
+from zarrckpt.format.deferred import Deferred
 from zarrckpt.format.manifest import Manifest
 from zarrckpt.storage.store import Storage
 
@@ -49,9 +50,9 @@ def with_table(manifest: Manifest, read: Callable[[], bytes], attempts: int, whe
     return manifest.with_table(raw)
 
 
-def segment_reader(storage: Storage, meta: ArrayMeta) -> integrity.Deferred:
+def segment_reader(storage: Storage, meta: ArrayMeta) -> Deferred:
     """``meta``'s committed chunk checksums, fetched when a read starts (:class:`Deferred`)."""
-    return integrity.Deferred(lambda: read_segment(storage, meta))
+    return Deferred(lambda: read_segment(storage, meta))
 
 
 def read_segment(storage: Storage, meta: ArrayMeta) -> bytes:

@@ -30,6 +30,7 @@ import numpy as np
 from zarrckpt.engine.chunkcopy import check_entry, chunk_where, copy_chunk, fill_task, fill_value
 from zarrckpt.errors import CorruptChunkError, ModifiedCheckpointError, StorageError, causes
 from zarrckpt.format import dtypes, integrity
+from zarrckpt.format.deferred import Deferred
 from zarrckpt.format.gcpause import gc_paused
 from zarrckpt.format.shard import EMPTY, ShardLayout, chunks_per_shard, decode_index, index_nbytes
 from zarrckpt.plan.fetch import (
@@ -88,13 +89,13 @@ def read_regions(
 
 def _checksums_beside(requests: Sequence[Request], reads: Iterator[ShardRead]) -> Iterator[ShardRead]:
     """``reads``, the committed chunk checksums still on their way (a lazy view's first read of a
-    tensor, :class:`~zarrckpt.format.integrity.Deferred`) requested as the first read goes out: the
+    tensor, :class:`~zarrckpt.format.Deferred`) requested as the first read goes out: the
     segment's GET and the first data GET in flight together, one round trip."""
     first = True
     for read in reads:
         if first:
             for req in requests:
-                if isinstance(req.meta.committed_crc32c, integrity.Deferred):
+                if isinstance(req.meta.committed_crc32c, Deferred):
                     req.meta.committed_crc32c.start()
             first = False
         yield read

@@ -19,7 +19,7 @@ from zarrckpt.types import ArrayKind, Role
 from zarrckpt_dtypes import BY_NAME
 
 if TYPE_CHECKING:
-    from zarrckpt.format.integrity import Deferred
+    from zarrckpt.format.deferred import Deferred
 
 FORMAT_VERSION = 3  # the newest this zarrckpt reads; it writes the oldest that describes a checkpoint
 CONSTANT_VERSION = 2  # constant arrays (no shard objects) first appeared in format version 2

@@ -117,11 +117,13 @@ class FaultProxy:
                     if k.lower() not in ("content-length", "transfer-encoding", "connection"):
                         self.send_header(k, v)
                 self.send_header("Content-Length", str(len(data)))
+                proxy.timeline.append(
+                    (self.command, self.path, arrived, time.monotonic())
+                )  # (before the client has it)
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
                 conn.close()
-                proxy.timeline.append((self.command, self.path, arrived, time.monotonic()))
 
             def _answer(self, status: int, payload: bytes) -> None:
                 self.send_response(status)
