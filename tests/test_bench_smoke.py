@@ -94,7 +94,7 @@ def test_report_renders_every_section(tmp_path):
     for w in (1, 4):
         run[f"many{w}_state"] = {"tensors": 20_001, "bytes": 7 * 10**8}
         run[f"many{w}_files"] = {"zarrckpt": (40_003, 7 * 10**8, 7 * 10**8), "dcp": (w + 1, 7 * 10**8, 7 * 10**8)}
-    one = {"requests": 3, "bytes": 270_000, "kinds": {"GET": 3}, "s": 0.1}
+    one = {"requests": 3, "bytes": 270_000, "kinds": {"GET": 3}, "s": 0.1, "round_trips": 1.1}
     lazy = {
         "key": "model.layers.0.moe.experts.w1",
         "shape": [64, 256, 256],
@@ -104,7 +104,7 @@ def test_report_renders_every_section(tmp_path):
         "slice_bytes": 262_144,
         "layout": {"shard": [8, 256, 256], "chunk": [8, 256, 256]},
         "reps": 3,
-        **{k: dict(one) for k in ("zarrckpt", "zarrckpt_open", "zarrckpt_index", "dcp")},
+        **{k: dict(one) for k in ("zarrckpt", "zarrckpt_open", "zarrckpt_index", "zarrckpt_later", "dcp")},
     }
     lazy["rgw"] = dict(lazy)
     info = {

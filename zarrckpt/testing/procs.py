@@ -11,9 +11,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from torch.multiprocessing.spawn import spawn as mp_spawn
-
-from zarrckpt.example.launch import run_rank
+from zarrckpt.example import launch
 
 
 def free_port() -> int:
@@ -28,5 +26,6 @@ def spawn(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120
 
     ``fn`` and ``args`` must be picklable (``fn`` a module-level function).
     """
-    init = f"tcp://127.0.0.1:{free_port()}"
-    mp_spawn(run_rank, args=(world, init, timeout_s, fn, args), nprocs=world, join=True)
+    # a file:// rendezvous, as the example's launcher: a port found free, then bound by the group's
+    # store a moment later, was taken meanwhile (EADDRINUSE, in a CI run with servers starting beside)
+    launch.spawn(world, fn, *args, timeout_s=timeout_s)
