@@ -31,6 +31,7 @@ from zarrckpt.errors import (
     ModifiedCheckpointError,
     SaveLayoutError,
     StorageError,
+    TierSpaceError,
     UnsupportedValueError,
     ZarrckptError,
 )
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
     from zarrckpt.staging import StagingStats
     from zarrckpt.storage.clients import fsspec_filesystem
     from zarrckpt.tensorview import TensorView, UncheckedReadWarning
+    from zarrckpt.tier import LocalTier
     from zarrckpt.transfer import copy_checkpoint
     from zarrckpt_dtypes.zarr_types import register_zarr_dtypes
 
@@ -82,6 +84,7 @@ _LAZY = {
     "LocalShard": "zarrckpt.plan.localstate",
     "PerRank": "zarrckpt.plan.perrank",
     "CheckpointManager": "zarrckpt.manager",
+    "LocalTier": "zarrckpt.tier",
     "register_zarr_dtypes": "zarrckpt_dtypes.zarr_types",
 }
 
@@ -117,6 +120,7 @@ __all__ = [
     "KeyNotFoundError",
     "LayoutMismatchError",
     "LocalShard",
+    "LocalTier",
     "ModifiedCheckpointError",
     "PerRank",
     "Role",
@@ -125,6 +129,7 @@ __all__ = [
     "StagingStats",
     "StorageError",
     "TensorView",
+    "TierSpaceError",
     "UncheckedReadWarning",
     "UnsupportedValueError",
     "ZarrReader",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +22,7 @@ from zarrckpt.engine.writer import commit_save
 from zarrckpt.format import integrity
 from zarrckpt.format.gcpause import gc_paused
 from zarrckpt.format.layout import chunk_rule
+from zarrckpt.format.manifest import Manifest
 from zarrckpt.plan import stateful, targets
 from zarrckpt.plan.localstate import collect
 from zarrckpt.plan.names import check_names
@@ -282,6 +283,44 @@ def load(
     group = Group(process_group)
     storage = Storage(url, storage_options)
     manifest = loader.open_manifest(group, storage, allow_modified=allow_modified)
+    read = partial(loader.read, group, storage, fan_out=fan_out, allow_modified=allow_modified)
+    return load_from(
+        state_dict,
+        group,
+        storage,
+        manifest,
+        read,
+        strict=strict,
+        keys=keys,
+        cast=cast,
+        allow_pickle=allow_pickle,
+        allow_modified=allow_modified,
+        progress=progress,
+        per_rank=per_rank,
+    )
+
+
+Read = Callable[..., int]  # (manifest, requests, *, on_received) -> the bytes this rank fetched
+
+
+def load_from(
+    state_dict: MutableMapping[str, Any],
+    group: Group,
+    storage: Storage,
+    manifest: Manifest,
+    read: Read,
+    *,
+    strict: bool = True,
+    keys: Sequence[str] | None = None,
+    cast: bool = False,
+    allow_pickle: bool = False,
+    allow_modified: bool = False,
+    progress: ProgressOption = False,
+    per_rank: str = "error",
+) -> dict[str, int]:
+    """:func:`load` of an opened ``manifest`` whose requests ``read`` fills (every rank calls it):
+    :func:`zarrckpt.engine.loader.read` from ``storage``, or a local tier's restore
+    (:mod:`zarrckpt.tier.restore`)."""
     state_dict, after_load = stateful.resolve(state_dict)
     start = time.perf_counter()
     matched = targets.match(
@@ -304,15 +343,7 @@ def load(
     total = sum(r.dest.nbytes for r in requests)
     bar = watch(storage, progress, f"load {storage.url}", total, group.rank, group.size)
     try:
-        nbytes = loader.read(
-            group,
-            storage,
-            manifest,
-            requests,
-            fan_out=fan_out,
-            allow_modified=allow_modified,
-            on_received=bar.advance if bar.active else None,
-        )
+        nbytes = read(manifest, requests, on_received=bar.advance if bar.active else None)
     except BaseException:
         bar.abort()
         raise

@@ -24,7 +24,7 @@ import atexit
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field
@@ -43,7 +43,7 @@ from zarrckpt.engine.saveplan import plan_save
 from zarrckpt.engine.writer import commit_save
 from zarrckpt.errors import ZarrckptError
 from zarrckpt.format import dtypes, integrity
-from zarrckpt.format.layout import chunk_rule
+from zarrckpt.format.layout import ChunkRule, chunk_rule
 from zarrckpt.plan import stateful
 from zarrckpt.plan.localstate import LocalState, LocalTensor, collect
 from zarrckpt.plan.names import check_names
@@ -169,36 +169,82 @@ def async_save(
     rule = chunk_rule(chunk_bytes, chunk_policy)
     if staging not in ("caller", "background"):
         raise ZarrckptError(f"async_save: staging must be 'caller' or 'background', not {staging!r}")
-    with _background.lock:
-        if _background.last is not None:
-            wait_for([_background.last])
+    storage = Storage(url, storage_options, verify_writes=verify_after_save)
+
+    def job(plan: ZarrSavePlan, group: Group, handoff: Handoff, bar: Meter, exchange: Exchange | None) -> _Job:
+        return _Job(storage, plan, group, overwrite, handoff, bar, exchange)
+
+    options = Options(rule, check_replicas, small_tensor_bytes, allow_pickle, staging, staging_budget_bytes, progress)
+    return launch(_background, state_dict, storage, job, options, process_group=process_group)
+
+
+@dataclass(frozen=True)
+class Options:
+    """What :func:`launch` needs of a save's options."""
+
+    rule: int | ChunkRule
+    check_replicas: bool
+    small_tensor_bytes: int
+    allow_pickle: bool
+    staging: Staging
+    staging_budget_bytes: int | None
+    progress: ProgressOption
+
+
+Exchange = tuple[LocalState, threading.Event]  # the small-tensor exchange a job runs first, and its end
+
+
+def launch(
+    background: _Background,
+    state_dict: Mapping[str, Any],
+    storage: Storage,
+    make_job: Callable[[ZarrSavePlan, Group, Handoff, Meter, Exchange | None], Any],
+    options: Options,
+    *,
+    process_group: ProcessGroup | None,
+    side: str = "",
+) -> AsyncSave:
+    """Collect and plan on the caller's thread, then run ``make_job(...).run`` on ``background``'s
+    writer (collectives on the side group named ``side``), staging as ``options.staging`` says; the
+    machinery of :func:`async_save`, and of the local tier's saves (:mod:`zarrckpt.tier.save`)."""
+    with background.lock:
+        if background.last is not None:
+            wait_for([background.last])
         group = Group(process_group)
         resolved, _ = stateful.resolve(state_dict)
         local = group.run_together(
-            lambda: collect(resolved, allow_pickle, group.rank, group.size), "collecting the state dict"
+            lambda: collect(resolved, options.allow_pickle, group.rank, group.size), "collecting the state dict"
         )
         # staging in the background: the small-tensor exchange runs on the writer thread too, before the copy
-        later = staging == "background"
-        storage = Storage(url, storage_options, verify_writes=verify_after_save)
+        later = options.staging == "background"
         names = partial(check_names, limits=storage.name_limits, where=storage.url)  # raises here, at the call
-        plan = plan_save(group, local, rule, check_replicas, small_tensor_bytes, exchange=not later, check=names)
-        background = side_group(process_group) if group.active else group
-        handoff = Handoff(staging_budget_bytes)
+        plan = plan_save(
+            group,
+            local,
+            options.rule,
+            options.check_replicas,
+            options.small_tensor_bytes,
+            exchange=not later,
+            check=names,
+        )
+        side_ranks = side_group(process_group, side) if group.active else group
+        handoff = Handoff(options.staging_budget_bytes)
         expected: dict[int, tuple[LocalTensor, int]] | None = None
         if os.environ.get("ZARRCKPT_CHECK_STAGING", "") not in ("", "0"):
             expected = {id(t): (t, _digest(t.data)) for t in local.parts()}  # (t: its id is not reused)
+        progress = options.progress
         whole = plan.total_bytes() if progress is True and group.rank == 0 else None  # (rank 0's plan: every array)
         bar = watch(storage, progress, f"save {storage.url}", plan.bytes_of(group.rank), group.rank, group.size, whole)
         exchanged = threading.Event()
-        job = _Job(storage, plan, background, overwrite, handoff, bar, (local, exchanged) if later else None)
+        job = make_job(plan, side_ranks, handoff, bar, (local, exchanged) if later else None)
         future = AsyncSave(storage.traffic)
-        _background.writer.submit(future._run, job.run)
-        _background.last = future
-        if staging == "caller":
+        background.writer.submit(future._run, job.run)
+        background.last = future
+        if options.staging == "caller":
             _stage(future.staged, handoff, local, expected)
             future.staged.result()  # the copy's error raises here, on the caller's thread
         else:
-            _background.stager.submit(_stage, future.staged, handoff, local, expected, exchanged)
+            background.stager.submit(_stage, future.staged, handoff, local, expected, exchanged)
         return future
 
 
@@ -249,7 +295,7 @@ class _Job:
     overwrite: bool
     handoff: Handoff
     bar: Meter  # progress (inactive unless asked for)
-    exchange: tuple[LocalState, threading.Event] | None = None  # the small-tensor exchange to run first, and its end
+    exchange: Exchange | None = None  # the small-tensor exchange to run first, and its end
     written: integrity.Written = field(default_factory=dict)  # chunk checksums, for the manifest
 
     def run(self) -> None:

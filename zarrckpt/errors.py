@@ -120,3 +120,8 @@ def causes(error: BaseException, limit: int = 20) -> Iterator[BaseException]:
         inner = e.__cause__ or e.__context__
         if inner is not None:
             queue.append(inner)
+
+
+class TierSpaceError(ZarrckptError):
+    """A node's local tier (:class:`zarrckpt.LocalTier`) has no room for the next local step, or its
+    replicas cannot be placed; raised before anything of that step is written."""

@@ -37,6 +37,8 @@ from zarrckpt.lifecycle import (
 from zarrckpt.preemption import SignalWatch
 from zarrckpt.retention import BestMode, Policy, SavedMetrics
 from zarrckpt.storage.store import Storage
+from zarrckpt.tier import LocalTier
+from zarrckpt.tier.run import TierRunner
 from zarrckpt.types import URL
 
 if TYPE_CHECKING:
@@ -92,6 +94,9 @@ class CheckpointManager:
         grace_seconds: see above.
         staging: ``"caller"`` or ``"background"``, as for :func:`zarrckpt.async_save`.
         progress: each save's progress, as for :func:`zarrckpt.save` (``True``: a line on stderr).
+        local: a :class:`~zarrckpt.LocalTier`: also save every ``local.every`` steps to node-local
+            storage with copies on peer nodes; ``load_latest`` then restores the newest step that
+            survives there when it is newer than the remote one (docs/tiers.md).
         save_on: signals that ask for a final save (see above); their handlers are installed here
             (from the main thread) and the previous ones restored by ``close()``. ``save()`` must then
             be called every step on every rank: each call compares notes between ranks (one small
@@ -120,6 +125,7 @@ class CheckpointManager:
         staging: Staging = "caller",
         progress: ProgressOption = False,
         save_on: Iterable[int] = (),
+        local: LocalTier | None = None,
     ) -> None:
         self.policy = Policy(keep_last, keep_every, keep_best, best_metric, best_mode)
         self.policy.check(interval)
@@ -140,6 +146,7 @@ class CheckpointManager:
         self._lock = threading.Lock()
         self._watch = SignalWatch(save_on) if save_on else None
         self.preempted: signal.Signals | None = None  # the signal a final save answered (see save_on)
+        self.tier = TierRunner(local, process_group, staging) if local is not None else None
         if async_save:  # paid here, not in the first save: its process group (collective) and storage client
             side_group(process_group)
             Storage(self.root, storage_options)  # imports the client's modules (s3fs, ...); no request
@@ -169,6 +176,8 @@ class CheckpointManager:
         if self._watch is not None and self._signalled():
             return self._final_save(step, state_dict, metrics)
         due = step >= 0 and (force or step % self.interval == 0)
+        if self.tier is not None and self.tier.due(step):
+            self.tier.start(step, state_dict)  # (raises the previous local save's failure first)
         try:
             self._check_previous()
         except CheckpointSaveError as e:
@@ -237,6 +246,8 @@ class CheckpointManager:
         Raises:
             CheckpointSaveError: the copy failed (nothing is committed; raised once, here).
         """
+        if self.tier is not None:
+            self.tier.wait_staged()
         if self._saving is None:
             return
         step, future = self._saving
@@ -285,6 +296,8 @@ class CheckpointManager:
         Every rank calls it; rank 0 decides which step, so all ranks load the same one.
         """
         chosen = Group(self.process_group).all_gather_json(self.latest() if self.rank == 0 else None)[0]
+        if self.tier is not None and (local := self.tier.restore_newest(state_dict, chosen, **kwargs)) is not None:
+            return local
         if chosen is None:
             return None
         step = int(chosen)
@@ -364,6 +377,8 @@ class CheckpointManager:
         """
         try:
             self._check_previous()
+            if self.tier is not None:
+                self.tier.check()
         finally:
             self._wait_deletions()
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 T = TypeVar("T")
-_side_groups: dict[int, ProcessGroup] = {}
+_side_groups: dict[tuple[int, str], ProcessGroup] = {}
 MAX_DISTINCT = 256  # distinct objects sent one broadcast each; more: one all-gather of them all
 
 
@@ -310,14 +310,14 @@ def _describe(error: BaseException | None) -> list[str] | None:
     return None if error is None else [type(error).__name__, str(error)]
 
 
-def side_group(process_group: ProcessGroup | None = None) -> Group:
+def side_group(process_group: ProcessGroup | None = None, name: str = "") -> Group:
     """A :class:`Group` over the same ranks as ``process_group`` on a gloo group of its own (made once per
-    group, collectively on first use), so collectives of a background thread never interleave with the
-    caller's. Inactive (1 rank) when ``process_group`` is."""
+    group and ``name``, collectively on first use), so collectives of a background thread never interleave
+    with the caller's, nor with another background thread's (each names its own)."""
     group = Group(process_group)
     if not group.active:
         return group
-    key = id(process_group)
+    key = (id(process_group), name)
     if key not in _side_groups:
         ranks = torch_dist.get_process_group_ranks(process_group) if process_group is not None else None
         _side_groups[key] = torch_dist.new_group(ranks=ranks, backend="gloo")

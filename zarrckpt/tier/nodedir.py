@@ -1,0 +1,175 @@
+"""A node's tier directory on disk: its local steps, their markers, pruning, room, and a restore's
+scratch directory (the objects a node's ranks need, hard-linked or received, read as one checkpoint).
+
+Layout (docs/FORMAT.md §10)::
+
+    <tier root>/step_<10-digit step>.<save id>/        a local step: zarrckpt's own format
+        zarr.json, .zarrckpt-crc32c                    its manifest and checksum table (every node)
+        <array>/c/<i>/...                              the shards this node's ranks wrote, and copies
+        .zarrckpt-tier/held-<rank>.json                this directory holds every object of that rank
+        .zarrckpt-tier/committed.json                  every copy existed when the save ended
+    <tier root>/.restore-<save id>.<node>/            a restore in progress (removed after it)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from zarrckpt.errors import TierSpaceError, ZarrckptError
+from zarrckpt.format.manifest import MANIFEST
+from zarrckpt.tier.layout import COMMITTED, RESTORING, STEP_DIR, TIER_DIR, StepSeen, held_marker
+
+log = logging.getLogger("zarrckpt")
+
+
+def scan(root: str) -> list[StepSeen]:
+    """The local steps in ``root`` that have a manifest, with what their markers say (markers of
+    another save than the directory's are ignored); newest first."""
+    out = []
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    for name in names:
+        m = STEP_DIR.match(name)
+        if m is None or not os.path.exists(os.path.join(root, name, MANIFEST)):
+            continue
+        step, sid = int(m.group(1)), m.group(2)
+        held, world, started, committed = [], None, 0.0, False
+        for doc in _markers(os.path.join(root, name, TIER_DIR)):
+            if doc.get("save_id") != sid:
+                continue
+            world, started = int(doc["world_size"]), float(doc["started"])
+            if doc.get("kind") == "committed":
+                committed = True
+            elif doc.get("kind") == "held":
+                held.append(int(doc["rank"]))
+        if world is not None:
+            out.append(StepSeen(step, sid, world, committed, tuple(sorted(held)), started))
+    return sorted(out, key=lambda s: (s.step, s.started), reverse=True)
+
+
+def _markers(where: str) -> list[dict[str, Any]]:
+    docs = []
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(where):
+            if name.endswith(".json"):
+                try:
+                    with open(os.path.join(where, name), "rb") as f:
+                        docs.append(json.loads(f.read()))
+                except (OSError, ValueError):  # a marker torn by a crash: as if absent
+                    continue
+    return docs
+
+
+def write_marker(step_root: str, path: str, doc: dict[str, Any]) -> None:
+    """Write a marker durably: a temporary name, fsync, rename, then the directory flushed."""
+    full = os.path.join(step_root, path)
+    os.makedirs(os.path.dirname(full), exist_ok=True)
+    tmp = f"{full}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(json.dumps(doc).encode())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, full)
+    fd = os.open(os.path.dirname(full), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def held(step_root: str, rank: int, doc: dict[str, Any]) -> None:
+    write_marker(step_root, held_marker(rank), {**doc, "kind": "held", "rank": rank})
+
+
+def committed(step_root: str, doc: dict[str, Any]) -> None:
+    write_marker(step_root, COMMITTED, {**doc, "kind": "committed"})
+
+
+def prune(root: str, keep: int) -> list[str]:
+    """Before a new local step: delete every step directory but the newest ``keep`` committed ones,
+    and any restore's scratch left behind; returns the names deleted."""
+    seen = scan(root)
+    kept = {f"step_{s.step:010d}.{s.save_id}" for s in [s for s in seen if s.committed][: max(keep, 0)]}
+    gone = []
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(root):
+            if (STEP_DIR.match(name) and name not in kept) or name.startswith(RESTORING):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+                gone.append(name)
+    return gone
+
+
+def check_room(root: str, need: int, reclaimable: int, tier: Any, nodes: Sequence[str]) -> None:
+    """Raise ``TierSpaceError`` when ``root``'s filesystem has less than ``need`` bytes free, counting
+    ``reclaimable`` bytes of it (steps that will be deleted) as free."""
+    os.makedirs(root, exist_ok=True)
+    st = os.statvfs(root)
+    free = st.f_bavail * st.f_frsize + reclaimable
+    if free < need:
+        raise TierSpaceError(
+            f"the local tier at {root} has room for {free / 2**20:.1f} MiB, and needs {need / 2**20:.1f} MiB "
+            f"(keep={tier.keep} steps of this node's shards and the copies it holds for replicas={tier.replicas} "
+            f"other nodes; the job's nodes: {', '.join(nodes)}): give it more room (a bigger /dev/shm, another "
+            "path), or lower keep or replicas; nothing of this step was written"
+        )
+
+
+def usage(root: str) -> int:
+    """The bytes of the files under ``root`` (the tier's steps, all of which a new job may replace)."""
+    total = 0
+    for where, _, files in os.walk(root):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(where, name)).st_size
+    return total
+
+
+def read_into(step_root: str, path: str, view: memoryview) -> None:
+    with open(os.path.join(step_root, path), "rb") as f:
+        if f.readinto(view) != len(view):
+            raise ZarrckptError(f"{os.path.join(step_root, path)}: shorter than it was a moment ago")
+
+
+def size(step_root: str, path: str) -> int:
+    return os.path.getsize(os.path.join(step_root, path))
+
+
+def put(root: str, path: str, data: memoryview | bytes) -> None:
+    """Create ``root/path`` (a received object), whole or not at all (temporary name, rename)."""
+    full = os.path.join(root, path)
+    os.makedirs(os.path.dirname(full), exist_ok=True)
+    tmp = f"{full}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, full)
+
+
+def link(src_root: str, dst_root: str, path: str) -> bool:
+    """Hard-link ``src_root/path`` into ``dst_root`` (another rank of the node may have already);
+    False when the source is not there."""
+    src, dst = os.path.join(src_root, path), os.path.join(dst_root, path)
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    try:
+        os.link(src, dst)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def remove(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def now() -> float:
+    return time.time()

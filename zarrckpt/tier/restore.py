@@ -1,0 +1,134 @@
+"""Restore the newest local step that survives, under any world size or layout.
+
+Every rank calls :func:`restore`. Each node's lowest rank says what its tier directory holds (one
+all-gather); :func:`zarrckpt.tier.layout.choose` picks, alike on every rank, the newest step that
+some node saw committed and whose every saving rank's objects survive on some node. The manifest
+and checksum table come from a node holding the step (one broadcast each). The load is planned as
+any load (:func:`zarrckpt.api.load_from`), then each node gathers the objects its ranks need into a
+scratch directory: hard links of what its own tier holds, and copies of the rest sent by a rank of
+a node that holds them (each object once per node). The ranks read from there, every chunk checked
+against the step's commit record, and the scratch directory goes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import MutableMapping, Sequence
+from functools import partial
+from typing import Any
+
+from zarrckpt.api import load_from
+from zarrckpt.engine import crctable, loader
+from zarrckpt.engine.dist import Group
+from zarrckpt.errors import IncompleteCheckpointError
+from zarrckpt.format import integrity
+from zarrckpt.format.manifest import MANIFEST, Manifest
+from zarrckpt.plan.fetch import Request, plan_reads
+from zarrckpt.storage.store import Storage
+from zarrckpt.tier import LocalTier, nodedir
+from zarrckpt.tier.layout import RESTORING, Choice, Nodes, StepSeen, choose, receivers, senders, step_dir
+from zarrckpt.tier.ship import ship
+
+log = logging.getLogger("zarrckpt")
+
+
+def survey(tier: LocalTier, group: Group, newer_than: int | None) -> tuple[Nodes, Choice | None]:
+    """The restoring job's nodes, and the newest local step it can assemble that is newer than
+    ``newer_than`` (None: none); every rank calls it and gets the same answer."""
+    root = tier.root()
+    nodes = Nodes.of(group.all_gather_json(tier.node_name()))
+    mine = [s.to_json() for s in nodedir.scan(root)] if nodes.lead(group.rank) else None
+    views = group.all_gather_json(mine)
+    seen = {
+        name: [StepSeen.from_json(d) for d in views[ranks[0]]]
+        for name, ranks in zip(nodes.names, nodes.ranks, strict=True)
+    }
+    return nodes, choose(seen, newer_than)
+
+
+def restore(
+    tier: LocalTier, group: Group, nodes: Nodes, choice: Choice, state_dict: MutableMapping[str, Any], **kwargs: Any
+) -> dict[str, int]:
+    """Load local step ``choice`` into ``state_dict`` (as :func:`zarrckpt.load` takes ``kwargs``).
+
+    Raises:
+        IncompleteCheckpointError: an object the load needs is on no surviving node after all.
+        CorruptChunkError, ZarrckptError: as a load raises them (on every rank).
+    """
+    start = time.perf_counter()
+    root = tier.root()
+    step_root = os.path.join(root, step_dir(choice.step, choice.save_id))
+    source = nodes.ranks[nodes.names.index(choice.holders[0])][0]  # the lowest rank of a node holding the step
+    where = f"local step {choice.step} ({step_root} on node {choice.holders[0]})"
+
+    def read_there(name: str) -> bytes:
+        with open(os.path.join(step_root, name), "rb") as f:
+            return f.read()
+
+    raw = group.broadcast_from(source, read_there(MANIFEST) if group.rank == source else b"")
+    table = group.broadcast_from(source, read_there(integrity.TABLE) if group.rank == source else b"")
+    manifest = crctable.with_table(Manifest.loads(raw, where), lambda: table, 1, where)
+    scratch = os.path.join(root, f"{RESTORING}{choice.save_id}.{tier.node_name()}")
+    os.makedirs(scratch, exist_ok=True)
+    try:
+        read = partial(_read, group, nodes, step_root, scratch)
+        stats = load_from(state_dict, group, Storage(scratch), manifest, read, **kwargs)
+    finally:
+        group.barrier()
+        if nodes.lead(group.rank):
+            nodedir.remove(scratch)
+    log.info("restored local step %d in %.2fs", choice.step, time.perf_counter() - start)
+    return stats
+
+
+def _read(
+    group: Group,
+    nodes: Nodes,
+    step_root: str,
+    scratch: str,
+    manifest: Manifest,
+    requests: Sequence[Request],
+    *,
+    on_received: Any = None,
+) -> int:
+    """Gather the objects ``requests`` read into the node's ``scratch``, then read them from there."""
+
+    def gather_local() -> list[str]:
+        needed = sorted(
+            {t.meta.shard_path(t.index) for t in plan_reads([r for r in requests if r.meta.constant is None])}
+        )
+        return [p for p in needed if not nodedir.link(step_root, scratch, p)]
+
+    missing = group.run_together(gather_local, "linking the local tier's objects")
+    wanted = [list(w) for w in group.all_gather_json(missing)]
+    union = sorted({p for w in wanted for p in w})
+    lead = nodes.lead(group.rank)
+    have = [i for i, p in enumerate(union) if os.path.exists(os.path.join(step_root, p))] if lead and union else []
+    haves = group.all_gather_json(have)
+    held_by: list[list[int]] = [[] for _ in union]
+    for node, ranks in enumerate(nodes.ranks):
+        for i in haves[ranks[0]]:
+            held_by[i].append(node)
+    sender, lost = senders(union, held_by, nodes)
+    if lost:
+        raise IncompleteCheckpointError(
+            f"restoring from the local tier: {len(lost)} objects are on no surviving node (first: {lost[0]}), "
+            "although every rank's held marker survives; the tier was changed after it was committed"
+        )
+    into = receivers(wanted, nodes)
+    sends: dict[int, list[str]] = {}
+    sources = set()
+    for wants in into.values():
+        for path, rank in wants.items():
+            if sender[path] == group.rank:
+                sends.setdefault(rank, []).append(path)
+            if rank == group.rank:
+                sources.add(sender[path])
+    size, read = partial(nodedir.size, step_root), partial(nodedir.read_into, step_root)
+    received = ship(group, sends, sorted(sources), size, read, partial(nodedir.put, scratch))
+    if on_received is not None and received:
+        on_received(received)
+    group.barrier()  # every node's scratch holds all its ranks need
+    return loader.read(group, Storage(scratch), manifest, requests, fan_out=False, allow_modified=False) + received
