@@ -485,16 +485,16 @@ def modelled(world: World) -> Iterator[World]:
         found = [p for p in world.procs if p.pid == pid]
         return None if not found or found[0].ended() else ("S", 1)
 
-    import zarrckpt.manager as manager_module
+    import zarrckpt.deleter as deleter_module
 
-    retention_delete = manager_module.delete
+    retention_delete = deleter_module.delete
 
     def retention(url: str, **kwargs: Any) -> bool:  # retention asks for a committed checkpoint's deletion
         world.current().asking = url
         return retention_delete(url, **kwargs)
 
     WORLD = world
-    manager_module.delete = retention  # type: ignore[assignment]
+    deleter_module.delete = retention  # type: ignore[assignment]
     clock.wall = lambda: EPOCH + timedelta(seconds=world.now)  # type: ignore[assignment]
     clock.monotonic = lambda: world.now  # type: ignore[assignment]
     clock.sleep = lambda seconds: world.sleep(seconds) and None  # type: ignore[assignment,func-returns-value]
@@ -512,7 +512,7 @@ def modelled(world: World) -> Iterator[World]:
             clock.wall, clock.monotonic, clock.sleep, clock.wait, clock.relying_until, markers.writer_identity,
             markers.proc_stat, markers._Heartbeat.start, markers._Heartbeat.stop, remote.ATOMIC_CREATE_CLIENTS,
         ) = saved  # fmt: skip
-        manager_module.delete = retention_delete  # type: ignore[assignment]
+        deleter_module.delete = retention_delete  # type: ignore[assignment]
         WORLD = None
 
 
@@ -585,7 +585,7 @@ class Scenario:
 
         def run() -> None:
             m = zarrckpt.CheckpointManager(ROOT, interval=1, keep_last=keep_last, async_save=False)
-            m._deleter = Inline()  # type: ignore[assignment]
+            m.deleter.pool = Inline()  # type: ignore[assignment]
             for step, rec in zip(steps, recs, strict=True):
                 _VALUE[proc.name] = rec.value
                 try:
@@ -611,7 +611,7 @@ class Scenario:
 
         def run() -> None:
             m = zarrckpt.CheckpointManager(ROOT, interval=1, keep_last=100, async_save=False, grace_seconds=0)
-            m._deleter = Inline()  # type: ignore[assignment]
+            m.deleter.pool = Inline()  # type: ignore[assignment]
             m.cleanup()
 
         self.w.spawn(proc, proc.name, run)

@@ -97,6 +97,7 @@ MARKED = {
     "ray-example": "tests/test_ray.py::test_the_documented_example_runs_as_a_script",
     "accelerate-example": "tests/test_accelerate.py::test_the_documented_example_runs_as_a_script",
     "torchtitan-example": "tests/test_torchtitan.py::test_the_documented_example_runs_as_a_script",
+    "tier-example": "tests/test_tier.py::test_the_documented_example_runs_as_a_script",
 }
 
 

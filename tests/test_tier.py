@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from docexamples import run_example
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.multiprocessing.spawn import ProcessException
@@ -19,6 +20,17 @@ import zarrckpt
 from zarrckpt.testing import spawn
 from zarrckpt.tier import nodedir
 from zarrckpt.tier.layout import Nodes, StepSeen, check_replicas, choose, receivers, senders
+
+# --- the documented example ---
+
+
+@pytest.mark.slow
+def test_the_documented_example_runs_as_a_script(tmp_path: Path) -> None:
+    """docs/tiers.md's example: 2 nodes of 2 ranks save; node1 is lost; 4 ranks, then 2, resume from memory."""
+    done = run_example("tiers.md", "tier-example", tmp_path)
+    assert done.stdout.splitlines() == ["resumed at step 14 on 4 ranks", "resumed at step 14 on 2 ranks"], done.stdout
+    assert zarrckpt.committed_steps(tmp_path / "remote") == [0, 10], "the restores read local steps: 14 is not remote"
+
 
 # --- the rules (pure) ---
 

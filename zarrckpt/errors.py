@@ -18,6 +18,7 @@ __all__ = [
     "ModifiedCheckpointError",
     "SaveLayoutError",
     "StorageError",
+    "TierSpaceError",
     "UnsupportedValueError",
     "ZarrckptError",
     "causes",

@@ -11,29 +11,19 @@ from __future__ import annotations
 
 import logging
 import signal
-import threading
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_for
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from zarrckpt.api import load, save
 from zarrckpt.asyncsave import AsyncSave, Staging, async_save
+from zarrckpt.deleter import Deleter
 from zarrckpt.display import ProgressOption
 from zarrckpt.engine.dist import Group, side_group
 from zarrckpt.errors import CheckpointSaveError, ZarrckptError
-from zarrckpt.lifecycle import (
-    DEFAULT_GRACE_SECONDS,
-    STEP_NAME,
-    Entry,
-    await_dead_save,
-    committed_steps,
-    delete,
-    is_leftover,
-    remove_leftover,
-    scan,
-)
+from zarrckpt.lifecycle import DEFAULT_GRACE_SECONDS, await_dead_save
 from zarrckpt.preemption import SignalWatch
 from zarrckpt.retention import BestMode, Policy, SavedMetrics
 from zarrckpt.storage.store import Storage
@@ -140,10 +130,9 @@ class CheckpointManager:
         self.grace_seconds = grace_seconds
         self.rank = Group(process_group).rank
         self._saving: tuple[int, Future[None]] | None = None  # the last save started, until its outcome is seen
-        self._deleter = ThreadPoolExecutor(max_workers=delete_workers, thread_name_prefix="zarrckpt-delete")
-        self._deleting: list[Future[None]] = []  # background retention work (guarded by _lock)
-        self._doomed: set[int] = set()  # steps queued for deletion or being deleted (guarded by _lock)
-        self._lock = threading.Lock()
+        self.deleter = Deleter(
+            self.root, self.url, self.policy, self.metrics, storage_options, grace_seconds, delete_workers
+        )
         self._watch = SignalWatch(save_on) if save_on else None
         self.preempted: signal.Signals | None = None  # the signal a final save answered (see save_on)
         self.tier = TierRunner(local, process_group, staging) if local is not None else None
@@ -191,7 +180,7 @@ class CheckpointManager:
         future = self._start(step, state_dict, self.use_async, metrics)
         self._saving = (step, future)
         if self.rank == 0:  # queued now, so wait() / close() cannot miss it
-            self._background(partial(self._retain_after, future))
+            self.deleter.after(future)
         return future
 
     def _start(self, step: int, state_dict: Any, use_async: bool, metrics: dict[str, Any] | None) -> Future[None]:
@@ -235,7 +224,7 @@ class CheckpointManager:
         if self.rank == 0:
             log.warning("%s received: saved step %d to %s; stop now", self._signal.name, step, self.url(step))
             if not done:  # (done: the save in flight was this step, and queued its retention)
-                self._background(self._retain)  # a preempted job leaves keep_last, not keep_last + 1
+                self.deleter.now()  # a preempted job leaves keep_last, not keep_last + 1
         return future
 
     def wait_staged(self) -> None:
@@ -284,7 +273,7 @@ class CheckpointManager:
 
     def steps(self) -> list[int]:
         """Committed steps, ascending."""
-        return committed_steps(self.root, storage_options=self.storage_options)
+        return self.deleter.steps()
 
     def latest(self) -> int | None:
         steps = self.steps()
@@ -316,58 +305,7 @@ class CheckpointManager:
         ``all_incomplete=True`` also removes incomplete ones whose marker has no heartbeat, whatever
         its age: call it when no save of such an older zarrckpt can be running.
         """
-        if self.rank != 0:
-            return []
-        found = [
-            (e, int(m.group(1)))
-            for e in scan(self.root, storage_options=self.storage_options)
-            if (m := STEP_NAME.match(e.name))
-        ]
-        stale = {
-            step: e
-            for e, step in found
-            if is_leftover(e, self.grace_seconds) or (all_incomplete and e.state == "incomplete" and not e.lease)
-        }
-        for step, entry in sorted(stale.items()):
-            self._delete(step, entry)
-        return sorted(stale)
-
-    def _background(self, fn: Any) -> None:
-        future = self._deleter.submit(fn)  # (not under the lock: the work takes it)
-        with self._lock:
-            self._deleting.append(future)
-
-    def _retain_after(self, saving: Future[None]) -> None:
-        if saving.exception() is None:  # blocks until the save is done
-            self._retain()
-
-    def _retain(self) -> None:
-        steps = self.steps()
-        keep = self.policy.keep(steps, self.metrics.of(steps) if self.policy.keep_best else {})
-        for step in steps:
-            if step not in keep:
-                self._delete(step, None)
-        self.cleanup()
-
-    def _delete(self, step: int, leftover: Entry | None) -> None:
-        """Delete ``step`` in the background: the committed checkpoint retention chose (``leftover`` None),
-        or the leftover ``leftover``; either only while it still is what it was chosen as."""
-        with self._lock:  # (retention after the next save may find it still listed: delete it once)
-            if step in self._doomed:
-                return
-            self._doomed.add(step)
-        log.info("deleting %s %s", "checkpoint" if leftover is None else f"{leftover.state} leftover", self.url(step))
-        self._background(partial(self._delete_one, step, leftover))
-
-    def _delete_one(self, step: int, leftover: Entry | None) -> None:
-        try:
-            if leftover is None:
-                delete(self.url(step), storage_options=self.storage_options, committed_only=True)
-            else:
-                remove_leftover(leftover, storage_options=self.storage_options)
-        finally:
-            with self._lock:
-                self._doomed.discard(step)
+        return self.deleter.cleanup(all_incomplete) if self.rank == 0 else []
 
     def wait(self) -> None:
         """Wait for the save in flight and for deletions.
@@ -380,20 +318,7 @@ class CheckpointManager:
             if self.tier is not None:
                 self.tier.check()
         finally:
-            self._wait_deletions()
-
-    def _wait_deletions(self) -> None:
-        while True:
-            with self._lock:
-                pending = list(self._deleting)
-            if not pending:
-                return
-            done, _ = wait_for(pending)
-            with self._lock:
-                self._deleting = [f for f in self._deleting if f not in done]
-            for f in done:
-                if f.exception() is not None:
-                    log.warning("deleting an old checkpoint failed: %s", f.exception())
+            self.deleter.wait()
 
     def close(self) -> None:
         """Wait for the save in flight and for deletions, then stop the deleter.
@@ -404,7 +329,7 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
-            self._deleter.shutdown(wait=True)
+            self.deleter.shutdown()
             if self._watch is not None:
                 self._watch.close()
 
