@@ -69,7 +69,9 @@ def test_choose_the_newest_step_every_rank_of_which_survives() -> None:
     }
     got = choose(seen)
     assert got is not None and (got.step, got.save_id, got.holders) == (20, b, ("n0",))
-    assert choose(seen, newer_than=20) is None, "a remote step as new wins"
+    tie = choose(seen, newer_than=20)
+    assert tie is not None and tie.step == 20, "a step in both tiers is read from the local one"
+    assert choose(seen, newer_than=21) is None, "a newer remote step wins"
     partial = {"n0": [_seen(20, b, (0, 1)), _seen(10, a, (0, 1))], "n1": [_seen(10, a, (2, 3))]}
     got = choose(partial)
     assert got is not None and got.step == 10 and got.holders == ("n0", "n1"), "step 20 lost ranks 2 and 3"
@@ -101,6 +103,19 @@ def test_each_missing_object_has_one_sender_and_one_receiver_per_node() -> None:
     assert send["x/c/0"] in (0, 1)
     into = receivers([["p"], ["p", "q"], [], ["q"]], nodes)
     assert into == {0: {"p": 0, "q": 1}, 1: {"q": 3}}
+
+
+def test_objects_are_shipped_in_bounded_batches() -> None:
+    from zarrckpt.tier.ship import BATCH_BYTES, _batches
+
+    assert _batches([]) == []
+    assert _batches([("a", 0), ("b", 5)]) == [[("a", 0), ("b", 5)]], "an empty object first"
+    big = BATCH_BYTES
+    assert _batches([("a", 1), ("b", big), ("c", 1), ("d", big - 1)]) == [
+        [("a", 1)],
+        [("b", big)],
+        [("c", 1), ("d", big - 1)],
+    ]
 
 
 def test_a_tier_without_room_is_refused_with_what_it_needs(tmp_path: Path) -> None:
@@ -144,6 +159,18 @@ def test_one_process_saves_and_restores_the_newest_local_step(tmp_path: Path) ->
     got = {"w": torch.zeros(8, 8), "step": -1}
     assert again.load_latest(got) == 6  # the remote holds step 4
     assert torch.equal(got["w"], _plain(6)["w"]) and got["step"] == 6
+    again.close()
+
+
+def test_a_state_of_constants_only_is_restored_from_the_tier(tmp_path: Path) -> None:
+    """Constant arrays have no shards and the checksum table is empty (a helper found its restore failing)."""
+    tier = zarrckpt.LocalTier(path=str(tmp_path / "tier"), every=5, replicas=0, node="a")
+    manager = zarrckpt.CheckpointManager(str(tmp_path / "remote"), interval=10, keep_last=2, local=tier)
+    manager.save(5, {"w": torch.zeros(1000), "step": 5})
+    manager.close()
+    got = {"w": torch.ones(1000), "step": -1}
+    again = zarrckpt.CheckpointManager(str(tmp_path / "remote"), interval=10, keep_last=2, local=tier)
+    assert again.load_latest(got) == 5 and got["step"] == 5 and not got["w"].any()
     again.close()
 
 

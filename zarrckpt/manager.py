@@ -86,7 +86,7 @@ class CheckpointManager:
         progress: each save's progress, as for :func:`zarrckpt.save` (``True``: a line on stderr).
         local: a :class:`~zarrckpt.LocalTier`: also save every ``local.every`` steps to node-local
             storage with copies on peer nodes; ``load_latest`` then restores the newest step that
-            survives there when it is newer than the remote one (docs/tiers.md).
+            survives there when it is at least as new as the remote one (docs/tiers.md).
         save_on: signals that ask for a final save (see above); their handlers are installed here
             (from the main thread) and the previous ones restored by ``close()``. ``save()`` must then
             be called every step on every rank: each call compares notes between ranks (one small

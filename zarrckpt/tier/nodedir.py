@@ -1,7 +1,7 @@
 """A node's tier directory on disk: its local steps, their markers, pruning, room, and a restore's
 scratch directory (the objects a node's ranks need, hard-linked or received, read as one checkpoint).
 
-Layout (docs/FORMAT.md §10)::
+Layout (docs/FORMAT.md §8)::
 
     <tier root>/step_<10-digit step>.<save id>/        a local step: zarrckpt's own format
         zarr.json, .zarrckpt-crc32c                    its manifest and checksum table (every node)
@@ -24,7 +24,7 @@ from typing import Any
 
 from zarrckpt.errors import TierSpaceError, ZarrckptError
 from zarrckpt.format.manifest import MANIFEST
-from zarrckpt.tier.layout import COMMITTED, RESTORING, STEP_DIR, TIER_DIR, StepSeen, held_marker
+from zarrckpt.tier.layout import COMMITTED, RESTORING, STEP_DIR, TIER_DIR, StepSeen, held_marker, step_dir
 
 log = logging.getLogger("zarrckpt")
 
@@ -94,17 +94,22 @@ def committed(step_root: str, doc: dict[str, Any]) -> None:
     write_marker(step_root, COMMITTED, {**doc, "kind": "committed"})
 
 
+def doomed(root: str, keep: int) -> list[str]:
+    """What :func:`prune` deletes: every step directory but the newest ``keep`` committed ones, and
+    any restore's scratch left behind."""
+    kept = {step_dir(s.step, s.save_id) for s in [s for s in scan(root) if s.committed][: max(keep, 0)]}
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    return [n for n in names if (STEP_DIR.match(n) and n not in kept) or n.startswith(RESTORING)]
+
+
 def prune(root: str, keep: int) -> list[str]:
-    """Before a new local step: delete every step directory but the newest ``keep`` committed ones,
-    and any restore's scratch left behind; returns the names deleted."""
-    seen = scan(root)
-    kept = {f"step_{s.step:010d}.{s.save_id}" for s in [s for s in seen if s.committed][: max(keep, 0)]}
-    gone = []
-    with contextlib.suppress(FileNotFoundError):
-        for name in os.listdir(root):
-            if (STEP_DIR.match(name) and name not in kept) or name.startswith(RESTORING):
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-                gone.append(name)
+    """Before a new local step: delete :func:`doomed`'s directories; returns their names."""
+    gone = doomed(root, keep)
+    for name in gone:
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     return gone
 
 
@@ -123,13 +128,14 @@ def check_room(root: str, need: int, reclaimable: int, tier: Any, nodes: Sequenc
         )
 
 
-def usage(root: str) -> int:
-    """The bytes of the files under ``root`` (the tier's steps, all of which a new job may replace)."""
+def usage(root: str, names: Sequence[str]) -> int:
+    """The bytes of the files under ``root``'s directories ``names``."""
     total = 0
-    for where, _, files in os.walk(root):
-        for name in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(where, name)).st_size
+    for name in names:
+        for where, _, files in os.walk(os.path.join(root, name)):
+            for file in files:
+                with contextlib.suppress(OSError):
+                    total += os.lstat(os.path.join(where, file)).st_size
     return total
 
 

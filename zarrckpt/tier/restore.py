@@ -35,7 +35,7 @@ log = logging.getLogger("zarrckpt")
 
 
 def survey(tier: LocalTier, group: Group, newer_than: int | None) -> tuple[Nodes, Choice | None]:
-    """The restoring job's nodes, and the newest local step it can assemble that is newer than
+    """The restoring job's nodes, and the newest local step it can assemble that is at least as new as
     ``newer_than`` (None: none); every rank calls it and gets the same answer."""
     root = tier.root()
     nodes = Nodes.of(group.all_gather_json(tier.node_name()))
@@ -63,13 +63,11 @@ def restore(
     source = nodes.ranks[nodes.names.index(choice.holders[0])][0]  # the lowest rank of a node holding the step
     where = f"local step {choice.step} ({step_root} on node {choice.holders[0]})"
 
-    def read_there(name: str) -> bytes:
-        with open(os.path.join(step_root, name), "rb") as f:
-            return f.read()
-
-    raw = group.broadcast_from(source, read_there(MANIFEST) if group.rank == source else b"")
-    table = group.broadcast_from(source, read_there(integrity.TABLE) if group.rank == source else b"")
-    manifest = crctable.with_table(Manifest.loads(raw, where), lambda: table, 1, where)
+    raw = _from_source(group, source, step_root, MANIFEST, where)
+    manifest = Manifest.loads(raw, where)
+    ref = manifest.table_ref
+    table = _from_source(group, source, step_root, integrity.TABLE, where) if ref and ref["bytes"] else b""
+    manifest = crctable.with_table(manifest, lambda: table, 1, where)
     scratch = os.path.join(root, f"{RESTORING}{choice.save_id}.{tier.node_name()}")
     os.makedirs(scratch, exist_ok=True)
     try:
@@ -81,6 +79,23 @@ def restore(
             nodedir.remove(scratch)
     log.info("restored local step %d in %.2fs", choice.step, time.perf_counter() - start)
     return stats
+
+
+def _from_source(group: Group, source: int, step_root: str, name: str, where: str) -> bytes:
+    """``source``'s file ``name`` of the step, on every rank (its failure raised on every rank)."""
+    data = b""
+
+    def read() -> None:
+        nonlocal data
+        if group.rank == source:
+            try:
+                with open(os.path.join(step_root, name), "rb") as f:
+                    data = f.read()
+            except OSError as e:
+                raise IncompleteCheckpointError(f"{where}: cannot read its {name}: {e}") from e
+
+    group.run_together(read, "reading the local step's manifest")
+    return group.broadcast_from(source, data)
 
 
 def _read(

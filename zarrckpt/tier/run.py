@@ -1,5 +1,5 @@
 """The local tier as a :class:`~zarrckpt.CheckpointManager` runs it: a save in flight at a time, its
-failure raised once, and the restore of the newest local step when it is newer than the remote one."""
+failure raised once, and the restore of the newest local step when it is at least as new as the remote one."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from zarrckpt.asyncsave import AsyncSave, Staging
 from zarrckpt.engine.dist import Group
-from zarrckpt.errors import CheckpointSaveError, TierSpaceError, ZarrckptError
+from zarrckpt.errors import CheckpointSaveError, TierSpaceError
 from zarrckpt.tier import LocalTier
 from zarrckpt.tier.layout import Nodes, check_replicas
 from zarrckpt.tier.restore import restore, survey
@@ -81,8 +81,8 @@ class TierRunner:
         )
 
     def restore_newest(self, state_dict: MutableMapping[str, Any], newer_than: int | None, **kwargs: Any) -> int | None:
-        """Restore the newest local step every shard of which survives, when it is newer than
-        ``newer_than`` (the newest remote step); returns its step, or None (nothing newer, or, when
+        """Restore the newest local step every shard of which survives, when it is at least as new as
+        ``newer_than`` (the newest remote step); returns its step, or None (nothing as new, or, when
         there is a remote step to fall back on, the restore failed: logged as a WARNING)."""
         self.check()
         group = Group(self.process_group)
@@ -91,7 +91,7 @@ class TierRunner:
             return None
         try:
             restore(self.tier, group, nodes, choice, state_dict, **kwargs)
-        except ZarrckptError as e:
+        except Exception as e:  # (raised on every rank alike: each read and transfer fails together)
             if newer_than is None:
                 raise
             if group.rank == 0:

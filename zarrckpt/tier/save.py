@@ -150,10 +150,14 @@ class _TierJob:
         return [uuid.uuid4().hex, time.time()] if self.group.rank == 0 else None
 
     def capacity(self, sizes: list[int]) -> None:
-        """Each node's lowest rank: ``keep`` steps of this size fit in the tier (its free room and what it holds)."""
+        """Each node's lowest rank: the ``keep`` newest steps fit in the tier once this one is written (its
+        free room, and what the next pruning deletes; the steps kept count as of this size)."""
         if self.nodes.lead(self.group.rank):
-            need = self._node_bytes(sizes)
-            nodedir.check_room(self.root, need * self.tier.keep, nodedir.usage(self.root), self.tier, self.nodes.names)
+            need = self._node_bytes(sizes) * self.tier.keep
+            kept = [s for s in nodedir.scan(self.root) if s.committed][: self.tier.keep - 1]
+            need -= sum(nodedir.usage(self.root, [step_dir(s.step, s.save_id)]) for s in kept)
+            reclaimable = nodedir.usage(self.root, nodedir.doomed(self.root, self.tier.keep - 1))
+            nodedir.check_room(self.root, need, reclaimable, self.tier, self.nodes.names)
 
     def _node_bytes(self, sizes: list[int]) -> int:
         """What a step takes in this node's tier: its ranks' shards and the copies it holds for others."""
@@ -168,8 +172,7 @@ class _TierJob:
 
     def _manifest(self, nodes: Nodes, storage: Storage, raw: bytes, table: bytes) -> None:
         if nodes.lead(self.group.rank):
-            if table:
-                storage.create(integrity.TABLE, [table])
+            storage.create(integrity.TABLE, [table])  # (empty when every array is constant)
             storage.create(MANIFEST, [raw])
 
     def _replicas(self, storage: Storage, step_root: str, sources: list[int], doc: dict[str, Any]) -> None:

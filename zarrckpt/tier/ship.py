@@ -84,9 +84,9 @@ def _header(src: int, buf: np.ndarray) -> list[tuple[str, int]]:
 def _batches(items: Sequence[tuple[str, int]]) -> list[list[tuple[str, int]]]:
     """``items`` cut in order into batches of at most :data:`BATCH_BYTES` (a larger object alone)."""
     out: list[list[tuple[str, int]]] = []
-    total = BATCH_BYTES
+    total = 0
     for path, n in items:
-        if total + n > BATCH_BYTES:
+        if not out or total + n > BATCH_BYTES:
             out.append([])
             total = 0
         out[-1].append((path, n))
