@@ -565,7 +565,8 @@ def render(args: argparse.Namespace, info: dict[str, Any], argv: list[str]) -> s
         "Caveats: one 2-core VM, shared; nodes simulated (the 'network' between them is loopback and "
         "every tier is the same tmpfs), so the local restore's copies from the replica node cost a memory copy "
         "and gloo on loopback, not a NIC; S3 is on loopback too (a real object store is further away and the "
-        "S3 restore slower, the local one alike). The times scale with bytes per node, not with this state.",
+        "S3 restore slower; the local restore stays in host memory and one peer). The times scale with bytes "
+        "per node, not with this state.",
         "",
     ]
     return "\n".join(lines)
