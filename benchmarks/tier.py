@@ -3,7 +3,7 @@ from S3, what a local-tier save blocks the caller vs ``async_save``, and the ste
 
 Usage::
 
-    python benchmarks/tier.py                 # full run (make bench): 384 MiB, 4 nodes x 2 ranks, 5 reps
+    python benchmarks/tier.py                 # full run (make bench): 384 MiB, 4 nodes x 2 ranks, 9 reps
     python benchmarks/tier.py --quick         # smoke run: 6 MiB, 4 nodes x 1 rank, 1 rep
     python benchmarks/tier.py --rgw off       # S3 on moto (default: a Ceph RADOS Gateway where installed)
 
@@ -15,11 +15,11 @@ host memory (``/dev/shm``). The scenario, in fresh gloo rank processes (``zarrck
    ``CheckpointManager`` with the remote root on S3 and ``LocalTier(every=1, keep=2, replicas=1)``:
    steps 1..reps+1 local only (the blocked call of each, against ``zarrckpt.async_save(...,
    staging="background")`` of the same state to S3 on the same ranks, alternating; the first of
-   each is a warm-up), step 10 on both tiers, step 11 local only (the state unchanged: step 11 is
-   step 10's bytes, newer than the newest remote step, so ``load_latest`` picks the local tier);
+   each is a warm-up), step 100 on both tiers, step 101 local only (the state unchanged: step 101 is
+   step 100's bytes, newer than the newest remote step, so ``load_latest`` picks the local tier);
 2. one node's tier directory deleted (a lost node);
 3. restore on the same N x R ranks, alternating: ``manager.load_latest`` (local tier) and
-   ``zarrckpt.load`` of remote step 10; then on the (N-1) x R ranks of the surviving nodes, the same
+   ``zarrckpt.load`` of remote step 100; then on the (N-1) x R ranks of the surviving nodes, the same
    two. Every restore is checked bit for bit against the generated values; the S3 requests during
    each are counted at the server (its log, by time window).
 """
@@ -55,8 +55,8 @@ from zarrckpt.testing import remove_tree, s3_server, spawn  # noqa: E402
 from zarrckpt.testing.rgw import RgwServer, rgw_available  # noqa: E402
 
 BUCKET = "zarrckpt-tierbench"
-INTERVAL = 10  # the remote tier's interval; the local tier saves every step
-BOTH, LOCAL_ONLY = 10, 11  # steps saved on both tiers / on the local tier only (same bytes)
+INTERVAL = 100  # the remote tier's interval; the local tier saves every step
+BOTH, LOCAL_ONLY = INTERVAL, INTERVAL + 1  # steps saved on both tiers / on the local tier only (same bytes)
 SPEEDUP_TARGET = 5.0  # local restore vs S3
 BLOCK_TARGET = 1.1  # local save's blocked call vs async_save(staging="background")
 WINDOW_SLACK_S = 0.05  # requests counted in a restore's time window, widened by this much each side
@@ -135,7 +135,7 @@ def save_phase(rank: int, world: int, cfg: dict[str, Any]) -> None:
         pair = [("local", lambda i=i: local(i + 1)), ("async", lambda i=i: remote(i))]
         for name, fn in pair if i % 2 == 0 else pair[::-1]:
             out[name].append(fn())
-    out["both"] = local(BOTH)  # the remote save of step 10 runs beside the local one; wait() waits for both
+    out["both"] = local(BOTH)  # the remote save of that step runs beside the local one; wait() waits for both
     out["local_only"] = local(LOCAL_ONLY)
     out["remote_steps"] = manager.steps()
     manager.close()
@@ -324,7 +324,7 @@ def steps_lost_rows(
     restore_local: float, restore_remote: float, commit_local: float, commit_remote: float
 ) -> list[str]:
     """Part 3: the model's table (see the report's text)."""
-    hours, remote_every = 3.0, 100
+    hours, remote_every = 3.0, INTERVAL
     rows = [
         "| step time | local every | lost per failure, local tier survives | remote only (every 100) |"
         " share of the run lost, local | remote only |",
@@ -578,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gib", type=float, default=None, help="state size, GiB (default 0.375; --quick 0.004)")
     p.add_argument("--nodes", type=int, default=4, help="simulated nodes (default 4)")
     p.add_argument("--per-node", type=int, default=None, help="ranks per node (default 2; --quick 1)")
-    p.add_argument("--reps", type=int, default=None, help="repetitions (default 5; --quick 1)")
+    p.add_argument("--reps", type=int, default=None, help="repetitions (default 9; --quick 1)")
     p.add_argument("--quick", action="store_true", help="tiny sizes, 1 repetition (a smoke run)")
     p.add_argument(
         "--rgw", choices=("auto", "on", "off"), default="auto", help="S3 on a RADOS Gateway (auto: where installed)"
@@ -597,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args.gib = args.gib if args.gib is not None else (0.004 if args.quick else 0.375)
     args.per_node = args.per_node if args.per_node is not None else (1 if args.quick else 2)
-    args.reps = args.reps if args.reps is not None else (1 if args.quick else 5)
+    args.reps = args.reps if args.reps is not None else (1 if args.quick else 9)
     if args.nodes < 3:
         raise SystemExit("--nodes: at least 3 (one is lost, and replicas=1 needs 2 that survive)")
     if not 1 <= args.reps < BOTH - 1:
