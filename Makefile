@@ -49,6 +49,7 @@ docs: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/pip install -q -e '.[bench]' torch==2.13.0  # s3torchconnector: a baseline of the S3 rows
 	$(BIN)/python benchmarks/run.py --out benchmarks/results/latest.md --json benchmarks/results/latest.json --charts-dir docs/img
+	$(BIN)/python benchmarks/tier.py --out benchmarks/results/tier.md --json benchmarks/results/tier.json  # the local tier (issue 42): restore after a node loss
 
 clean:
 	rm -rf $(VENV) demo-checkpoints site .pytest_cache .mypy_cache .ruff_cache
