@@ -22,7 +22,7 @@ from typing import Any
 from zarrckpt.api import load_from
 from zarrckpt.engine import crctable, loader
 from zarrckpt.engine.dist import Group
-from zarrckpt.errors import IncompleteCheckpointError
+from zarrckpt.errors import IncompleteCheckpointError, ZarrckptError
 from zarrckpt.format import integrity
 from zarrckpt.format.manifest import MANIFEST, Manifest
 from zarrckpt.plan.fetch import Request, plan_reads
@@ -34,18 +34,16 @@ from zarrckpt.tier.ship import ship
 log = logging.getLogger("zarrckpt")
 
 
-def survey(tier: LocalTier, group: Group, newer_than: int | None) -> tuple[Nodes, Choice | None]:
-    """The restoring job's nodes, and the newest local step it can assemble that is at least as new as
-    ``newer_than`` (None: none); every rank calls it and gets the same answer."""
-    root = tier.root()
-    nodes = Nodes.of(group.all_gather_json(tier.node_name()))
-    mine = [s.to_json() for s in nodedir.scan(root)] if nodes.lead(group.rank) else None
+def survey(tier: LocalTier, group: Group, nodes: Nodes, newer_than: int | None) -> Choice | None:
+    """The newest local step the restoring job (on ``nodes``) can assemble that is at least as new as
+    ``newer_than`` (None: none); every rank calls it and gets the same answer (one all-gather)."""
+    mine = [s.to_json() for s in nodedir.scan(tier.root())] if nodes.lead(group.rank) else None
     views = group.all_gather_json(mine)
     seen = {
         name: [StepSeen.from_json(d) for d in views[ranks[0]]]
         for name, ranks in zip(nodes.names, nodes.ranks, strict=True)
     }
-    return nodes, choose(seen, newer_than)
+    return choose(seen, newer_than)
 
 
 def restore(
@@ -63,39 +61,38 @@ def restore(
     source = nodes.ranks[nodes.names.index(choice.holders[0])][0]  # the lowest rank of a node holding the step
     where = f"local step {choice.step} ({step_root} on node {choice.holders[0]})"
 
-    raw = _from_source(group, source, step_root, MANIFEST, where)
-    manifest = Manifest.loads(raw, where)
-    ref = manifest.table_ref
-    table = _from_source(group, source, step_root, integrity.TABLE, where) if ref and ref["bytes"] else b""
-    manifest = crctable.with_table(manifest, lambda: table, 1, where)
+    raw, table = _from_source(group, source, step_root, where)
+    manifest = crctable.with_table(Manifest.loads(raw, where), lambda: table, 1, where)
     scratch = os.path.join(root, f"{RESTORING}{choice.save_id}.{tier.node_name()}")
     os.makedirs(scratch, exist_ok=True)
-    try:
+    try:  # (every rank has read all it reads from the scratch once the load returns or raises: it ends together)
         read = partial(_read, group, nodes, step_root, scratch)
         stats = load_from(state_dict, group, Storage(scratch), manifest, read, **kwargs)
     finally:
-        group.barrier()
         if nodes.lead(group.rank):
             nodedir.remove(scratch)
     log.info("restored local step %d in %.2fs", choice.step, time.perf_counter() - start)
     return stats
 
 
-def _from_source(group: Group, source: int, step_root: str, name: str, where: str) -> bytes:
-    """``source``'s file ``name`` of the step, on every rank (its failure raised on every rank)."""
-    data = b""
-
-    def read() -> None:
-        nonlocal data
-        if group.rank == source:
-            try:
+def _from_source(group: Group, source: int, step_root: str, where: str) -> tuple[bytes, bytes]:
+    """The step's manifest and checksum table as ``source`` reads them, on every rank (one broadcast;
+    a failure to read them raised on every rank)."""
+    sent = b""
+    if group.rank == source:
+        try:
+            parts = []
+            for name in (MANIFEST, integrity.TABLE):
                 with open(os.path.join(step_root, name), "rb") as f:
-                    data = f.read()
-            except OSError as e:
-                raise IncompleteCheckpointError(f"{where}: cannot read its {name}: {e}") from e
-
-    group.run_together(read, "reading the local step's manifest")
-    return group.broadcast_from(source, data)
+                    parts.append(f.read())
+            sent = b"\0" + len(parts[0]).to_bytes(8, "little") + parts[0] + parts[1]
+        except OSError as e:
+            sent = b"\1" + f"{where}: cannot read its manifest or checksum table: {e}".encode()
+    got = group.broadcast_from(source, sent)
+    if got[:1] != b"\0":
+        raise IncompleteCheckpointError(got[1:].decode())
+    n = int.from_bytes(got[1:9], "little")
+    return got[9 : 9 + n], got[9 + n :]
 
 
 def _read(
@@ -110,14 +107,19 @@ def _read(
 ) -> int:
     """Gather the objects ``requests`` read into the node's ``scratch``, then read them from there."""
 
-    def gather_local() -> list[str]:
-        needed = sorted(
-            {t.meta.shard_path(t.index) for t in plan_reads([r for r in requests if r.meta.constant is None])}
-        )
-        return [p for p in needed if not nodedir.link(step_root, scratch, p)]
-
-    missing = group.run_together(gather_local, "linking the local tier's objects")
-    wanted = [list(w) for w in group.all_gather_json(missing)]
+    tasks = plan_reads([r for r in requests if r.meta.constant is None])
+    failed, missing = None, []
+    try:
+        missing = [
+            p for p in sorted({t.meta.shard_path(t.index) for t in tasks}) if not nodedir.link(step_root, scratch, p)
+        ]
+    except OSError as e:  # (every rank learns of it in the all-gather below, and raises)
+        failed = f"rank {group.rank}: linking the local tier's objects into {scratch} failed: {e}"
+    gathered = group.all_gather_json([failed, missing])
+    problems = [f for f, _ in gathered if f is not None]
+    if problems:
+        raise ZarrckptError(problems[0])
+    wanted = [list(w) for _, w in gathered]
     union = sorted({p for w in wanted for p in w})
     lead = nodes.lead(group.rank)
     have = [i for i, p in enumerate(union) if os.path.exists(os.path.join(step_root, p))] if lead and union else []

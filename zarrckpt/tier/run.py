@@ -86,7 +86,8 @@ class TierRunner:
         there is a remote step to fall back on, the restore failed: logged as a WARNING)."""
         self.check()
         group = Group(self.process_group)
-        nodes, choice = survey(self.tier, group, newer_than)
+        nodes = self.nodes
+        choice = survey(self.tier, group, nodes, newer_than)
         if choice is None:
             return None
         try:
