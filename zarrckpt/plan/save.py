@@ -13,6 +13,7 @@ from typing import Any
 from zarrckpt.errors import SaveLayoutError
 from zarrckpt.format import fill
 from zarrckpt.format.array import ArrayMeta, beyond_limits
+from zarrckpt.format.arraydoc import SPACED
 from zarrckpt.format.dtypes import storage_dtype
 from zarrckpt.format.gcpause import gc_paused
 from zarrckpt.format.keys import infer_role, validate_keys
@@ -92,13 +93,10 @@ def metadata_shares(arrays: list[ArrayMeta], world_size: int) -> list[list[tuple
     return [_docs(nodes[rank::world_size]) for rank in range(world_size)]
 
 
-_DOCUMENT = json.JSONEncoder(allow_nan=False)  # one encoder for every document (json.dumps with options makes one each)
-
-
 def _docs(nodes: Sequence[tuple[str, ArrayMeta | None]]) -> list[tuple[str, bytes]]:
     group = json.dumps(group_json()).encode()
-    encode = _DOCUMENT.encode
-    return [(f"{path}/zarr.json", group if a is None else encode(a.to_json()).encode()) for path, a in nodes]
+    text = SPACED.text  # (json.dumps of each array's to_json(), from templates)
+    return [(f"{path}/zarr.json", group if a is None else text(a).encode()) for path, a in nodes]
 
 
 @dataclass(frozen=True)
