@@ -4,7 +4,7 @@
 
 Builds a seeded state (``--tensors`` float32 tensors of 1-64 KiB, some 2-D, plus one 32 MiB
 tensor), saves it with ``zarrckpt.save`` to a fresh directory under ``--dir`` ``--reps`` times and
-prints, per phase, the best seconds and microseconds per tensor: collect
+prints, per phase, the best seconds and microseconds per tensor (wall, and CPU of the process): collect
 (``plan.localstate.collect``), planning (``engine.saveplan.plan_save``), writing shards, the
 ``zarr.json`` documents (made and written), commit (manifest and chunk checksum table), other
 (preparing, the storage, ...), total. Then the raw byte cost (the same bytes written as one file,
@@ -54,18 +54,21 @@ def build_state(n: int, seed: int = 0) -> dict[str, Any]:
 
 
 class Phases:
-    """Seconds per phase of one save, from wrappers around the functions ``zarrckpt.save`` calls."""
+    """Seconds per phase of one save (wall, and CPU of the whole process: steadier when other
+    processes share the cores), from wrappers around the functions ``zarrckpt.save`` calls."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self.cpu: dict[str, float] = defaultdict(float)
 
     def wrap(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds[phase] += time.perf_counter() - start
+                self.cpu[phase] += time.process_time() - cpu
 
         return timed
 
@@ -91,18 +94,19 @@ def timing(phases: Phases) -> Iterator[None]:
             setattr(owner, name, fn)
 
 
-def one_save(state: dict[str, Any], url: str) -> dict[str, float]:
+def one_save(state: dict[str, Any], url: str) -> tuple[dict[str, float], dict[str, float]]:
+    """(wall seconds, CPU seconds) per phase of one save."""
     shutil.rmtree(url, ignore_errors=True)
     phases = Phases()
     with timing(phases):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         zarrckpt.save(state, url)
-        total = time.perf_counter() - start
-    s = phases.seconds
-    s["commit"] -= s["documents"]
-    s["other"] = total - sum(s[p] for p in PHASES[:5])
-    s["total"] = total
-    return dict(s)
+        total, cpu_total = time.perf_counter() - start, time.process_time() - cpu
+    for s, whole in ((phases.seconds, total), (phases.cpu, cpu_total)):
+        s["commit"] -= s["documents"]
+        s["other"] = whole - sum(s[p] for p in PHASES[:5])
+        s["total"] = whole
+    return dict(phases.seconds), dict(phases.cpu)
 
 
 def raw_write(state: dict[str, Any], path: str) -> float:
@@ -131,14 +135,15 @@ def main() -> None:
     nbytes = sum(t.nbytes for t in state.values())
     url = os.path.join(args.dir, "ckpt")
     zarrckpt.save(state, url, overwrite=True)  # warm: imports, caches
-    runs = [one_save(state, url) for _ in range(args.reps)]
+    both = [one_save(state, url) for _ in range(args.reps)]
+    runs, cpus = [r[0] for r in both], [r[1] for r in both]
     raw = min(raw_write(state, os.path.join(args.dir, "raw.bin")) for _ in range(args.reps))
     print(f"{n} tensors, {nbytes / 2**20:.1f} MiB, best of {args.reps} saves on {args.dir}")
-    print(f"{'phase':<10} {'s':>8} {'us/tensor':>10}   (each run, s)")
+    print(f"{'phase':<10} {'s':>8} {'us/tensor':>10} {'CPU us/t':>9}   (each run, s)")
     for phase in PHASES:
-        best = min(r[phase] for r in runs)
+        best, cpu = min(r[phase] for r in runs), min(c[phase] for c in cpus)
         each = " ".join(f"{r[phase]:.3f}" for r in runs)
-        print(f"{phase:<10} {best:8.3f} {best / n * 1e6:10.1f}   ({each})")
+        print(f"{phase:<10} {best:8.3f} {best / n * 1e6:10.1f} {cpu / n * 1e6:9.1f}   ({each})")
     total = min(r["total"] for r in runs)
     print(f"{'raw bytes':<10} {raw:8.3f} {raw / n * 1e6:10.1f}   (one file of the same bytes)")
     print(f"{'fixed':<10} {total - raw:8.3f} {(total - raw) / n * 1e6:10.1f}   (total - raw bytes)")
