@@ -85,8 +85,7 @@ def write_metadata(storage: Storage, docs: list[tuple[str, bytes]]) -> int:
 def commit_save(storage: Storage, group: Group, plan: ZarrSavePlan, save_id: str, written: integrity.Written) -> None:
     """After every rank wrote its shards: the ``zarr.json`` documents, then rank 0 commits the
     manifest with the record of every chunk written (gathered from all ranks, one collective)."""
-    record = integrity.to_json(written)  # (JSON already: one process keeps it as it is)
-    views = [record] if group.size == 1 else group.gather_json(record)
+    views = [written] if group.size == 1 else group.gather_json(integrity.to_json(written))  # (one process: as it is)
     group.run_together(lambda: write_metadata(storage, plan.metadata_of(group.rank)), "writing metadata")
 
     def commit() -> None:
@@ -101,15 +100,15 @@ def committed_manifest(
     arrays: Mapping[str, ArrayMeta],
     values: Mapping[str, Any],
     world_size: int,
-    written: Sequence[Mapping[str, Mapping[str, str]]],
+    written: Sequence[Mapping[str, Mapping[str, str]] | integrity.Written],
     *,
     library: str | None = None,
     dcp: dict[str, Any] | None = None,
 ) -> Manifest:
     """The manifest a commit writes (every save path builds it here): arrays and values in key
     order, the commit time, the writing library, and the record of every chunk ``written`` (each
-    writer's :func:`zarrckpt.format.integrity.to_json`), its chunk checksum table with it; raises when some
-    shard was written by no one."""
+    writer's :func:`zarrckpt.format.integrity.to_json`, or one process's record as it is), its
+    chunk checksum table with it; raises when some shard was written by no one."""
     records, table = integrity.records(arrays, written)
     return Manifest(
         save_id,

@@ -28,6 +28,8 @@ class ArrayDocs:
     def __init__(self, encoder: json.JSONEncoder) -> None:
         self.encoder = encoder
         self._sep = encoder.item_separator
+        # how the encoder spells a string (the C function encoder.encode calls for one)
+        self._quote = json.encoder.encode_basestring_ascii if encoder.ensure_ascii else json.encoder.encode_basestring
         # (the rest of a document) -> its text cut at the marks, and which field goes in each cut;
         # None: no template (the document is encoded whole)
         self._templates: dict[tuple[Any, ...], tuple[tuple[str, ...], tuple[int, ...]] | None] = {}
@@ -39,7 +41,7 @@ class ArrayDocs:
             len(meta.shape),
             meta.role,
             meta.kind,
-            self.encoder.encode(meta.topology),
+            _frozen(meta.topology),
             meta.python_type,
             meta.constant,
             meta.per_rank,
@@ -61,16 +63,14 @@ class ArrayDocs:
 
     def _values(self, meta: ArrayMeta) -> tuple[str, str, str, str, str]:
         """The text of each of :data:`_FIELDS` for ``meta``."""
-        sep = self._sep
-        name = self.encoder.encode(meta.path.rsplit("/", 1)[-1])[:-1]  # '"NAME' (escaped per character)
-        names = sep.join(name + "_dim_" + str(i) + '"' for i in range(len(meta.shape)))
-        return (
-            "[" + sep.join(map(str, meta.shape)) + "]",
-            "[" + sep.join(map(str, meta.shard_shape)) + "]",
-            "[" + sep.join(map(str, meta.chunk_shape)) + "]",
-            "[" + names + "]",
-            self.encoder.encode(meta.key),
-        )
+        sep, shape, shard, chunk = self._sep, meta.shape, meta.shard_shape, meta.chunk_shape
+        path = meta.path
+        name = self._quote(path[path.rfind("/") + 1 :])[:-1]  # '"NAME' (escaped per character)
+        shape_text = "[" + sep.join(map(str, shape)) + "]"
+        shard_text = shape_text if shard == shape else "[" + sep.join(map(str, shard)) + "]"
+        chunk_text = shard_text if chunk == shard else "[" + sep.join(map(str, chunk)) + "]"
+        names = sep.join([name + "_dim_" + str(i) + '"' for i in range(len(shape))])
+        return shape_text, shard_text, chunk_text, "[" + names + "]", self._quote(meta.key)
 
     def _template(self, meta: ArrayMeta) -> tuple[tuple[str, ...], tuple[int, ...]] | None:
         """The text of ``meta``'s document with marks in place of :data:`_FIELDS`, cut at them; None
@@ -101,6 +101,22 @@ class ArrayDocs:
         values = self._values(meta)
         made = pieces[0] + "".join(values[i] + p for i, p in zip(order, pieces[1:], strict=True))
         return template if made == self.encoder.encode(meta.to_json()) else None
+
+
+def _frozen(value: Any) -> Any:
+    """A hashable stand-in for a JSON value, equal only for values encoded alike (types kept:
+    ``1``, ``1.0`` and ``true`` differ; floats by their repr: ``0.0`` and ``-0.0`` differ);
+    else (other types) the value's JSON text, as the encoder spells it."""
+    kind = type(value)
+    if kind is str or kind is int or kind is bool or value is None:
+        return kind, value
+    if kind is float:
+        return kind, repr(value)
+    if kind is dict:
+        return kind, tuple((type(k), k, _frozen(v)) for k, v in value.items())
+    if kind is list or kind is tuple:
+        return list, tuple(_frozen(v) for v in value)  # (both a JSON array)
+    return "json", json.dumps(value, allow_nan=False, separators=(",", ":"))
 
 
 SPACED = ArrayDocs(json.JSONEncoder(allow_nan=False))
