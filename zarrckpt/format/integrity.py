@@ -144,18 +144,18 @@ def records(
 
     Raises ZarrckptError when some shard was written by no rank: committing would lose it.
     """
-    grids = {key: _slots(meta) for key, meta in arrays.items() if meta.constant is None}
-    tables = {key: bytearray(4 * shards * per_shard) for key, (shards, per_shard) in grids.items()}
+    grids = {key: _slots(meta) for key, meta in arrays.items()}
+    tables = {key: bytearray(4 * math.prod(grids[key])) for key, meta in arrays.items() if meta.constant is None}
     seen: dict[str, set[int]] = {key: set() for key in tables}
     for view in gathered:
         for key, shards in view.items():
-            table, found, per_shard = tables[key], seen[key], grids[key][1] * 4
+            per_shard = grids[key][1] * 4  # (a constant array's entry holds no shards)
             for number, encoded in shards.items():
                 n = int(number)
-                table[n * per_shard : (n + 1) * per_shard] = (
+                tables[key][n * per_shard : (n + 1) * per_shard] = (
                     encoded if isinstance(encoded, bytes) else base64.b64decode(encoded)
                 )
-                found.add(n)
+                seen[key].add(n)
     lost = [f"{key} ({grids[key][0] - len(seen[key])} shards)" for key in tables if len(seen[key]) < grids[key][0]]
     if lost:
         raise ZarrckptError(f"not committed: no rank wrote some shards of {', '.join(lost[:10])}; this is a bug")
