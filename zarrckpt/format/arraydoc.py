@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+from zarrckpt.format.jsondoc import frozen
+
 if TYPE_CHECKING:
     from zarrckpt.format.array import ArrayMeta
 
@@ -41,7 +43,7 @@ class ArrayDocs:
             len(meta.shape),
             meta.role,
             meta.kind,
-            _frozen(meta.topology),
+            frozen(meta.topology),
             meta.python_type,
             meta.constant,
             meta.per_rank,
@@ -101,22 +103,6 @@ class ArrayDocs:
         values = self._values(meta)
         made = pieces[0] + "".join(values[i] + p for i, p in zip(order, pieces[1:], strict=True))
         return template if made == self.encoder.encode(meta.to_json()) else None
-
-
-def _frozen(value: Any) -> Any:
-    """A hashable stand-in for a JSON value, equal only for values encoded alike (types kept:
-    ``1``, ``1.0`` and ``true`` differ; floats by their repr: ``0.0`` and ``-0.0`` differ);
-    else (other types) the value's JSON text, as the encoder spells it."""
-    kind = type(value)
-    if kind is str or kind is int or kind is bool or value is None:
-        return kind, value
-    if kind is float:
-        return kind, repr(value)
-    if kind is dict:
-        return kind, tuple((type(k), k, _frozen(v)) for k, v in value.items())
-    if kind is list or kind is tuple:
-        return list, tuple(_frozen(v) for v in value)  # (both a JSON array)
-    return "json", json.dumps(value, allow_nan=False, separators=(",", ":"))
 
 
 SPACED = ArrayDocs(json.JSONEncoder(allow_nan=False))
