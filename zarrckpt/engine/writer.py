@@ -55,16 +55,19 @@ def write_rank(
             raise ZarrckptError(
                 f"{meta.key}: this rank (rank {rank}) was to write shard {cell} but holds no part with it"
             )
-        if id(part) not in host:  # stage on the host first (GPU -> CPU copies stay on this thread)
-            host[id(part)] = dtypes.as_numpy(part.data.detach().cpu())
-        jobs.append((meta, idx, host[id(part)][cell.relative_to(part.box.offsets).slices()]))
+        view = host.get(id(part))
+        if view is None:  # stage on the host first (GPU -> CPU copies stay on this thread)
+            view = host[id(part)] = dtypes.as_numpy(part.data.detach().cpu())
+        jobs.append((meta, idx, view if cell == part.box else view[cell.relative_to(part.box.offsets).slices()]))
 
     def write_shard(job: tuple[ArrayMeta, Shape, Any]) -> int:
         meta, idx, data = job
-        parts = encode_shard(data, meta.shard_shape, meta.chunk_shape)
-        crcs = chunk_crcs(parts, math.prod(chunks_per_shard(meta.shard_shape, meta.chunk_shape)))
+        shard, chunk = meta.shard_shape, meta.chunk_shape
+        parts = encode_shard(data, shard, chunk)
+        crcs = chunk_crcs(parts, 1 if shard == chunk else math.prod(chunks_per_shard(shard, chunk)))
         nbytes = _put(storage, meta.shard_path(idx), parts)
-        record.setdefault(meta.key, {})[integrity.shard_number(meta, idx)] = crcs  # one key per shard: thread-safe
+        number = 0 if shard == meta.shape else integrity.shard_number(meta, idx)  # (one shard: number 0)
+        record.setdefault(meta.key, {})[number] = crcs  # one key per shard: thread-safe
         return nbytes
 
     nbytes = storage.write_all(write_shard, jobs, size=lambda job: job[2].nbytes)

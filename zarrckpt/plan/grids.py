@@ -60,6 +60,11 @@ class Layout:
     chunk: Shape
     joins: Joins | None  # small shards joined into ``shard`` (None: the grid's own shards)
 
+    @functools.cached_property
+    def too_many(self) -> str | None:
+        """What makes the stored grid exceed the readers' limits (:func:`beyond_limits`); None: nothing."""
+        return None if self.constant is not None else beyond_limits(self.grid.shape, self.shard, self.chunk)
+
 
 class Layouts:
     """Every key's :class:`Layout`, made once per layout: found by the very same ``(ranks, specs)``
@@ -124,9 +129,9 @@ def grid_pass(
             per_rank=first.per_rank,
         )
         placed[key] = meta, layout
-        if layout.constant is None and (too_many := beyond_limits(meta.shape, meta.shard_shape, meta.chunk_shape)):
+        if layout.too_many:  # (once per layout)
             problems.append(
-                f"{key}: {too_many}, which readers refuse as a crafted layout; save with a larger chunk_bytes "
+                f"{key}: {layout.too_many}, which readers refuse as a crafted layout; save with a larger chunk_bytes "
                 f"(now {chunk_bytes}), or hold the tensor in fewer, larger parts"
             )
     return placed
