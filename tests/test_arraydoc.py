@@ -105,3 +105,38 @@ def test_group_paths_are_every_parent() -> None:
     metas = _metas(300, 11)
     want = {"/".join(m.path.split("/")[:i]) for m in metas for i in range(1, m.path.count("/") + 1)}
     assert group_paths(metas) == sorted(want, key=lambda p: (p.count("/"), p))
+
+
+def test_frozen_values_are_equal_exactly_when_their_json_is() -> None:
+    from zarrckpt.format.jsondoc import frozen
+
+    values: list[object] = [0, 1, True, False, 1.0, 0.0, -0.0, None, "1", "a", [1], (1,), [1.0], [], {}]
+    values += [{"a": 1}, {"a": True}, {"a": 1, "b": 2}, {"b": 2, "a": 1}, {"a": [1, {"c": None}]}, {"a": [1, {"c": 0}]}]
+    for sort_keys in (False, True):
+        for a in values:
+            for b in values:
+                same = json.dumps(a, sort_keys=sort_keys) == json.dumps(b, sort_keys=sort_keys)
+                assert (frozen(a, sort_keys) == frozen(b, sort_keys)) == same, (a, b, sort_keys)
+
+
+def test_equal_tensor_specs_are_those_of_equal_documents() -> None:
+    from zarrckpt.format.layout import Box
+    from zarrckpt.plan.rankdesc import RankDescription, TensorSpec
+
+    box = Box((0,), (4,))
+    specs = [
+        TensorSpec((4,), "float32", ArrayKind.TENSOR, box, {}),
+        TensorSpec((4,), "float32", ArrayKind.TENSOR, box, {}),
+        TensorSpec((4,), "float32", ArrayKind.TENSOR, box, {"mesh_shape": [2], "placements": ["Shard(dim=0)"]}),
+        TensorSpec((4,), "float32", ArrayKind.TENSOR, box, {"placements": ["Shard(dim=0)"], "mesh_shape": [2]}),
+        TensorSpec(
+            (4,), "float32", ArrayKind.TENSOR, box, {"mesh_shape": [2], "placements": ["Shard(dim=0)"]}, "", "00"
+        ),
+        TensorSpec((4,), "bfloat16", ArrayKind.TENSOR, box, {}),
+        TensorSpec((4,), "uint8", ArrayKind.BYTES, box, {}, "bytearray"),
+    ]
+    desc = RankDescription.of([(f"k{i}", s) for i, s in enumerate(specs)], {})
+    canonical = [json.dumps(s.to_json(), sort_keys=True) for s in specs]
+    assert [desc.tensors[f"k{i}"] for i in range(len(specs))] == [
+        (sorted(set(canonical), key=canonical.index).index(c),) for c in canonical
+    ]

@@ -45,18 +45,12 @@ class ZarrSavePlan:
 
     def bytes_of(self, rank: int) -> int:
         """The data bytes of the shards ``rank`` writes (a save's progress total)."""
-        cells = [(m, cell_box(idx, m.shard_shape, m.shape)) for m, idx in self.shards_of(rank)]
-        return sum(math.prod(cell.sizes) * m.itemsize for m, cell in cells)
+        return sum(_shard_bytes(m, idx) for m, idx in self.shards_of(rank))
 
     def total_bytes(self) -> int:
         """The data bytes of every shard of the save, whoever writes it (a plan that holds only some
         arrays: of those; rank 0's holds them all)."""
-        return sum(
-            math.prod(cell_box(idx, m.shard_shape, m.shape).sizes) * m.itemsize
-            for k, owner in self.owners.items()
-            for m in (self.arrays[k],)
-            for idx in owner
-        )
+        return sum(_shard_bytes(self.arrays[k], idx) for k, owner in self.owners.items() for idx in owner)
 
     def metadata_of(self, rank: int) -> list[tuple[str, bytes]]:
         """The ``zarr.json`` documents (groups, then arrays) ``rank`` writes: spread round-robin (a
@@ -64,6 +58,13 @@ class ZarrSavePlan:
         if self.docs is not None:
             return list(self.docs)
         return metadata_docs(list(self.arrays.values()), rank, self.world_size)
+
+
+def _shard_bytes(meta: ArrayMeta, idx: Shape) -> int:
+    """The data bytes of shard ``idx`` of ``meta`` (the array's, when it is one shard)."""
+    if meta.shard_shape == meta.shape:
+        return meta.nbytes
+    return math.prod(cell_box(idx, meta.shard_shape, meta.shape).sizes) * meta.itemsize
 
 
 def metadata_docs(arrays: list[ArrayMeta], rank: int = 0, world_size: int = 1) -> list[tuple[str, bytes]]:
