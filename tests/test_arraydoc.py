@@ -140,3 +140,15 @@ def test_equal_tensor_specs_are_those_of_equal_documents() -> None:
     assert [desc.tensors[f"k{i}"] for i in range(len(specs))] == [
         (sorted(set(canonical), key=canonical.index).index(c),) for c in canonical
     ]
+
+
+def test_made_arrays_are_constructed_ones() -> None:
+    """ArrayMeta.made sets every field (a field added to ArrayMeta but not to it fails here)."""
+    from dataclasses import fields
+
+    for meta in _metas(50, 5):
+        names = [f.name for f in fields(ArrayMeta) if f.name not in ("committed_crc32c", "crc_segment")]
+        made = ArrayMeta.made(**{name: getattr(meta, name) for name in names})
+        assert made == meta and hash(made) == hash(meta) and made.topology == meta.topology
+        assert set(made.__dict__) == {f.name for f in fields(ArrayMeta)}
+        assert made.path == meta.path and made.committed_crc32c == b"" and made.crc_segment is None

@@ -17,7 +17,7 @@ from zarrckpt.format.array import ArrayMeta
 from zarrckpt.format.layout import Shape, cell_box
 from zarrckpt.format.manifest import Manifest, library_name
 from zarrckpt.format.shard import chunk_crcs, chunks_per_shard, encode_shard
-from zarrckpt.plan.localstate import LocalState
+from zarrckpt.plan.localstate import LocalState, LocalTensor
 from zarrckpt.plan.save import ZarrSavePlan
 from zarrckpt.storage.store import Storage
 
@@ -47,8 +47,13 @@ def write_rank(
     host: dict[int, Any] = {}  # id(part) -> numpy view of it, on the host
     jobs = []
     for meta, idx in plan.shards_of(rank) if shards is None else shards:
-        cell = cell_box(idx, meta.shard_shape, meta.shape)
-        part = local.part_holding(meta.key, cell)
+        held = local.tensors.get(meta.key, ())
+        part: LocalTensor | None
+        if len(held) == 1 and meta.shard_shape == meta.shape == held[0].box.sizes:  # the one part is the one shard
+            part, cell = held[0], None
+        else:
+            cell = cell_box(idx, meta.shard_shape, meta.shape)
+            part = local.part_holding(meta.key, cell)
         if part is None:
             if held_only:
                 continue
@@ -58,7 +63,9 @@ def write_rank(
         view = host.get(id(part))
         if view is None:  # stage on the host first (GPU -> CPU copies stay on this thread)
             view = host[id(part)] = dtypes.as_numpy(part.data.detach().cpu())
-        jobs.append((meta, idx, view if cell == part.box else view[cell.relative_to(part.box.offsets).slices()]))
+        if cell is not None and cell != part.box:
+            view = view[cell.relative_to(part.box.offsets).slices()]
+        jobs.append((meta, idx, view))
 
     def write_shard(job: tuple[ArrayMeta, Shape, Any]) -> int:
         meta, idx, data = job

@@ -113,7 +113,7 @@ def grid_pass(
         if layout is None or len(problems) > 50:
             continue
         first, grid = specs[0], layout.grid
-        meta = ArrayMeta(
+        meta = ArrayMeta.made(
             key=key,
             shape=grid.shape,
             dtype=first.dtype,
