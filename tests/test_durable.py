@@ -184,3 +184,41 @@ def test_directories_under_an_ancestor_that_refuses_mkdir(tmp_path: Path, monkey
     zarrckpt.save(_state(), str(url))
     monkeypatch.undo()
     _same(url, _state())
+
+
+@pytest.mark.parametrize("most", [1, 7, 4096])
+def test_short_writes_are_resumed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, most: int) -> None:
+    """write_parts writes every byte of its parts (bytes, and views of other item sizes) whatever
+    each call writes."""
+    import numpy as np
+
+    from zarrckpt.storage.durable import write_parts
+
+    real_write, real_writev = os.write, os.writev
+
+    def write(fd: int, data: Any) -> int:
+        return real_write(fd, memoryview(data).cast("B")[:most])
+
+    def writev(fd: int, buffers: Any) -> int:
+        first = next(b for b in (memoryview(b).cast("B") for b in buffers) if len(b))
+        return real_writev(fd, [first[:most]])
+
+    monkeypatch.setattr(os, "write", write)
+    monkeypatch.setattr(os, "writev", writev)
+    floats = np.arange(1000, dtype=np.float32)
+    cases = ([b"a" * 5000], [b"index", memoryview(floats), b"", b"crc!"], [memoryview(floats[:3])], [])
+    for i, parts in enumerate(cases):
+        path = tmp_path / f"f{i}"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+        try:
+            write_parts(fd, parts)
+        finally:
+            os.close(fd)
+        assert path.read_bytes() == b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+
+
+def test_parent_of_is_dirname() -> None:
+    from zarrckpt.storage.durable import parent_of
+
+    for path in ("/a/b/c", "/a", "a/b", "a", "/", "//a", "/a//b", "/tmp/x/zarr.json", ""):
+        assert parent_of(path) == os.path.dirname(path), path

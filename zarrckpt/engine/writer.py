@@ -17,7 +17,7 @@ from zarrckpt.format.array import ArrayMeta
 from zarrckpt.format.layout import Shape, cell_box
 from zarrckpt.format.manifest import Manifest, library_name
 from zarrckpt.format.shard import chunk_crcs, chunks_per_shard, encode_shard
-from zarrckpt.plan.localstate import LocalState
+from zarrckpt.plan.localstate import LocalState, LocalTensor
 from zarrckpt.plan.save import ZarrSavePlan
 from zarrckpt.storage.store import Storage
 
@@ -47,24 +47,34 @@ def write_rank(
     host: dict[int, Any] = {}  # id(part) -> numpy view of it, on the host
     jobs = []
     for meta, idx in plan.shards_of(rank) if shards is None else shards:
-        cell = cell_box(idx, meta.shard_shape, meta.shape)
-        part = local.part_holding(meta.key, cell)
+        held = local.tensors.get(meta.key, ())
+        part: LocalTensor | None
+        if len(held) == 1 and meta.shard_shape == meta.shape == held[0].box.sizes:  # the one part is the one shard
+            part, cell = held[0], None
+        else:
+            cell = cell_box(idx, meta.shard_shape, meta.shape)
+            part = local.part_holding(meta.key, cell)
         if part is None:
             if held_only:
                 continue
             raise ZarrckptError(
                 f"{meta.key}: this rank (rank {rank}) was to write shard {cell} but holds no part with it"
             )
-        if id(part) not in host:  # stage on the host first (GPU -> CPU copies stay on this thread)
-            host[id(part)] = dtypes.as_numpy(part.data.detach().cpu())
-        jobs.append((meta, idx, host[id(part)][cell.relative_to(part.box.offsets).slices()]))
+        view = host.get(id(part))
+        if view is None:  # stage on the host first (GPU -> CPU copies stay on this thread)
+            view = host[id(part)] = dtypes.as_numpy(part.data.detach().cpu())
+        if cell is not None and cell != part.box:
+            view = view[cell.relative_to(part.box.offsets).slices()]
+        jobs.append((meta, idx, view))
 
     def write_shard(job: tuple[ArrayMeta, Shape, Any]) -> int:
         meta, idx, data = job
-        parts = encode_shard(data, meta.shard_shape, meta.chunk_shape)
-        crcs = chunk_crcs(parts, math.prod(chunks_per_shard(meta.shard_shape, meta.chunk_shape)))
+        shard, chunk = meta.shard_shape, meta.chunk_shape
+        parts = encode_shard(data, shard, chunk)
+        crcs = chunk_crcs(parts, 1 if shard == chunk else math.prod(chunks_per_shard(shard, chunk)))
         nbytes = _put(storage, meta.shard_path(idx), parts)
-        record.setdefault(meta.key, {})[integrity.shard_number(meta, idx)] = crcs  # one key per shard: thread-safe
+        number = 0 if shard == meta.shape else integrity.shard_number(meta, idx)  # (one shard: number 0)
+        record.setdefault(meta.key, {})[number] = crcs  # one key per shard: thread-safe
         return nbytes
 
     nbytes = storage.write_all(write_shard, jobs, size=lambda job: job[2].nbytes)
@@ -85,8 +95,7 @@ def write_metadata(storage: Storage, docs: list[tuple[str, bytes]]) -> int:
 def commit_save(storage: Storage, group: Group, plan: ZarrSavePlan, save_id: str, written: integrity.Written) -> None:
     """After every rank wrote its shards: the ``zarr.json`` documents, then rank 0 commits the
     manifest with the record of every chunk written (gathered from all ranks, one collective)."""
-    record = integrity.to_json(written)  # (JSON already: one process keeps it as it is)
-    views = [record] if group.size == 1 else group.gather_json(record)
+    views = [written] if group.size == 1 else group.gather_json(integrity.to_json(written))  # (one process: as it is)
     group.run_together(lambda: write_metadata(storage, plan.metadata_of(group.rank)), "writing metadata")
 
     def commit() -> None:
@@ -101,15 +110,15 @@ def committed_manifest(
     arrays: Mapping[str, ArrayMeta],
     values: Mapping[str, Any],
     world_size: int,
-    written: Sequence[Mapping[str, Mapping[str, str]]],
+    written: Sequence[Mapping[str, Mapping[str, str]] | integrity.Written],
     *,
     library: str | None = None,
     dcp: dict[str, Any] | None = None,
 ) -> Manifest:
     """The manifest a commit writes (every save path builds it here): arrays and values in key
     order, the commit time, the writing library, and the record of every chunk ``written`` (each
-    writer's :func:`zarrckpt.format.integrity.to_json`), its chunk checksum table with it; raises when some
-    shard was written by no one."""
+    writer's :func:`zarrckpt.format.integrity.to_json`, or one process's record as it is), its
+    chunk checksum table with it; raises when some shard was written by no one."""
     records, table = integrity.records(arrays, written)
     return Manifest(
         save_id,

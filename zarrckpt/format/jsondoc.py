@@ -125,6 +125,29 @@ def _fill_meaning(value: Any) -> Any:
     return value
 
 
+_SCALARS = frozenset({str, int, bool, type(None)})  # (their own hashable stand-ins, with their type)
+
+
+def frozen(value: Any, sort_keys: bool = False) -> Any:
+    """A hashable stand-in for a JSON value, equal only for values a JSON encoder spells alike
+    (``sort_keys``: with its objects' keys sorted): types kept (``1``, ``1.0`` and ``true``
+    differ), floats by their repr (``0.0`` and ``-0.0`` differ), a tuple as a list; a value of
+    any other type as its JSON text. For caches keyed by documents, without encoding them."""
+    kind = type(value)
+    if kind in _SCALARS:
+        return kind, value
+    if kind is float:
+        return kind, repr(value)
+    if kind is dict:
+        items = tuple(
+            (type(k), k, (type(v), v) if type(v) in _SCALARS else frozen(v, sort_keys)) for k, v in value.items()
+        )
+        return kind, tuple(sorted(items, key=lambda item: item[1])) if sort_keys else items
+    if kind is list or kind is tuple:
+        return list, tuple(frozen(v, sort_keys) for v in value)  # (both a JSON array)
+    return "json", json.dumps(value, allow_nan=False, sort_keys=sort_keys, separators=(",", ":"))
+
+
 class Unsettled(Exception):
     """A prefix of a document does not settle what was asked of it (cut short, laid out otherwise, or not JSON)."""
 

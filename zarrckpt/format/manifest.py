@@ -14,6 +14,7 @@ from typing import Any
 from zarrckpt.errors import InvalidCheckpointError, InvalidKeyError
 from zarrckpt.format import integrity, jsondoc
 from zarrckpt.format.array import MAX_UNRECORDED_SLOTS, TABLE_VERSION, ArrayMeta, check_version, slots
+from zarrckpt.format.arraydoc import COMPACT
 from zarrckpt.format.gcpause import gc_paused
 from zarrckpt.format.jsondoc import (
     Bad,
@@ -69,7 +70,11 @@ def group_json() -> dict[str, Any]:
 
 def group_paths(arrays: list[ArrayMeta]) -> list[str]:
     """Every intermediate group path (not the root), parents first."""
-    paths = {"/".join(a.path.split("/")[:i]) for a in arrays for i in range(1, a.path.count("/") + 1)}
+    paths: set[str] = set()
+    for a in arrays:
+        path = a.path
+        while (cut := path.rfind("/")) > 0 and (path := path[:cut]) not in paths:
+            paths.add(path)  # (a path found already came with its parents)
     return sorted(paths, key=lambda p: (p.count("/"), p))
 
 
@@ -100,7 +105,10 @@ class Manifest:
         arrays = list(self.arrays.values())
         nodes: dict[str, Any] = {p: group_json() for p in group_paths(arrays)}
         nodes.update({a.path: a.to_json() for a in arrays})
-        nodes = dict(sorted(nodes.items()))  # zarr-python rebuilds the tree by grouping sorted keys
+        return self._document(dict(sorted(nodes.items())))  # zarr-python rebuilds the tree by grouping sorted keys
+
+    def _document(self, nodes: dict[str, Any]) -> dict[str, Any]:
+        """The manifest's document, ``nodes`` its consolidated metadata."""
         return {
             "zarr_format": 3,
             "node_type": "group",
@@ -141,11 +149,22 @@ class Manifest:
         return replace(self, arrays=arrays, modified=self.modified | changed, table=table)
 
     def dumps(self) -> bytes:
-        doc = self.to_json()
+        """The manifest's bytes: ``json.dumps(to_json(), separators=(",", ":"))``, the ``attributes_crc32c``
+        added, made as the document less its nodes with every node's text put in (the arrays' from
+        templates, :mod:`zarrckpt.format.arraydoc`)."""
+        doc = self._document({})
         attributes = doc["attributes"]["zarrckpt"]
         if not self.unrecorded:
             attributes[integrity.ATTRIBUTES_DIGEST] = integrity.attributes_digest(attributes)
-        return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
+        shell = COMPACT.encoder.encode(doc)
+        assert shell.endswith('"metadata":{}}}')  # (the nodes are the document's last member)
+        arrays = list(self.arrays.values())
+        group = COMPACT.encoder.encode(group_json())
+        nodes = dict.fromkeys(group_paths(arrays), group)
+        nodes.update({a.path: COMPACT.text(a) for a in arrays})
+        encode = COMPACT.encoder.encode
+        inner = ",".join([f"{encode(path)}:{text}" for path, text in sorted(nodes.items())])
+        return (shell[:-3] + inner + "}}}").encode()
 
     def as_is(self, *, warn: bool = True) -> Manifest:
         """This manifest without its commit record: reads accept the checkpoint as it is now

@@ -76,7 +76,8 @@ class LocalState:
 
     def part_holding(self, key: str, box: Box) -> LocalTensor | None:
         """The part of ``key`` that holds all of ``box`` (None when no part does)."""
-        return next((part for part in self.tensors.get(key, ()) if part.box.contains(box)), None)
+        parts = self.tensors.get(key, ())
+        return next((part for part in parts if part.box == box or part.box.contains(box)), None)
 
     def json_rows(self) -> dict[str, int]:
         """Each ``json`` per-rank row's length before padding, by key (sorted)."""

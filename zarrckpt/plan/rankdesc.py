@@ -10,13 +10,12 @@ gathered descriptions stay small and cheap to decode at thousands of ranks.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from zarrckpt.errors import SaveLayoutError
-from zarrckpt.format.jsondoc import short
+from zarrckpt.format.jsondoc import frozen, short
 from zarrckpt.format.layout import Box, Shape
 from zarrckpt.types import ArrayKind
 
@@ -46,6 +45,12 @@ class TensorSpec:
             **({"constant": self.constant} if self.constant else {}),
             **({"per_rank": self.per_rank} if self.per_rank else {}),
         }
+
+    def identity(self) -> Any:
+        """Equal for specs whose :meth:`to_json` documents are equal (keys sorted), without encoding them."""
+        topology = frozen(dict(self.topology), sort_keys=True)
+        box, rest = self.box, (self.python_type, self.constant, self.per_rank)
+        return self.shape, self.dtype, str(self.kind), box.offsets, box.sizes, topology, rest
 
     @staticmethod
     def from_json(doc: Any) -> TensorSpec:
@@ -78,10 +83,10 @@ class RankDescription:
         """The description of ``(key, part)`` pairs (several per key for a tensor held in several
         parts) and ``values``; equal parts share one spec."""
         specs: list[TensorSpec] = []
-        index: dict[str, int] = {}
+        index: dict[Any, int] = {}
         tensors: dict[str, tuple[int, ...]] = {}
         for key, spec in parts:
-            i = index.setdefault(json.dumps(spec.to_json(), sort_keys=True), len(specs))
+            i = index.setdefault(spec.identity(), len(specs))
             if i == len(specs):
                 specs.append(spec)
             tensors[key] = (*tensors.get(key, ()), i)

@@ -3,36 +3,22 @@
 from __future__ import annotations
 
 import bisect
-import functools
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from zarrckpt.errors import SaveLayoutError
-from zarrckpt.format import fill
-from zarrckpt.format.array import ArrayMeta, beyond_limits
-from zarrckpt.format.dtypes import storage_dtype
+from zarrckpt.format.array import ArrayMeta
+from zarrckpt.format.arraydoc import SPACED
 from zarrckpt.format.gcpause import gc_paused
-from zarrckpt.format.keys import infer_role, validate_keys
-from zarrckpt.format.layout import (
-    Box,
-    ChunkRule,
-    Claim,
-    Shape,
-    cell_box,
-    coverage_problems,
-    holders_of_cells,
-    inner_chunk_shape,
-    owner_of_cells,
-    shard_shape_for,
-)
+from zarrckpt.format.keys import validate_keys
+from zarrckpt.format.layout import ChunkRule, Shape, cell_box
 from zarrckpt.format.manifest import group_json, group_paths
-from zarrckpt.plan import perrank
-from zarrckpt.plan.coarsen import Gather, Joins, coarse_shard
-from zarrckpt.plan.rankdesc import RankDescription, TensorSpec
-from zarrckpt.types import ArrayKind, Role
+from zarrckpt.plan.coarsen import Gather
+from zarrckpt.plan.grids import Layout, grid_pass
+from zarrckpt.plan.rankdesc import RankDescription
 
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 DEFAULT_SMALL_TENSOR_BYTES = 2 * 1024 * 1024  # shards smaller than this are joined (a smaller tensor: one shard)
@@ -59,18 +45,12 @@ class ZarrSavePlan:
 
     def bytes_of(self, rank: int) -> int:
         """The data bytes of the shards ``rank`` writes (a save's progress total)."""
-        cells = [(m, cell_box(idx, m.shard_shape, m.shape)) for m, idx in self.shards_of(rank)]
-        return sum(math.prod(cell.sizes) * m.itemsize for m, cell in cells)
+        return sum(_shard_bytes(m, idx) for m, idx in self.shards_of(rank))
 
     def total_bytes(self) -> int:
         """The data bytes of every shard of the save, whoever writes it (a plan that holds only some
         arrays: of those; rank 0's holds them all)."""
-        return sum(
-            math.prod(cell_box(idx, m.shard_shape, m.shape).sizes) * m.itemsize
-            for k, owner in self.owners.items()
-            for m in (self.arrays[k],)
-            for idx in owner
-        )
+        return sum(_shard_bytes(self.arrays[k], idx) for k, owner in self.owners.items() for idx in owner)
 
     def metadata_of(self, rank: int) -> list[tuple[str, bytes]]:
         """The ``zarr.json`` documents (groups, then arrays) ``rank`` writes: spread round-robin (a
@@ -78,6 +58,13 @@ class ZarrSavePlan:
         if self.docs is not None:
             return list(self.docs)
         return metadata_docs(list(self.arrays.values()), rank, self.world_size)
+
+
+def _shard_bytes(meta: ArrayMeta, idx: Shape) -> int:
+    """The data bytes of shard ``idx`` of ``meta`` (the array's, when it is one shard)."""
+    if meta.shard_shape == meta.shape:
+        return meta.nbytes
+    return math.prod(cell_box(idx, meta.shard_shape, meta.shape).sizes) * meta.itemsize
 
 
 def metadata_docs(arrays: list[ArrayMeta], rank: int = 0, world_size: int = 1) -> list[tuple[str, bytes]]:
@@ -92,26 +79,10 @@ def metadata_shares(arrays: list[ArrayMeta], world_size: int) -> list[list[tuple
     return [_docs(nodes[rank::world_size]) for rank in range(world_size)]
 
 
-_DOCUMENT = json.JSONEncoder(allow_nan=False)  # one encoder for every document (json.dumps with options makes one each)
-
-
 def _docs(nodes: Sequence[tuple[str, ArrayMeta | None]]) -> list[tuple[str, bytes]]:
     group = json.dumps(group_json()).encode()
-    encode = _DOCUMENT.encode
-    return [(f"{path}/zarr.json", group if a is None else encode(a.to_json()).encode()) for path, a in nodes]
-
-
-@dataclass(frozen=True)
-class _Grid:
-    """What a tensor's holders imply (shared by every key with the same holders and boxes)."""
-
-    shape: Shape
-    shard: Shape
-    chunk: Shape
-    owners: dict[Shape, int]
-    topology: dict[str, Any]
-    replicated: bool
-    holders: dict[Shape, tuple[int, ...]] = field(default_factory=dict)  # replicated: each cell's holders
+    text = SPACED.text  # (json.dumps of each array's to_json(), from templates)
+    return [(f"{path}/zarr.json", group if a is None else text(a).encode()) for path, a in nodes]
 
 
 def build_save_plan(
@@ -191,7 +162,7 @@ def _plan(
             distinct = {json.dumps(v, sort_keys=True) for v in copies}
             if len(distinct) > 1:
                 problems.append(f"{key}: ranks {ranks} hold different values; give per-rank state per-rank keys")
-    placed = _grids(tensors, world_size, chunk_bytes, small_tensor_bytes, problems)
+    placed = grid_pass(tensors, world_size, chunk_bytes, small_tensor_bytes, problems)
     if problems:
         raise SaveLayoutError(
             "nothing was written: the ranks' state does not describe each global tensor exactly once:\n  "
@@ -203,108 +174,8 @@ def _plan(
     return ZarrSavePlan(arrays, owners, values_, world_size, frozenset(replicated), gathers, turns=started)
 
 
-@dataclass(frozen=True)
-class _Layout:
-    """What the keys held alike (the same holders of the very same specs: a weight and its Adam
-    moments) share: the grid, the constant, the stored shard and chunk shapes, the joined shards."""
-
-    grid: _Grid
-    constant: bytes | None
-    shard: Shape
-    chunk: Shape
-    joins: Joins | None  # small shards joined into ``shard`` (None: the grid's own shards)
-
-
-class _Layouts:
-    """Every key's :class:`_Layout`, made once per layout: found by the very same ``(ranks, specs)``
-    lists (the layout-based planner's class tables share them: nothing to hash), else by equal
-    holders of the same spec objects (a description shares one spec among equal parts). Keyed by
-    identity: the ``Held`` table holds those lists and specs for as long as this lives."""
-
-    def __init__(self) -> None:
-        self._by_lists: dict[tuple[int, int], _Layout] = {}
-        self._by_holders: dict[tuple[tuple[int, ...], tuple[int, ...]], _Layout] = {}
-
-    def of(self, ranks: list[int], specs: list[TensorSpec], make: Callable[[], _Layout | None]) -> _Layout | None:
-        """The layout of ``(ranks, specs)``: ``make()``'s when it is new (None: not made, not kept)."""
-        lists = (id(ranks), id(specs))
-        found = self._by_lists.get(lists)
-        if found is None:
-            holders = (tuple(ranks), tuple(map(id, specs)))
-            found = self._by_holders.get(holders)
-            if found is None:
-                found = make()
-                if found is None:
-                    return None
-                self._by_holders[holders] = found
-            self._by_lists[lists] = found
-        return found
-
-
-def _grids(
-    tensors: Held, world_size: int, chunk_bytes: int | ChunkRule, small_tensor_bytes: int, problems: list[str]
-) -> dict[str, tuple[ArrayMeta, _Layout]]:
-    """The grid pass: every tensor's metadata and layout, in key order; what is wrong is added to
-    ``problems`` (past 50 of them, the keys left are skipped, but those of new layouts are checked)."""
-    placed: dict[str, tuple[ArrayMeta, _Layout]] = {}
-    layouts = _Layouts()
-    for key in sorted(tensors):
-        ranks, specs = tensors[key]
-
-        def make(key: str = key, ranks: list[int] = ranks, specs: list[TensorSpec] = specs) -> _Layout | None:
-            found = _check(key, ranks, specs)
-            problems.extend(found)
-            if found or len(problems) > 50:
-                return None
-            return _layout(ranks, specs, world_size, chunk_bytes, small_tensor_bytes)
-
-        layout = layouts.of(ranks, specs, make)
-        if layout is None or len(problems) > 50:
-            continue
-        first, grid = specs[0], layout.grid
-        meta = ArrayMeta(
-            key=key,
-            shape=grid.shape,
-            dtype=first.dtype,
-            shard_shape=layout.shard,
-            chunk_shape=layout.chunk,
-            role=infer_role(key, first.dtype.startswith(("float", "bfloat")))
-            if first.kind == ArrayKind.TENSOR
-            else Role.OTHER,
-            kind=first.kind,
-            topology=dict(grid.topology),
-            python_type=first.python_type,
-            constant=layout.constant,
-            per_rank=first.per_rank,
-        )
-        placed[key] = meta, layout
-        if layout.constant is None and (too_many := beyond_limits(meta.shape, meta.shard_shape, meta.chunk_shape)):
-            problems.append(
-                f"{key}: {too_many}, which readers refuse as a crafted layout; save with a larger chunk_bytes "
-                f"(now {chunk_bytes}), or hold the tensor in fewer, larger parts"
-            )
-    return placed
-
-
-def _layout(
-    ranks: list[int], specs: list[TensorSpec], world_size: int, chunk_bytes: int | ChunkRule, small_tensor_bytes: int
-) -> _Layout:
-    """The layout of holders that passed :func:`_check`: shards under ``small_tensor_bytes`` (of a
-    tensor in several shards, not constant) are joined into a coarser grid."""
-    grid = _grid(ranks, specs, world_size, chunk_bytes)
-    dtype = specs[0].dtype
-    constant = _constant(dtype, specs)
-    if constant is None and len(grid.owners) > 1 and small_tensor_bytes and not specs[0].per_rank:  # (a row: a shard)
-        itemsize = storage_dtype(dtype).itemsize
-        coarse = coarse_shard(grid.shape, grid.shard, itemsize, small_tensor_bytes)
-        if coarse != grid.shard:
-            joins = Joins.of(grid.shape, grid.shard, coarse, grid.owners, ranks, specs, grid.replicated)
-            return _Layout(grid, constant, coarse, inner_chunk_shape(coarse, itemsize, chunk_bytes), joins)
-    return _Layout(grid, constant, grid.shard, grid.chunk, None)
-
-
 def _writers(
-    placed: Mapping[str, tuple[ArrayMeta, _Layout]], turns: Mapping[str, tuple[int, int]] | None
+    placed: Mapping[str, tuple[ArrayMeta, Layout]], turns: Mapping[str, tuple[int, int]] | None
 ) -> tuple[dict[str, dict[Shape, int]], set[str], dict[str, dict[Shape, Gather]], dict[str, tuple[int, int]]]:
     """The writers pass, in key order: each shard's writer (``owners``), the replicated keys, the
     joined small shards (``gathers``) and where each key's turns started (see :func:`plan_held`)."""
@@ -331,62 +202,6 @@ def _writers(
         if key in gathers or key in replicated:
             started[key] = at
     return owners, replicated, gathers, started
-
-
-def _constant(dtype: str, specs: list[TensorSpec]) -> bytes | None:
-    """The element bytes of a tensor every part of which is the same constant (each holder checked
-    its own parts, ``LocalTensor.constant``), stored as metadata only; else None."""
-    found = {t.constant for t in specs}
-    if len(found) != 1 or not specs[0].constant:
-        return None
-    try:
-        bits = bytes.fromhex(specs[0].constant)
-    except ValueError:
-        return None
-    return bits if len(bits) == storage_dtype(dtype).itemsize and fill.storable(dtype, bits) else None
-
-
-def _check(key: str, ranks: list[int], specs: list[TensorSpec]) -> list[str]:
-    """Problems with one tensor: holders that disagree, or boxes that do not tile it exactly once."""
-    if any(t.per_rank for t in specs):
-        if differ := perrank.row_problems(key, ranks, specs):
-            return differ
-        if perrank.exact_rows(ranks, specs):
-            return []
-    problems = []
-    for field_ in ("shape", "dtype", "kind"):
-        if len({getattr(t, field_) for t in specs}) > 1:
-            detail = ", ".join(f"rank {r}: {getattr(t, field_)}" for r, t in zip(ranks, specs, strict=True))
-            problems.append(f"{key}: ranks disagree on {field_} ({detail})")
-    claims = [Claim(r, t.box) for r, t in zip(ranks, specs, strict=True)]
-    return problems + coverage_problems(key, specs[0].shape, claims)
-
-
-_chunk_of = functools.lru_cache(maxsize=4096)(inner_chunk_shape)  # many tensors share a shape
-
-
-def _grid(ranks: list[int], specs: list[TensorSpec], world_size: int, chunk_bytes: int | ChunkRule) -> _Grid:
-    """Shard grid, inner chunks, writers and topology of a tensor whose holders passed :func:`_check`."""
-    first = specs[0]
-    shape = first.shape
-    itemsize = storage_dtype(first.dtype).itemsize
-    topology = {k: v for k, v in first.topology.items() if v is not None}
-    topology.update(world_size=world_size, holders=len(set(ranks)))
-    if shape and all(shape) and all(t.box == Box.full(shape) for t in specs):  # held whole, by one or replicas
-        zero, replicated = (0,) * len(shape), len(specs) > 1
-        holders = {zero: tuple(sorted(set(ranks)))} if replicated else {}  # (as holders_of_cells gives them)
-        chunk = _chunk_of(shape, itemsize, chunk_bytes)
-        return _Grid(shape, shape, chunk, {zero: min(ranks)}, topology, replicated, holders)
-    if perrank.exact_rows(ranks, specs):  # a row per rank, each a shard of its own
-        shard = (1, *shape[1:])
-        owners = {(r, *(0 for _ in shape[1:])): r for r in ranks}
-        return _Grid(shape, shard, _chunk_of(shard, itemsize, chunk_bytes), owners, topology, False)
-    claims = [Claim(r, t.box) for r, t in zip(ranks, specs, strict=True)]
-    shard = shard_shape_for(shape, [c.box for c in claims])
-    chunk = _chunk_of(shard, itemsize, chunk_bytes)
-    replicated = len({c.box for c in claims}) < len(claims)
-    holders = holders_of_cells(shard, claims) if replicated else {}
-    return _Grid(shape, shard, chunk, owner_of_cells(shape, shard, claims), topology, replicated, holders)
 
 
 def _drop_empty_prefixes(values: Held, keys: set[str]) -> None:

@@ -51,12 +51,19 @@ def _syncfs_call() -> Any:
         return None
 
 
+def parent_of(path: str) -> str:
+    """``os.path.dirname(path)``, for the paths a store writes (no trailing or doubled slashes) by
+    one string search (os.path.dirname costs 2 us; a save of 20,000 tensors asks 140,000 times)."""
+    head = path[: path.rfind("/")]
+    return head if head and head[-1] != "/" else os.path.dirname(path)
+
+
 def make_dirs(path: str, made: set[str], new: list[str] | None = None) -> None:
     """Make the directory ``path`` and its missing parents (one ``mkdir`` per directory, no ``stat``);
     ``made`` holds the directories known to exist, ``new`` receives those made here."""
     if path in made:
         return
-    parent = os.path.dirname(path)
+    parent = parent_of(path)
     if parent != path and parent not in made:
         make_dirs(parent, made, new)  # parents first: a mkdir that fails for want of one costs a call
     try:
@@ -87,9 +94,10 @@ class Unsynced:
         """Write a new file at ``full`` straight to its name (no flush); False when the name exists."""
         if not self._files:
             sync_mode()  # a bad ZARRCKPT_LOCAL_SYNC fails the save before its first object, not at the end
-        parent = os.path.dirname(full)
+        parent = parent_of(full)
         new: list[str] = []
-        make_dirs(parent, made, new)
+        if parent not in made:
+            make_dirs(parent, made, new)
         try:
             fd = os.open(full, _WRITE_FLAGS, 0o666)
         except FileExistsError:
@@ -105,7 +113,8 @@ class Unsynced:
         with self._lock:
             self._files.append(full)
             self._dirs.add(parent)
-            self._dirs.update(os.path.dirname(d) for d in new)
+            if new:
+                self._dirs.update(map(parent_of, new))
         return True
 
     def flush(self, root: str) -> None:
@@ -139,10 +148,18 @@ class Unsynced:
 
 def write_parts(fd: int, parts: Sequence[Buffer]) -> None:
     """Write every byte of ``parts`` to ``fd`` (vectored, short writes resumed)."""
+    if 0 < len(parts) <= 512:  # one call, as a rule (a document: one write; a shard: one writev)
+        n = os.write(fd, parts[0]) if len(parts) == 1 else os.writev(fd, parts)
+        if n == sum(len(p) if type(p) is bytes else memoryview(p).nbytes for p in parts):
+            return
+    else:
+        n = 0
     views = [memoryview(p).cast("B") for p in parts]
-    if len(views) == 1:  # a document: one write, as a rule
-        n = os.write(fd, views[0])
-        views = [views[0][n:]]
+    while n and views:  # (what the first call wrote)
+        if n >= len(views[0]):
+            n -= len(views.pop(0))
+        else:
+            views[0], n = views[0][n:], 0
     views = [v for v in views if len(v)]
     while views:
         n = os.writev(fd, views[:512])  # stay under IOV_MAX
