@@ -169,8 +169,8 @@ def test_a_tensor_one_rank_holds_whole_gets_the_general_grid(shape: tuple[int, .
     """The shortcut for a per-rank tensor (one holder, the whole tensor) against the general path."""
     from zarrckpt.format.dtypes import storage_dtype
     from zarrckpt.format.layout import Box, Claim, inner_chunk_shape, owner_of_cells, shard_shape_for
-    from zarrckpt.plan.rankdesc import TensorSpec
     from zarrckpt.plan.grids import _grid
+    from zarrckpt.plan.rankdesc import TensorSpec
     from zarrckpt.types import ArrayKind
 
     spec = TensorSpec(shape, dtype, ArrayKind.TENSOR, Box.full(shape), {"mesh": None, "placements": "x"})
