@@ -47,7 +47,7 @@ REMOTE_EVERY = 10
 STEPS = 10_000  # more than any run reaches before its kill
 KINDS = ("kill", "node lost", "kill", "fewer ranks", "restore kill", "job lost")
 START = 11.0  # seconds from the start to the resumed line, at first (then the median of the trials' last 5)
-WINDOW = (0.3, 7.0)  # a kill this long after that moment (restore kills: 2.5 s before it to 0.3 s after)
+WINDOW = (0.3, 7.0)  # a kill this long after that moment
 
 
 def _job(remote: str, tier: str, world: int, steps: int, port: int) -> subprocess.Popen[str]:
@@ -134,11 +134,21 @@ class Run:
         return errors or [ln for _, ln in self.lines[-5:]]
 
 
-def run_job(remote: str, tier: str, world: int, kill_after: float | None, steps: int = STEPS) -> tuple[Run, str]:
-    """Start the job; kill -9 it after ``kill_after`` seconds (None: let it finish); returns what it
-    printed and what the tier held at the kill (a restore's scratch, a step not yet committed)."""
+def run_job(
+    remote: str,
+    tier: str,
+    world: int,
+    kill_after: float | None,
+    steps: int = STEPS,
+    at_save: float | None = None,
+    at_restore: float | None = None,
+) -> tuple[Run, str]:
+    """Start the job; kill -9 it after ``kill_after`` seconds (None: let it finish), or, with
+    ``at_save``, that long after the first step's save that starts after ``kill_after`` (the job
+    prints the step's digest, then starts its save), or, with ``at_restore``, that long after it
+    says it restores; returns what it printed and what the tier showed at the kill."""
     proc = _job(remote, tier, world, steps, _free_port())
-    started = time.monotonic()
+    started, wall = time.monotonic(), time.time()
     lines: list[tuple[float, str]] = []
     assert proc.stdout is not None
     out = proc.stdout
@@ -154,29 +164,48 @@ def run_job(remote: str, tier: str, world: int, kill_after: float | None, steps:
         proc.wait(timeout=600)
     else:
         while time.monotonic() - started < kill_after and proc.poll() is None:
-            time.sleep(0.02)
+            if at_restore is not None and any(ln.startswith("restoring the newest") for _, ln in lines):
+                time.sleep(at_restore)
+                break
+            time.sleep(0.01)
+        if at_save is not None:
+            seen, deadline = len(lines), time.monotonic() + 5
+            while proc.poll() is None and time.monotonic() < deadline:
+                if any(ln.startswith("digest step") for _, ln in lines[seen:]):
+                    time.sleep(at_save)
+                    break
+                time.sleep(0.01)
         if proc.poll() is None:
-            moment = _moment(tier)
+            moment = _moment(tier, wall, lines, world)
             _kill_tree(proc.pid)
             proc.wait()
     reader.join(timeout=30)
     return Run(world, lines, None if moment else proc.returncode), moment
 
 
-def _moment(tier: str) -> str:
-    """What the tier directories show just before the kill."""
-    seen = set()
-    for node in NODES:
-        root = os.path.join(tier, node)
+def _moment(tier: str, since: float, lines: list[tuple[float, str]], world: int) -> str:
+    """What the job was doing at the kill, from its output and what this run made (since ``since``)
+    in its nodes' tier directories: a restore's scratch directory; the step whose digest it printed
+    last (it starts that step's save next) not yet committed on every node."""
+    begun = any(re.match(r"(resumed from|starting from scratch)", ln) for _, ln in lines)
+    printed = [int(m[1]) for _, ln in lines if (m := re.match(r"digest step (\d+)", ln))]
+    restoring, committed = False, []
+    for node in NODES[: world // PER_NODE]:
+        root, done = os.path.join(tier, node), False
         with suppress(FileNotFoundError):
             for name in os.listdir(root):
-                if name.startswith(".restore-"):
-                    seen.add("restoring")
-                elif name.startswith("step_") and not os.path.exists(
-                    os.path.join(root, name, ".zarrckpt-tier", "committed.json")
-                ):
-                    seen.add("saving")
-    return "restoring" if "restoring" in seen else "saving" if "saving" in seen else "between saves"
+                path = os.path.join(root, name)
+                with suppress(FileNotFoundError):
+                    if os.stat(path).st_mtime < since - 1:
+                        continue
+                restoring |= name.startswith(".restore-")
+                if printed and name.startswith(f"step_{printed[-1]:010d}."):
+                    done |= os.path.exists(os.path.join(path, ".zarrckpt-tier", "committed.json"))
+        committed.append(done)
+    if not begun:  # (the scratch directory: a local step's restore; a remote one's has none)
+        said = any(ln.startswith("restoring the newest") for _, ln in lines)
+        return "restoring" if restoring or said else "starting (before any restore)"
+    return "saving" if printed and not all(committed) else "training (no save in flight)"
 
 
 @dataclass
@@ -199,6 +228,22 @@ class Model:
     # (step, digest) -> whether a 2-rank run lies between that state and the start (its sums differ)
     diverged: dict[tuple[int, str], bool] = field(default_factory=dict)
     seq: int = 0
+    # the runs that began (resumed or started from scratch): (the step it began at, the index of the
+    # run whose state it restored, what it printed: (step, digest)); the last one is the head
+    runs: list[tuple[int, int | None, set[tuple[int, str]]]] = field(default_factory=list)
+
+    def on_branch(self, step: int, digest: str) -> bool:
+        """Whether (step, digest) is a state of the head run's own history: printed by it, or by one
+        of the runs it descends from, at or before the step where the next of them began."""
+        at, cutoff = len(self.runs) - 1, None
+        while at >= 0:
+            base, parent, printed = self.runs[at]
+            if (step, digest) in printed and (cutoff is None or step <= cutoff):
+                return True
+            if parent is None:
+                return False
+            at, cutoff = parent, base if cutoff is None else min(cutoff, base)
+        return True  # no run began yet
 
     def expected(self, nodes: list[str], remote: int | None) -> tuple[int | None, int | None]:
         """The range the restored step must lie in (None, None: from scratch)."""
@@ -223,6 +268,11 @@ class Model:
     def ran(self, nodes: list[str], run: Run) -> None:
         """Take in what a run saved to its nodes' directories."""
         base = run.resumed[0] if run.resumed else 0 if run.scratch else None
+        if base is not None:
+            mine = {(int(st), d) for st, d in run.digests.items()}
+            restored = (base, run.restored_digest or "")
+            parent = next((i for i in reversed(range(len(self.runs))) if restored in self.runs[i][2]), None)
+            self.runs.append((base, parent if run.resumed else None, mine | ({restored} if run.resumed else set())))
         diverged = run.world != WORLD or (
             run.resumed is not None and self.diverged.get((run.resumed[0], run.restored_digest or ""), False)
         )
@@ -270,11 +320,16 @@ def run(workdir: str, trials: int, seed: int = 0, final: bool = True, kinds: lis
     counts: Counter[str] = Counter()
     problems: list[str] = []
     rows: list[dict[str, Any]] = []
-    resumed_at: list[float] = []
+    resumed_at: list[float] = []  # when the job said it resumed, in the trials so far
+    restoring: list[float] = []  # how long it took from saying it restores to saying it resumed
     restored: list[tuple[int, int, str, bool]] = []  # (trial, step, digest, after a 2-rank run) of every restore
-    if kinds is None:
+    if kinds is None:  # the 2-rank restarts in the second half: the first half's states equal the reference run's
         kinds = [KINDS[n % len(KINDS)] for n in range(trials)]
+        fewer = [k for k in kinds if k == "fewer ranks"]
+        kinds = [k for k in kinds if k != "fewer ranks"]
         rng.shuffle(kinds)
+        for k in fewer:
+            kinds.insert(rng.randint(trials // 2, len(kinds)), k)
     for n, kind in enumerate(kinds):
         world, wiped = WORLD, []
         if kind == "node lost":
@@ -290,9 +345,17 @@ def run(workdir: str, trials: int, seed: int = 0, final: bool = True, kinds: lis
         remote_step = _remote(remote)
         lo, hi = model.expected(nodes, remote_step)
         at = statistics.median(resumed_at[-5:]) if resumed_at else START
-        kill_after = at + (rng.uniform(-2.5, 0.3) if kind == "restore kill" else rng.uniform(*WINDOW))
-        trial, moment = run_job(remote, tier, world, kill_after)
+        took = statistics.median(restoring[-5:]) if restoring else 1.0
+        at_save = at_restore = None
+        if kind == "restore kill":  # within the time the last restores took, after the job says it restores
+            kill_after, at_restore = at + 10, rng.uniform(0.0, took)
+        else:
+            kill_after = at + rng.uniform(*WINDOW)
+            at_save = rng.uniform(0.0, 0.4) if rng.random() < 0.5 else None
+        trial, moment = run_job(remote, tier, world, kill_after, at_save=at_save, at_restore=at_restore)
         row: dict[str, Any] = {"trial": n, "kind": kind, "world": world, "wiped": wiped, "kill": round(kill_after, 1)}
+        row |= {"at save": None if at_save is None else round(at_save, 2)}
+        row |= {"at restore": None if at_restore is None else round(at_restore, 2)}
         row |= {"moment": moment, "expected": [lo, hi], "remote": remote_step}
         rows.append(row)
         counts["trials"] += 1
@@ -313,6 +376,7 @@ def run(workdir: str, trials: int, seed: int = 0, final: bool = True, kinds: lis
         else:
             step, where = got
             resumed_at.append(trial.when(r"resumed from step") or 0.0)
+            restoring.append(resumed_at[-1] - (trial.when(r"restoring the newest") or 0.0))
             counts[f"restored {where}"] += 1
             if where == "local" and wiped:
                 counts[f"restored local after {kind}"] += 1
@@ -328,9 +392,13 @@ def run(workdir: str, trials: int, seed: int = 0, final: bool = True, kinds: lis
                     f"not the state the job had then ({sorted(ok)}): torn, stale or mixed"
                 )
             restored.append((n, step, digest or "", model.diverged.get((step, digest or ""), False)))
+            if not model.on_branch(step, digest or ""):
+                counts["restored a step of a branch an earlier restart left"] += 1
+                row["left branch"] = True
             if (trial.last_step or step) > step:
                 counts["carried on"] += 1
         model.ran(nodes, trial)
+        print(json.dumps(row), flush=True)
     if final:  # the last run: a few steps more, to the end, on 4 ranks
         remote_step = _remote(remote)
         lo, hi = model.expected(list(NODES), remote_step)
@@ -366,7 +434,8 @@ def report(result: dict[str, Any], seconds: float) -> str:
         f"and every rank) {WINDOW[0]:g}-{WINDOW[1]:g} s after the moment earlier restarts had resumed "
         "(start-up ~10 s, then ~1 step/s on 2 shared cores), after, in some trials, wiping one node's tier "
         "directory (node lost) or both (job lost), or restarting on 2 ranks (1 node, no replica); the "
-        "restore-kill trials are killed 2.5 s before to 0.3 s after that moment. A restore must give a state "
+        "restore-kill trials are killed within the time earlier restores took, after the job says it "
+        "restores. A restore must give a state "
         "the job had at that step (its digest: crc32 of every tensor in key order and the step; the reference "
         "run's, an uninterrupted run on 4 ranks, unless a 2-rank run lies between), from the newest step that "
         "should have survived, from the right tier, and carry on.",
@@ -379,9 +448,10 @@ def report(result: dict[str, Any], seconds: float) -> str:
     order = [
         "trials",
         *[f"kind: {k}" for k in kinds],
-        "killed: between saves",
-        "killed: saving",
+        "killed: starting (before any restore)",
         "killed: restoring",
+        "killed: saving",
+        "killed: training (no save in flight)",
         "killed before resuming",
         "started from scratch",
         "restored local",
@@ -390,6 +460,7 @@ def report(result: dict[str, Any], seconds: float) -> str:
         "digest = the reference run's",
         "digest = a 2-rank run's descendant's",
         "carried on",
+        "restored a step of a branch an earlier restart left",
         "final run finished",
     ]
     for key in order + sorted(set(c) - set(order)):
@@ -397,6 +468,18 @@ def report(result: dict[str, Any], seconds: float) -> str:
             lines.append(f"| {key} | {c[key]} |")
     lines.append(f"| problems | {len(result['problems'])} |")
     lines += ["", *([f"- {p}" for p in result["problems"]] or ["No restore was torn, stale or mixed."])]
+    lines += [
+        "",
+        "*killed*: what the job was doing at the kill, from its output and what it had made in the tier "
+        "(a restore's scratch directory; *saving*: the job printed the digest of a step, then starts its "
+        "save, and the step was not yet committed on every node); half the kills of the other kinds wait "
+        "for a step's digest and come 0-0.4 s after it. *restored a step of a "
+        "branch an earlier restart left*: a node absent from a restart (a 2-rank restart, after the other "
+        "node's directory was lost) kept the steps the job had reached before; the restart resumed from an "
+        "older (remote) step and went on; once the node is back, a restart prefers its steps when their "
+        "step number is higher: a state the job had (its digest is that run's), the newest step committed "
+        "on the surviving nodes, as the rule says, though the steps between are dropped.",
+    ]
     lines += ["", "<details><summary>The trials</summary>", "", "```"]
     lines += [json.dumps(r) for r in result["rows"]]
     lines += ["```", "", "</details>"]

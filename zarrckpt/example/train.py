@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
             local=_local_tier(args, rank),
         )
         if args.local_every:  # the newest of the local tier's steps and the remote ones
+            if rank == 0:
+                print("restoring the newest step of the local tier and the remote one", flush=True)
             step = trainer.resume(manager)
             where = f"the {manager.restored_from} tier"
         else:
