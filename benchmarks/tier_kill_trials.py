@@ -9,7 +9,7 @@ at that step (the digest the job printed then: equal to an uninterrupted referen
 from the newest step that should have survived: the newest local step committed on the surviving
 nodes when it is newer than the newest remote step, else the remote one; and it must carry on.
 
-    python benchmarks/tier_kill_trials.py [--trials 30] [--seed 0] [--out FILE]
+    python benchmarks/tier_kill_trials.py [--trials 32] [--seed 0] [--out FILE]
 
 What the harness knows of each run comes from its output alone: ``digest step S X`` (printed
 before step S's save starts), ``step S loss`` (printed after step S's save started, which waits for
@@ -227,6 +227,7 @@ class Model:
     logged: dict[int, set[str]] = field(default_factory=dict)  # every digest any run printed, by step
     # (step, digest) -> whether a 2-rank run lies between that state and the start (its sums differ)
     diverged: dict[tuple[int, str], bool] = field(default_factory=dict)
+    world: dict[tuple[int, str], int] = field(default_factory=dict)  # (step, digest) -> the ranks of the run at it
     seq: int = 0
     # the runs that began (resumed or started from scratch): (the step it began at, the index of the
     # run whose state it restored, what it printed: (step, digest)); the last one is the head
@@ -279,6 +280,7 @@ class Model:
         for step, d in run.digests.items():
             self.logged.setdefault(step, set()).add(d)
             self.diverged[(step, d)] = self.diverged.get((step, d), False) or diverged
+            self.world[(step, d)] = run.world
         if base is None:
             return  # killed before it resumed: it saved nothing
         last = run.last_step
@@ -378,9 +380,12 @@ def run(workdir: str, trials: int, seed: int = 0, final: bool = True, kinds: lis
             resumed_at.append(trial.when(r"resumed from step") or 0.0)
             restoring.append(resumed_at[-1] - (trial.when(r"restoring the newest") or 0.0))
             counts[f"restored {where}"] += 1
+            digest = trial.restored_digest
             if where == "local" and wiped:
                 counts[f"restored local after {kind}"] += 1
-            digest = trial.restored_digest
+            saver = model.world.get((step, digest or ""), WORLD)
+            if where == "local" and saver != world:
+                counts[f"restored local: saved on {saver} ranks, restored on {world}"] += 1
             if lo is None or not (lo <= step <= (hi if hi is not None else -1)):
                 problems.append(f"trial {n} ({kind}): resumed from {where} step {step}, expected {lo}..{hi}")
             if where != ("local" if step > (remote_step if remote_step is not None else -1) else "remote"):
@@ -457,6 +462,8 @@ def report(result: dict[str, Any], seconds: float) -> str:
         "restored local",
         "restored remote",
         *[f"restored local after {k}" for k in ("node lost", "job lost")],
+        f"restored local: saved on {WORLD} ranks, restored on {PER_NODE}",
+        f"restored local: saved on {PER_NODE} ranks, restored on {WORLD}",
         "digest = the reference run's",
         "digest = a 2-rank run's descendant's",
         "carried on",
@@ -468,17 +475,20 @@ def report(result: dict[str, Any], seconds: float) -> str:
             lines.append(f"| {key} | {c[key]} |")
     lines.append(f"| problems | {len(result['problems'])} |")
     lines += ["", *([f"- {p}" for p in result["problems"]] or ["No restore was torn, stale or mixed."])]
+    left = (
+        " *restored a step of a branch an earlier restart left*: a node absent from a restart (a 2-rank "
+        "restart, after the other node's directory was lost) kept the steps the job had reached before; the "
+        "restart resumed from an older (remote) step and went on; once the node is back, a restart prefers its "
+        "steps when their step number is higher: a state the job had (its digest is that run's), the newest "
+        "step committed on the surviving nodes, as the rule says, though the steps between are dropped."
+    )
     lines += [
         "",
         "*killed*: what the job was doing at the kill, from its output and what it had made in the tier "
         "(a restore's scratch directory; *saving*: the job printed the digest of a step, then starts its "
         "save, and the step was not yet committed on every node); half the kills of the other kinds wait "
-        "for a step's digest and come 0-0.4 s after it. *restored a step of a "
-        "branch an earlier restart left*: a node absent from a restart (a 2-rank restart, after the other "
-        "node's directory was lost) kept the steps the job had reached before; the restart resumed from an "
-        "older (remote) step and went on; once the node is back, a restart prefers its steps when their "
-        "step number is higher: a state the job had (its digest is that run's), the newest step committed "
-        "on the surviving nodes, as the rule says, though the steps between are dropped.",
+        "for a step's digest and come 0-0.4 s after it."
+        + (left if "restored a step of a branch an earlier restart left" in c else ""),
     ]
     lines += ["", "<details><summary>The trials</summary>", "", "```"]
     lines += [json.dumps(r) for r in result["rows"]]
@@ -488,7 +498,7 @@ def report(result: dict[str, Any], seconds: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trials", type=int, default=30)
+    parser.add_argument("--trials", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "tier_kills.md")
     args = parser.parse_args(argv)
