@@ -313,9 +313,22 @@ def reference(workdir: str, steps: int) -> tuple[dict[int, str], float]:
     return run.digests, time.perf_counter() - started
 
 
-def run(workdir: str, trials: int, seed: int = 0, final: bool = True, kinds: list[str] | None = None) -> dict[str, Any]:
-    """``trials`` kills (of ``kinds`` in this order; default: :data:`KINDS` over and over, shuffled),
-    then a run to the end (``final``), then the reference run to compare the restored states with."""
+def _within(step: int, lo: int | None, hi: int | None) -> bool:
+    """Whether a restore of ``step`` fits :meth:`Model.expected` (lo None: no step surely survived)."""
+    return hi is not None and (lo is None or lo <= step) and step <= hi
+
+
+def run(
+    workdir: str,
+    trials: int,
+    seed: int = 0,
+    final: bool = True,
+    kinds: list[str] | None = None,
+    window: tuple[float, float] = WINDOW,
+) -> dict[str, Any]:
+    """``trials`` kills (of ``kinds`` in this order; default: :data:`KINDS` over and over, shuffled;
+    ``window``: seconds after the moment the job resumes), then a run to the end (``final``), then
+    the reference run to compare the restored states with."""
     rng = random.Random(seed)
     remote, tier = os.path.join(workdir, "remote"), os.path.join(workdir, "tier")
     model = Model()
@@ -352,7 +365,7 @@ def run(workdir: str, trials: int, seed: int = 0, final: bool = True, kinds: lis
         if kind == "restore kill":  # within the time the last restores took, after the job says it restores
             kill_after, at_restore = at + 10, rng.uniform(0.0, took)
         else:
-            kill_after = at + rng.uniform(*WINDOW)
+            kill_after = at + rng.uniform(*window)
             at_save = rng.uniform(0.0, 0.4) if rng.random() < 0.5 else None
         trial, moment = run_job(remote, tier, world, kill_after, at_save=at_save, at_restore=at_restore)
         row: dict[str, Any] = {"trial": n, "kind": kind, "world": world, "wiped": wiped, "kill": round(kill_after, 1)}
@@ -372,6 +385,7 @@ def run(workdir: str, trials: int, seed: int = 0, final: bool = True, kinds: lis
         if got is None and not trial.scratch:
             counts["killed before resuming"] += 1
         elif got is None:
+            resumed_at.append(trial.when(r"starting from scratch") or START)
             if lo is not None:
                 problems.append(f"trial {n} ({kind}): started from scratch, but step {lo} at least survived")
             counts["started from scratch"] += 1
@@ -386,7 +400,7 @@ def run(workdir: str, trials: int, seed: int = 0, final: bool = True, kinds: lis
             saver = model.world.get((step, digest or ""), WORLD)
             if where == "local" and saver != world:
                 counts[f"restored local: saved on {saver} ranks, restored on {world}"] += 1
-            if lo is None or not (lo <= step <= (hi if hi is not None else -1)):
+            if not _within(step, lo, hi):
                 problems.append(f"trial {n} ({kind}): resumed from {where} step {step}, expected {lo}..{hi}")
             if where != ("local" if step > (remote_step if remote_step is not None else -1) else "remote"):
                 problems.append(f"trial {n} ({kind}): step {step} from the {where} tier, the remote has {remote_step}")
@@ -412,7 +426,7 @@ def run(workdir: str, trials: int, seed: int = 0, final: bool = True, kinds: lis
         if last.exited != 0 or not last.grep(rf"done: step {done}"):
             problems.append(f"the final run did not finish: exit {last.exited}: {last.tail()}")
         got = last.resumed
-        if lo is not None and (got is None or not (lo <= got[0] <= (hi if hi is not None else -1))):
+        if (got is None and lo is not None) or (got is not None and not _within(got[0], lo, hi)):
             problems.append(f"the final run resumed from {got}, expected {lo}..{hi}")
         counts["final run finished"] = int(last.exited == 0 and bool(last.grep(rf"done: step {done}")))
     ref, ref_seconds = reference(workdir, max([s for _, s, _, _ in restored], default=1))
