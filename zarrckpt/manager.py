@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_for
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from zarrckpt.api import load, save
 from zarrckpt.asyncsave import AsyncSave, Staging, async_save
@@ -135,6 +135,7 @@ class CheckpointManager:
         )
         self._watch = SignalWatch(save_on) if save_on else None
         self.preempted: signal.Signals | None = None  # the signal a final save answered (see save_on)
+        self.restored_from: Literal["local", "remote"] | None = None  # the tier load_latest restored from
         self.tier = TierRunner(local, process_group, staging) if local is not None else None
         if async_save:  # paid here, not in the first save: its process group (collective) and storage client
             side_group(process_group)
@@ -282,10 +283,14 @@ class CheckpointManager:
     def load_latest(self, state_dict: Any, **kwargs: Any) -> int | None:
         """Load the latest committed checkpoint into ``state_dict``; returns its step (None: none yet).
 
-        Every rank calls it; rank 0 decides which step, so all ranks load the same one.
+        Every rank calls it; rank 0 decides which step, so all ranks load the same one. With a
+        ``local`` tier, the step may be a local one; ``restored_from`` then says which tier it came
+        from (``"local"``, ``"remote"``; None: nothing was restored).
         """
+        self.restored_from = None
         chosen = Group(self.process_group).all_gather_json(self.latest() if self.rank == 0 else None)[0]
         if self.tier is not None and (local := self.tier.restore_newest(state_dict, chosen, **kwargs)) is not None:
+            self.restored_from = "local"
             return local
         if chosen is None:
             return None
@@ -293,6 +298,7 @@ class CheckpointManager:
         load(
             state_dict, self.url(step), storage_options=self.storage_options, process_group=self.process_group, **kwargs
         )
+        self.restored_from = "remote"
         return step
 
     def cleanup(self, *, all_incomplete: bool = False) -> list[int]:

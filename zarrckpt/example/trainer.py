@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+import zlib
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
@@ -173,6 +174,20 @@ class Trainer:
         # every rank of this job draws the same samples, so the saved rows are equal: on another number
         # of ranks, rank r takes saved rank r % saved world's (a job whose ranks differ might reseed: "skip")
         zarrckpt.load(state, url, storage_options=storage_options, per_rank="modulo")
+        self.loaded(state)
+
+    def resume(self, manager: zarrckpt.CheckpointManager) -> int | None:
+        """Restore the newest step ``manager`` has (its local tier's or its remote one's, as
+        ``manager.load_latest`` picks; ``manager.restored_from`` says which); returns the step (None:
+        nothing saved yet, the state is left as it is)."""
+        state = self.state_dict()
+        step = manager.load_latest(state, per_rank="modulo")  # (per_rank: as load() says)
+        if step is not None:
+            self.loaded(state)
+        return step
+
+    def loaded(self, state: dict[str, Any]) -> None:
+        """Take up a ``state_dict()`` a checkpoint was loaded into (the tensors are loaded in place)."""
         t = state["trainer"]
         self.step, self.tokens = int(t["step"]), int(t["tokens"])
         self.loader.load_state_dict(t["loader"].value)
@@ -181,6 +196,31 @@ class Trainer:
         version, internal, gauss = t["rng"]["python"].value
         random.setstate((version, tuple(internal), gauss))
         self.losses, self.grad_norms = t["bookkeeping"]["losses"], t["bookkeeping"]["grad_norms"]
+
+
+def digest(state: dict[str, Any], step: int) -> str:
+    """A crc32 of ``state``'s tensors in key order (DTensors whole: a collective of their mesh;
+    PerRank tensors: this rank's row) and ``step``: alike wherever the state is alike, under any
+    topology, so that runs can compare the state they restored or reached."""
+    crc = zlib.crc32(str(step).encode())
+
+    def walk(prefix: str, value: Any) -> None:
+        nonlocal crc
+        if isinstance(value, zarrckpt.PerRank):
+            value = value.value
+        if isinstance(value, dict):
+            for k in sorted(value):
+                walk(f"{prefix}.{k}", value[k])
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(f"{prefix}.{i}", v)
+        elif isinstance(value, torch.Tensor):
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            crc = zlib.crc32(prefix.encode(), crc)
+            crc = zlib.crc32(full.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), crc)
+
+    walk("", state)
+    return f"{crc:08x}"
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
