@@ -96,6 +96,27 @@ def test_two_saves_of_one_step_never_mix() -> None:
     assert choose(torn_world) is None
 
 
+def test_a_line_of_training_abandoned_for_an_older_step_is_not_restored() -> None:
+    """A job lost node0 (and with it a copy of node1's step 28), went back to remote step 20 on node0
+    alone and saved to 26; node1 comes back holding step 28 of the earlier run (a trial found it)."""
+    old, new = "a" * 32, "b" * 32
+    seen = {"n0": [_seen(26, new, (0, 1), world=2, at=2.0)], "n1": [_seen(28, old, (0, 1, 2, 3), at=1.0)]}
+    got = choose(seen, newer_than=20)
+    assert got is not None and (got.step, got.save_id) == (26, new), "the save started last, not the highest step"
+
+
+def test_pruning_keeps_a_whole_step_another_node_saw_committed(tmp_path: Path) -> None:
+    """A kill between two nodes' committed markers: this node's copy is whole but has none."""
+    sid = "c" * 32
+    step_root = tmp_path / f"step_0000000007.{sid}"
+    step_root.mkdir()
+    (step_root / "zarr.json").write_text("{}")
+    doc = {"save_id": sid, "world_size": 1, "started": 1.0}
+    nodedir.held(str(step_root), 0, doc)
+    assert nodedir.doomed(str(tmp_path), 1) == [step_root.name], "uncommitted here, and nobody said otherwise"
+    assert nodedir.doomed(str(tmp_path), 1, {sid}) == [], "another node saw it committed: kept"
+
+
 def test_each_missing_object_has_one_sender_and_one_receiver_per_node() -> None:
     nodes = Nodes.of(["a", "a", "b", "b"])
     send, lost = senders(["x/c/0", "x/c/1", "y/c/0"], [[0], [0, 1], []], nodes)

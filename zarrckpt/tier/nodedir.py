@@ -19,7 +19,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from zarrckpt.errors import TierSpaceError, ZarrckptError
@@ -31,7 +31,7 @@ log = logging.getLogger("zarrckpt")
 
 def scan(root: str) -> list[StepSeen]:
     """The local steps in ``root`` that have a manifest, with what their markers say (markers of
-    another save than the directory's are ignored); newest first."""
+    another save than the directory's are ignored); the save started last first."""
     out = []
     try:
         names = os.listdir(root)
@@ -53,7 +53,7 @@ def scan(root: str) -> list[StepSeen]:
                 held.append(int(doc["rank"]))
         if world is not None:
             out.append(StepSeen(step, sid, world, committed, tuple(sorted(held)), started))
-    return sorted(out, key=lambda s: (s.step, s.started), reverse=True)
+    return sorted(out, key=lambda s: (s.started, s.step), reverse=True)
 
 
 def _markers(where: str) -> list[dict[str, Any]]:
@@ -94,10 +94,13 @@ def committed(step_root: str, doc: dict[str, Any]) -> None:
     write_marker(step_root, COMMITTED, {**doc, "kind": "committed"})
 
 
-def doomed(root: str, keep: int) -> list[str]:
-    """What :func:`prune` deletes: every step directory but the newest ``keep`` committed ones, and
-    any restore's scratch left behind."""
-    kept = {step_dir(s.step, s.save_id) for s in [s for s in scan(root) if s.committed][: max(keep, 0)]}
+def doomed(root: str, keep: int, committed_elsewhere: Collection[str] = ()) -> list[str]:
+    """What :func:`prune` deletes: every step directory but the ``keep`` committed ones saved last,
+    and any restore's scratch left behind. A step counts as committed when this node or another
+    saw it so (``committed_elsewhere``: save ids): a kill between two nodes' committed markers
+    leaves a whole copy without its own."""
+    committed = [s for s in scan(root) if s.committed or s.save_id in committed_elsewhere]
+    kept = {step_dir(s.step, s.save_id) for s in committed[: max(keep, 0)]}
     try:
         names = os.listdir(root)
     except FileNotFoundError:
@@ -105,9 +108,9 @@ def doomed(root: str, keep: int) -> list[str]:
     return [n for n in names if (STEP_DIR.match(n) and n not in kept) or n.startswith(RESTORING)]
 
 
-def prune(root: str, keep: int) -> list[str]:
+def prune(root: str, keep: int, committed_elsewhere: Collection[str] = ()) -> list[str]:
     """Before a new local step: delete :func:`doomed`'s directories; returns their names."""
-    gone = doomed(root, keep)
+    gone = doomed(root, keep, committed_elsewhere)
     for name in gone:
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     return gone

@@ -111,8 +111,11 @@ class _TierJob:
             finally:
                 done.set()
         nodes = self.nodes
-        sizes = [int(n) for n in group.all_gather_json(self.plan.bytes_of(rank))]
-        begun = group.run_together(partial(self._begin, sizes), "preparing the local tier", share=True)
+        mine = [s.save_id for s in nodedir.scan(self.root) if s.committed] if nodes.lead(rank) else []
+        gathered = group.all_gather_json([self.plan.bytes_of(rank), mine])
+        sizes = [int(n) for n, _ in gathered]
+        committed = {sid for _, sids in gathered for sid in sids}  # (a step some node saw committed)
+        begun = group.run_together(partial(self._begin, sizes, committed), "preparing the local tier", share=True)
         assert begun is not None  # (rank 0's, on every rank)
         sid, started = str(begun[0]), float(begun[1])
         step_root = os.path.join(self.root, step_dir(self.step, sid))
@@ -142,10 +145,11 @@ class _TierJob:
         )
         log.info("local step %d committed in %s (%d objects of this rank)", self.step, step_root, len(mine))
 
-    def _begin(self, sizes: list[int]) -> list[Any] | None:
-        """Each node's lowest rank: delete the node's steps beyond ``keep - 1``, check the room for this one."""
+    def _begin(self, sizes: list[int], committed: set[str]) -> list[Any] | None:
+        """Each node's lowest rank: delete the node's steps beyond ``keep - 1`` (``committed``: save ids
+        some node saw committed), check the room for this one."""
         if self.nodes.lead(self.group.rank):
-            nodedir.prune(self.root, self.tier.keep - 1)
+            nodedir.prune(self.root, self.tier.keep - 1, committed)
             nodedir.check_room(self.root, self._node_bytes(sizes), 0, self.tier, self.nodes.names)
         return [uuid.uuid4().hex, time.time()] if self.group.rank == 0 else None
 
