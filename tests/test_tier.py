@@ -96,13 +96,13 @@ def test_two_saves_of_one_step_never_mix() -> None:
     assert choose(torn_world) is None
 
 
-def test_a_line_of_training_abandoned_for_an_older_step_is_not_restored() -> None:
-    """A job lost node0 (and with it a copy of node1's step 28), went back to remote step 20 on node0
-    alone and saved to 26; node1 comes back holding step 28 of the earlier run (a trial found it)."""
+def test_a_node_returning_with_a_higher_step_of_an_earlier_run_restores_it_whole() -> None:
+    """A job lost node0, went back to remote step 20 on node0 alone and saved to 26; node1 comes back
+    holding step 28 of the earlier run, whole (a trial found it): the most progress, never a mix."""
     old, new = "a" * 32, "b" * 32
     seen = {"n0": [_seen(26, new, (0, 1), world=2, at=2.0)], "n1": [_seen(28, old, (0, 1, 2, 3), at=1.0)]}
     got = choose(seen, newer_than=20)
-    assert got is not None and (got.step, got.save_id) == (26, new), "the save started last, not the highest step"
+    assert got is not None and (got.step, got.save_id, got.holders) == (28, old, ("n1",))
 
 
 def test_pruning_keeps_a_whole_step_another_node_saw_committed(tmp_path: Path) -> None:

@@ -119,18 +119,19 @@ class Choice:
 
 
 def choose(seen: Mapping[str, Iterable[StepSeen]], newer_than: int | None = None) -> Choice | None:
-    """The local step saved last (by its save's start) that every saving rank's objects survive of
-    (on some node of ``seen``: node name -> what its directory holds), that some node saw committed
-    and that is at least as new as ``newer_than`` (a remote step: of a step in both tiers, the local
-    one is restored); None when there is none. The save started last, not the highest step: a job
-    that went back to an older step (a remote one, after losing more than its replicas) abandoned
-    the later steps of its earlier run, which a node may still hold. Saves never mix (save ids)."""
+    """The newest local step (the highest; of two saves of one step, the one started last) that every
+    saving rank's objects survive of (on some node of ``seen``: node name -> what its directory
+    holds), that some node saw committed and that is at least as new as ``newer_than`` (a remote
+    step: of a step in both tiers, the local one is restored); None when there is none. Saves never
+    mix (save ids). A node returning with a higher step of a run the job went back from (to an
+    older remote step, after losing a node and its copies) wins over the later run's lower steps:
+    the most progress, and a state that run had whole."""
     found: dict[tuple[int, str], list[tuple[str, StepSeen]]] = {}
     for node, steps in seen.items():
         for s in steps:
             found.setdefault((s.step, s.save_id), []).append((node, s))
-    last_first = sorted(found.items(), key=lambda kv: (max(s.started for _, s in kv[1]), kv[0][0]), reverse=True)
-    for (step, sid), where in last_first:
+    newest_first = sorted(found.items(), key=lambda kv: (kv[0][0], max(s.started for _, s in kv[1])), reverse=True)
+    for (step, sid), where in newest_first:
         if newer_than is not None and step < newer_than:
             continue
         worlds = {s.world_size for _, s in where}

@@ -31,7 +31,7 @@ log = logging.getLogger("zarrckpt")
 
 def scan(root: str) -> list[StepSeen]:
     """The local steps in ``root`` that have a manifest, with what their markers say (markers of
-    another save than the directory's are ignored); the save started last first."""
+    another save than the directory's are ignored); newest first (of two saves of a step, the later)."""
     out = []
     try:
         names = os.listdir(root)
@@ -53,7 +53,7 @@ def scan(root: str) -> list[StepSeen]:
                 held.append(int(doc["rank"]))
         if world is not None:
             out.append(StepSeen(step, sid, world, committed, tuple(sorted(held)), started))
-    return sorted(out, key=lambda s: (s.started, s.step), reverse=True)
+    return sorted(out, key=lambda s: (s.step, s.started), reverse=True)
 
 
 def _markers(where: str) -> list[dict[str, Any]]:
@@ -95,7 +95,7 @@ def committed(step_root: str, doc: dict[str, Any]) -> None:
 
 
 def doomed(root: str, keep: int, committed_elsewhere: Collection[str] = ()) -> list[str]:
-    """What :func:`prune` deletes: every step directory but the ``keep`` committed ones saved last,
+    """What :func:`prune` deletes: every step directory but the ``keep`` newest committed ones,
     and any restore's scratch left behind. A step counts as committed when this node or another
     saw it so (``committed_elsewhere``: save ids): a kill between two nodes' committed markers
     leaves a whole copy without its own."""
