@@ -26,7 +26,6 @@ import os
 import random
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,8 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from restart_trials import _kill_tree  # (the script's neighbour: torchrun and its ranks at once)
 
 import zarrckpt
 
@@ -67,30 +68,6 @@ def _free_port() -> int:
     from zarrckpt.testing import free_port
 
     return free_port()
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (torchrun starts each rank in a session of its own)."""
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents[int(stat.parent.name)] = int(fields[1])
-    found, frontier = [], [pid]
-    while frontier:
-        children = [child for child, parent in parents.items() if parent in frontier]
-        found += children
-        frontier = children
-    return found
-
-
-def _kill_tree(pid: int) -> None:
-    """kill -9 torchrun and all its ranks at the same moment, as a node failure would."""
-    for victim in [pid, *_descendants(pid)]:
-        with suppress(ProcessLookupError):
-            os.kill(victim, signal.SIGKILL)
 
 
 @dataclass
