@@ -7,7 +7,7 @@ again while they restore. Every restart must resume from a step whose state is a
 at that step (the digest the job printed then: equal to an uninterrupted reference run's, unless a
 2-rank run lies between, whose sums add up in another order), never a torn, stale or mixed one, and
 from the newest step that should have survived: the newest local step committed on the surviving
-nodes when it is newer than the newest remote step, else the remote one; and it must carry on.
+nodes when it is at least as new as the newest remote step, else the remote one; and it must carry on.
 
     python benchmarks/tier_kill_trials.py [--trials 32] [--seed 0] [--out FILE]
 
@@ -379,7 +379,8 @@ def run(
                 counts[f"restored local: saved on {saver} ranks, restored on {world}"] += 1
             if not _within(step, lo, hi):
                 problems.append(f"trial {n} ({kind}): resumed from {where} step {step}, expected {lo}..{hi}")
-            if where != ("local" if step > (remote_step if remote_step is not None else -1) else "remote"):
+            newest_remote = remote_step if remote_step is not None else -1  # (a step in both tiers: local)
+            if (where == "local" and step < newest_remote) or (where == "remote" and step > newest_remote):
                 problems.append(f"trial {n} ({kind}): step {step} from the {where} tier, the remote has {remote_step}")
             ok = model.acceptable(nodes, step) if where == "local" else model.logged.get(step, set())
             if digest not in ok:
