@@ -111,8 +111,8 @@ class _TierJob:
             finally:
                 done.set()
         nodes = self.nodes
-        mine = [s.save_id for s in nodedir.scan(self.root) if s.committed] if nodes.lead(rank) else []
-        gathered = group.all_gather_json([self.plan.bytes_of(rank), mine])
+        committed_here = [s.save_id for s in nodedir.scan(self.root) if s.committed] if nodes.lead(rank) else []
+        gathered = group.all_gather_json([self.plan.bytes_of(rank), committed_here])
         sizes = [int(n) for n, _ in gathered]
         committed = {sid for _, sids in gathered for sid in sids}  # (a step some node saw committed)
         begun = group.run_together(partial(self._begin, sizes, committed), "preparing the local tier", share=True)
