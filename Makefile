@@ -50,6 +50,7 @@ bench: $(STAMP)
 	$(BIN)/pip install -q -e '.[bench]' torch==2.13.0  # s3torchconnector: a baseline of the S3 rows
 	$(BIN)/python benchmarks/run.py --out benchmarks/results/latest.md --json benchmarks/results/latest.json --charts-dir docs/img
 	$(BIN)/python benchmarks/tier.py --out benchmarks/results/tier.md --json benchmarks/results/tier.json  # the local tier (issue 42): restore after a node loss
+	$(BIN)/python benchmarks/s3_floor.py --json benchmarks/results/s3_floor.json  # the floor under a save to S3 (issue 39)
 
 clean:
 	rm -rf $(VENV) demo-checkpoints site .pytest_cache .mypy_cache .ruff_cache

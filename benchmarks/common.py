@@ -345,6 +345,23 @@ class CpuSampler:
         return (c1 - c0) / wall, (b1 - b0) / max(a1 - a0, 1), (x1 - x0) / wall
 
 
+WINDOW_SLACK_S = 0.05  # requests counted in a time window, widened by this much each side
+
+
+def requests_in(log: Any, t0: float, t1: float, prefix: str | None = None) -> dict[str, Any]:
+    """S3 requests the server got in ``[t0, t1]`` (wall clock), by kind, and body bytes sent: any key
+    of the bucket, or with ``prefix`` (``bucket/some/prefix``) those about objects under it."""
+    out: dict[str, Any] = {"requests": 0, "bytes": 0, "detail": []}
+    for r in log.requests():
+        if t0 - WINDOW_SLACK_S <= r.start <= t1 + WINDOW_SLACK_S and (prefix is None or r.touches(prefix)):
+            out["requests"] += 1
+            out["bytes"] += r.bytes_sent
+            out[r.kind] = out.get(r.kind, 0) + 1
+            if len(out["detail"]) < 10:
+                out["detail"].append(f"{r.kind} {r.target} {r.start - t0:+.3f}s {r.bytes_sent} B")
+    return out
+
+
 # -- files -------------------------------------------------------------------------------------
 
 

@@ -48,7 +48,17 @@ sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from common import CpuSampler, build_state, hidden_size, measure, state_nbytes, summarize_profiles, tensor_specs, verify  # noqa: E402
+from common import (  # noqa: E402
+    CpuSampler,
+    build_state,
+    hidden_size,
+    measure,
+    requests_in,
+    state_nbytes,
+    summarize_profiles,
+    tensor_specs,
+    verify,
+)
 
 import zarrckpt  # noqa: E402
 from zarrckpt.testing import remove_tree, s3_server, spawn  # noqa: E402
@@ -59,7 +69,6 @@ INTERVAL = 100  # the remote tier's interval; the local tier saves every step
 BOTH, LOCAL_ONLY = INTERVAL, INTERVAL + 1  # steps saved on both tiers / on the local tier only (same bytes)
 SPEEDUP_TARGET = 5.0  # local restore vs S3
 BLOCK_TARGET = 1.1  # local save's blocked call vs async_save(staging="background")
-WINDOW_SLACK_S = 0.05  # requests counted in a restore's time window, widened by this much each side
 GAP_S = 0.5  # between two restores (> 2 x the slack)
 
 
@@ -234,19 +243,6 @@ def run_spawn(world: int, fn: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     spawn(world, fn, cfg, timeout_s=1800.0)
     print(f"{fn.__name__} on {world} ranks: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     return json.loads(Path(cfg["result"]).read_text())
-
-
-def requests_in(log: Any, t0: float, t1: float) -> dict[str, Any]:
-    """S3 requests the server got in ``[t0, t1]`` (any key of the bucket), by kind, and body bytes sent."""
-    out: dict[str, Any] = {"requests": 0, "bytes": 0, "detail": []}
-    for r in log.requests():
-        if t0 - WINDOW_SLACK_S <= r.start <= t1 + WINDOW_SLACK_S:
-            out["requests"] += 1
-            out["bytes"] += r.bytes_sent
-            out[r.kind] = out.get(r.kind, 0) + 1
-            if len(out["detail"]) < 10:
-                out["detail"].append(f"{r.kind} {r.target} {r.start - t0:+.3f}s {r.bytes_sent} B")
-    return out
 
 
 def tree_bytes(root: Path) -> int:

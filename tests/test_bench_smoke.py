@@ -156,3 +156,38 @@ def test_clients_report_decides_by_the_measured_ratio():
     assert "2.00x" in faster
     more = clients.render(runs(1.0, 150), ["made up"], 10**6)
     assert "faster only with more requests" in more and "**s3fs should serve" in more
+
+
+def test_s3_floor_report_says_whether_the_floor_allows_the_target():
+    """benchmarks/s3_floor.py: the target row's verdict, and whether a bare client writing zarrckpt's
+    objects is itself fast enough (the floor), from made-up times."""
+    import argparse
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        import s3_floor
+    finally:
+        sys.path.remove(str(BENCH))
+
+    def info(zarrckpt_s: float, bare_s: float) -> dict:
+        times = {"zarrckpt": zarrckpt_s, "s3tc": 1.2, "bare_objects": bare_s, "bare_rank": 0.6}
+        hits = {"requests": 3, "bytes": 0, "PUT": 3, "detail": []}
+        run = {n: {"s": s, "s3": hits, "gateway_cpu_s": 0.5, "machine_busy": 0.9} for n, s in times.items()}
+        cost = {"count": 4, "bytes": 2**20, "s": 0.1, "gateway_cpu_s": 0.2}
+        return {
+            "runs": [run | {"order": list(times)}],
+            "objects": 3,
+            "object_bytes": 100,
+            "largest": 50,
+            "costs": {"small": cost, "large": cost},
+            "load": [(1.0, 1.0, 1.0)],
+            "server": "made up",
+            "wall_s": 1.0,
+        }
+
+    args = argparse.Namespace(gib=0.01, ranks=4, reps=1)
+    passed = s3_floor.render(args, info(0.9, 0.8), [])
+    assert "| save, zarrckpt speed / s3torchconnector (target >= 1.2x) | 1.33x | PASS |" in passed
+    assert "| 1.50x | the floor allows the target |" in passed
+    missed = s3_floor.render(args, info(1.5, 1.1), [])
+    assert "| 0.80x | MISS |" in missed and "| 1.09x | the target is above the floor |" in missed
