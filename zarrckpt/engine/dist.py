@@ -145,10 +145,21 @@ class Group:
 
     def _padded(self, raw: bytes, size: int) -> torch.Tensor:
         """``raw`` in a uint8 tensor of ``size`` bytes on this group's device (zero-padded)."""
-        buf = torch.zeros(size, dtype=torch.uint8, device=self.device)
-        if raw:
-            buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        return buf
+        return self._joined([raw], size)
+
+    def _joined(self, pieces: Sequence[Any], size: int) -> torch.Tensor:
+        """The byte buffers ``pieces`` back to back in a uint8 tensor of ``size`` bytes on this
+        group's device (zero-padded): one copy of each on the host (numpy arrays are taken as
+        their bytes, which must be contiguous)."""
+        host = torch.empty(size, dtype=torch.uint8)
+        view, at = host.numpy(), 0
+        for piece in pieces:
+            raw = np.frombuffer(piece, dtype=np.uint8) if not isinstance(piece, np.ndarray) else piece.reshape(-1)
+            raw = raw.view(np.uint8)
+            view[at : at + raw.size] = raw
+            at += raw.size
+        view[at:] = 0
+        return host if self.device.type == "cpu" else host.to(self.device)
 
     def broadcast_bytes(self, data: bytes) -> bytes:
         """Rank 0's ``data`` on every rank (what the others pass is ignored)."""
@@ -229,19 +240,22 @@ class Group:
             raise ZarrckptError(f"{what} failed on rank 0: {status[0]}: {status[1]}")
         return self.broadcast_bytes(result)
 
-    def exchange_bytes(self, outgoing: list[bytes]) -> list[bytes]:
-        """All-to-all: send ``outgoing[r]`` to rank r; return what each rank sent this one, in rank
-        order (one exchange of sizes, one of data)."""
+    def exchange_bytes(self, outgoing: Sequence[Sequence[Any]]) -> list[memoryview]:
+        """All-to-all: send the byte buffers ``outgoing[r]`` (bytes, or contiguous numpy arrays),
+        back to back, to rank r; return what each rank sent this one, in rank order, as views of one
+        received buffer (one exchange of sizes, one of data; each byte copied once into the send
+        buffer and never out of the received one)."""
+        counts = [sum(p.nbytes if isinstance(p, np.ndarray) else len(p) for p in pieces) for pieces in outgoing]
         if not self.active:
-            return list(outgoing)
-        sent = torch.tensor([len(b) for b in outgoing], dtype=torch.int64, device=self.device)
+            return [self._joined(outgoing[0], counts[0]).numpy().data]
+        sent = torch.tensor(counts, dtype=torch.int64, device=self.device)
         sizes = torch.empty_like(sent)
         torch_dist.all_to_all_single(sizes, sent, group=self.pg)
         lengths = [int(n) for n in sizes.tolist()]
-        data = self._padded(b"".join(outgoing), int(sent.sum()))
+        data = self._joined([p for pieces in outgoing for p in pieces], sum(counts))
         out = torch.empty(sum(lengths), dtype=torch.uint8, device=self.device)
-        torch_dist.all_to_all_single(out, data, lengths, [len(b) for b in outgoing], group=self.pg)
-        raw = bytes(out.cpu().numpy())
+        torch_dist.all_to_all_single(out, data, lengths, counts, group=self.pg)
+        raw = out.cpu().numpy().data
         ends = itertools.accumulate(lengths)  # (not a sum per rank: O(world) here, at 16,384 ranks too)
         return [raw[end - n : end] for end, n in zip(ends, lengths, strict=True)]
 

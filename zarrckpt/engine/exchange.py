@@ -33,26 +33,27 @@ def gather_small(group: Group, plan: ZarrSavePlan, local: LocalState) -> None:
     group.run_together(lambda: _assemble(group.rank, plan, local, received), "assembling the small tensors")
 
 
-def _outgoing(group: Group, plan: ZarrSavePlan, local: LocalState) -> list[bytes]:
-    """What this rank sends each rank: the bytes of the pieces it is the sender of, in plan order."""
-    out: list[list[bytes]] = [[] for _ in range(group.size)]
+def _outgoing(group: Group, plan: ZarrSavePlan, local: LocalState) -> list[list[np.ndarray]]:
+    """What this rank sends each rank: the pieces it is the sender of, in plan order."""
+    out: list[list[np.ndarray]] = [[] for _ in range(group.size)]
     for key, shards in plan.gathers.items():
         for gather in shards.values():
             for box, sender in gather.pieces:
                 if sender == group.rank:
                     out[gather.writer].append(_piece(local, key, box))
-    return [b"".join(parts) for parts in out]
+    return out
 
 
-def _piece(local: LocalState, key: str, box: Box) -> bytes:
+def _piece(local: LocalState, key: str, box: Box) -> np.ndarray:
+    """The piece ``box`` of ``key``: a view of this rank's part (a copy where the view is not contiguous)."""
     part = local.part_holding(key, box)
     if part is None:
         raise ZarrckptError(f"{key}: this rank was to send {box} of it but holds no part with it (a bug)")
     data = dtypes.as_numpy(part.data.detach().cpu())[box.relative_to(part.box.offsets).slices()]
-    return np.ascontiguousarray(data).tobytes()
+    return np.ascontiguousarray(data)
 
 
-def _assemble(rank: int, plan: ZarrSavePlan, local: LocalState, received: list[bytes]) -> None:
+def _assemble(rank: int, plan: ZarrSavePlan, local: LocalState, received: list[memoryview]) -> None:
     """Build each joined shard this rank writes from its own parts and the pieces received; the
     parts of joined tensors are replaced by those shards (none, where others write them all)."""
     at = [0] * len(received)
