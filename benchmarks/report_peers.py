@@ -17,9 +17,11 @@ _MANY_SAVE = (
     "(`syncfs`, 0.8 s here) instead of a temporary file, fsync and link each. On tmpfs, where the filesystem "
     "costs nothing, the same save took 5.3 s on 1 rank (DCP 8.0 s) and 6.4 s on 4 (DCP 10.4 s) on "
     "2026-12-05: what is left is per-tensor CPU (rank 0 on 1 rank: shards 1.4 s, documents 0.4 s plus 0.5 s "
-    "encoding them, planning 0.6 s, the commit record and manifest 0.5 s). On this VM's ext4 the directory "
-    "and file creations stall whenever the journal is busy (a save right after another job deleted a tree of "
-    "40,000 files took 14-32 s; the first of a run 6-7 s), which DCP's two files never meet."
+    "encoding them, planning 0.6 s, the commit record and manifest 0.5 s). This VM's root filesystem is "
+    "ext4 mounted with `discard`: there a deleted tree's discards stall the creations after it (a save took "
+    "6.2-20.3 s; deleting a checkpoint's tree 10 s), which DCP's two files never meet. On an ext4 with "
+    "default mount options (a loop-mounted image, `benchmarks/results/many_ext4.md`, 2026-12-05) the same "
+    "save took 6.0-6.3 s on 1 rank (0.71x DCP's time) and 7.0-7.6 s on 4 (0.67x)."
 )
 _MANY_LOAD = (
     "per-tensor CPU: parsing the manifest (every array's document and commit record), planning a read per "
