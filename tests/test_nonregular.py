@@ -88,6 +88,35 @@ def test_a_fifo_in_place_of_a_shard_is_an_error_naming_it(tmp_path: Path, capsys
         _within(lambda: zarrckpt.export_safetensors(url, tmp_path / "out"), fifo)
 
 
+def test_a_fifo_under_a_path_holding_416_is_not_taken_for_a_range_past_the_end(tmp_path: Path) -> None:
+    """The CI run of 2026-12-05: pytest's base directory was ``pytest-416``, and a lazy read took the
+    FIFO's error (whose message names the path) for an HTTP 416 answer, reporting a truncated shard."""
+    url = _save(tmp_path / "pytest-416" / "step_416")
+    fifo = _fifo(url / SHARD)
+    with pytest.raises(StorageError, match=rf"{fifo}.* is a FIFO \(named pipe\), not a regular file"):
+        _within(lambda: zarrckpt.open(url)["w"][3], fifo)
+
+
+@pytest.mark.parametrize(
+    ("said", "past_end"),
+    [
+        ("InvalidRange: the range asked for starts past the object's end (HTTP 416 Range Not Satisfiable)", True),
+        ("Client error with status 416: range is not satisfiable", True),
+        ("416 Requested range not satisfiable", True),
+        ("/tmp/pytest-of-root/pytest-416/ck/w/c/0/0 is a FIFO (named pipe), not a regular file", False),
+        ("s3://bucket/run/step_416/w/c/0/0: connection reset", False),
+        ("/data/ckpt.416/w/c/0/0: permission denied", False),
+    ],
+)
+def test_a_range_past_the_end_is_told_by_its_status_not_by_digits_in_a_path(said: str, past_end: bool) -> None:
+    from zarrckpt.engine.reader import _past_end
+
+    assert _past_end(StorageError(said)) is past_end
+    outer = StorageError("reading s3://bucket/run/step_000416/w/c/0/0 failed")  # the answer as its cause
+    outer.__cause__ = OSError(22, said)
+    assert _past_end(outer) is past_end
+
+
 def test_a_fifo_in_place_of_the_manifest_is_an_error_naming_it(tmp_path: Path) -> None:
     url = _save(tmp_path)
     fifo = _fifo(url / "zarr.json")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 from typing import TypeVar
@@ -264,10 +265,14 @@ def _partly_read(storage: Storage, read: ShardRead) -> list[PartRead]:
     return [(chunk_where(read.task, k, where), n, read.layout.chunk_nbytes) for k, n in sorted(got.items())]
 
 
+# HTTP 416 in an error's words, not as part of a path or name (``pytest-416/``, ``step_416``)
+_STATUS_416 = re.compile(r"(?<![\w/.\-])416(?![\w/.\-])")
+
+
 def _past_end(error: BaseException) -> bool:
     """Whether a storage error says the range read lies past the object's end (HTTP 416)."""
     said = " ".join(str(e) for e in causes(error)).lower()
-    return "416" in said or "invalidrange" in said or "range is not satisfiable" in said
+    return bool(_STATUS_416.search(said)) or "invalidrange" in said or "range is not satisfiable" in said
 
 
 def _truncated(
