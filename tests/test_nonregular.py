@@ -98,7 +98,7 @@ def test_a_fifo_under_a_path_holding_416_is_not_taken_for_a_range_past_the_end(t
 
 
 @pytest.mark.parametrize(
-    ("said", "past_end"),
+    ("said", "beyond"),
     [
         ("InvalidRange: the range asked for starts past the object's end (HTTP 416 Range Not Satisfiable)", True),
         ("Client error with status 416: range is not satisfiable", True),
@@ -108,13 +108,13 @@ def test_a_fifo_under_a_path_holding_416_is_not_taken_for_a_range_past_the_end(t
         ("/data/ckpt.416/w/c/0/0: permission denied", False),
     ],
 )
-def test_a_range_past_the_end_is_told_by_its_status_not_by_digits_in_a_path(said: str, past_end: bool) -> None:
-    from zarrckpt.engine.reader import _past_end
+def test_a_range_past_the_end_is_told_by_its_status_not_by_digits_in_a_path(said: str, beyond: bool) -> None:
+    from zarrckpt.storage.retry import past_end
 
-    assert _past_end(StorageError(said)) is past_end
+    assert past_end(StorageError(said)) is beyond
     outer = StorageError("reading s3://bucket/run/step_000416/w/c/0/0 failed")  # the answer as its cause
     outer.__cause__ = OSError(22, said)
-    assert _past_end(outer) is past_end
+    assert past_end(outer) is beyond
 
 
 def test_a_fifo_in_place_of_the_manifest_is_an_error_naming_it(tmp_path: Path) -> None:

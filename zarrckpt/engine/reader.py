@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 from typing import TypeVar
@@ -29,7 +28,7 @@ import crc32c
 import numpy as np
 
 from zarrckpt.engine.chunkcopy import check_entry, chunk_where, copy_chunk, fill_task, fill_value
-from zarrckpt.errors import CorruptChunkError, ModifiedCheckpointError, StorageError, causes
+from zarrckpt.errors import CorruptChunkError, ModifiedCheckpointError, StorageError
 from zarrckpt.format import dtypes, integrity
 from zarrckpt.format.deferred import Deferred
 from zarrckpt.format.gcpause import gc_paused
@@ -45,7 +44,7 @@ from zarrckpt.plan.fetch import (
     plan_shard,
 )
 from zarrckpt.plan.ranges import Range, merge_ranges
-from zarrckpt.storage.retry import BadRead, read_again
+from zarrckpt.storage.retry import BadRead, past_end, read_again
 from zarrckpt.storage.store import Storage
 
 __all__ = ["PartRead", "Request", "read_regions", "read_shard"]
@@ -229,7 +228,7 @@ def _fetch(storage: Storage, read: ShardRead, fetch: Fetch, scratch: Scratch) ->
                 buf[lo - first : hi - first] = np.frombuffer(blob[at : at + hi - lo], dtype=np.uint8)
             return len(blob)
     except StorageError as e:  # a range the object does not reach: S3's 416 InvalidRange
-        if not _past_end(e):
+        if not past_end(e):
             raise
         raise _truncated(storage, task, layout, fetch.start, fetch.end) from None
 
@@ -263,16 +262,6 @@ def _partly_read(storage: Storage, read: ShardRead) -> list[PartRead]:
         return []
     where = storage.where(read.task.path)
     return [(chunk_where(read.task, k, where), n, read.layout.chunk_nbytes) for k, n in sorted(got.items())]
-
-
-# HTTP 416 in an error's words, not as part of a path or name (``pytest-416/``, ``step_416``)
-_STATUS_416 = re.compile(r"(?<![\w/.\-])416(?![\w/.\-])")
-
-
-def _past_end(error: BaseException) -> bool:
-    """Whether a storage error says the range read lies past the object's end (HTTP 416)."""
-    said = " ".join(str(e) for e in causes(error)).lower()
-    return bool(_STATUS_416.search(said)) or "invalidrange" in said or "range is not satisfiable" in said
 
 
 def _truncated(

@@ -307,6 +307,17 @@ def missing_bucket(error: BaseException) -> bool:
     return False
 
 
+# HTTP 416 in an error's words, not as part of a path or name (``pytest-416/``, ``step_416``)
+_STATUS_416 = re.compile(r"(?<![\w/.\-])416(?![\w/.\-])")
+
+
+def past_end(error: BaseException) -> bool:
+    """Whether a storage error says the range read lies past the object's end (HTTP 416: S3's
+    ``InvalidRange``), however the client words it."""
+    said = " ".join(str(e) for e in causes(error)).lower()
+    return bool(_STATUS_416.search(said)) or "invalidrange" in said or "range is not satisfiable" in said
+
+
 def bucket_of(url: str) -> str:
     """The bucket an object store URL names (``s3://bucket/run/x`` -> ``bucket``)."""
     return url.partition("://")[2].lstrip("/").partition("/")[0]
