@@ -2,8 +2,9 @@
 pass and a writers pass, the layout-based planner's collectives moved to ``engine.saveplan``).
 
 ``EXPECTED`` (tests/plan_expected.json) was written by ``python tests/plan_cases.py`` (with ``tests``
-and the repository root on ``PYTHONPATH``) at the commit before the split: every case's plan, to
-the last field and dict order, or the error it raised, must stay what it was.
+and the repository root on ``PYTHONPATH``) at the commit before the split, and again when writers
+came to be chosen by bytes (plan_cases.py says what was compared): every case's plan, to the last
+field and dict order, or the error it raised, must stay what it was.
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ def test_writers_per_rank(plan: ZarrSavePlan) -> None:
 def test_small_tensors_are_written_whole_by_ranks_in_turn(raws: list[bytes], small: int) -> None:
     """As zarrckpt.save plans it: every tensor under ``small`` bytes is one shard, a larger one's shards
     hold at least that much; a joined shard's writer holds part of it and is sent every box it lacks by
-    a rank that holds that box; writers are spread over the ranks."""
+    a rank that holds that box; every rank writes, and the bytes are spread over the ranks."""
     descs = sm.decode(raws)
     plan = build_save_plan(descs, DEFAULT_CHUNK_BYTES, small)
     for key, meta in plan.arrays.items():
@@ -131,8 +131,9 @@ def test_small_tensors_are_written_whole_by_ranks_in_turn(raws: list[bytes], sma
         elif len(plan.owners[key]) > 1:
             assert math.prod(meta.shard_shape) * meta.itemsize >= small, key
     writes = Counter(rank for owner in plan.owners.values() for rank in owner.values())
-    mean = sum(writes.values()) / SAVE.world
-    assert set(writes) == set(range(SAVE.world)) and max(writes.values()) <= 2 * mean, writes
+    assert set(writes) == set(range(SAVE.world)), writes
+    loads = [plan.bytes_of(r) for r in range(SAVE.world)]  # chosen by bytes: by count the most loaded rank
+    assert max(loads) <= 1.6 * sum(loads) / SAVE.world, loads  # wrote 3.1x the mean (2.1x with 1 MiB)
     # joined, not whole: the experts (3 MiB in this small model: under the 2 MiB default they join whole)
     assert any(len(shards) > 1 for shards in plan.gathers.values()) == (small == 2**20)
     for key, shards in plan.gathers.items():

@@ -3,13 +3,15 @@
 A tensor whose shard grid (one shard per rank's box) gives shards under ``small_tensor_bytes``
 gets a coarser grid: the cells joined along dimension 0 first, then the next, until a shard has
 at least that many bytes (the whole tensor when it is smaller). Each joined shard is written by
-one of the ranks owning one of its cells, taken in turn over the save (the coordinator hands
-each rank the turn of each of its tensors, :mod:`zarrckpt.plan.compact`); every other cell is sent
-to it by its owner (:mod:`zarrckpt.engine.exchange` does the sending). Nothing here imports torch.
+one of the ranks owning one of its cells, the one with the fewest bytes to write so far
+(:func:`zarrckpt.plan.save.plan_held` chooses over the whole save; the coordinator hands each
+rank the writers of its tensors, :mod:`zarrckpt.plan.compact`); every other cell is sent to it by
+its owner (:mod:`zarrckpt.engine.exchange` does the sending). Nothing here imports torch.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -72,21 +74,21 @@ class Joins:
             )
         return cls(cells, held)
 
-    def gathers(self, turn: int) -> dict[Shape, Gather]:
-        """The :class:`Gather` of every joined shard when the first one's writer is taken at ``turn``
-        (the writer of the n-th shard of a save is the ``n % k``-th of its ``k`` cell owners)."""
-        out = {}
-        for idx, inside in self.cells.items():
-            candidates = sorted({owner for _, owner in inside})
-            writer = candidates[turn % len(candidates)]
-            turn += 1
-            pieces = self._pieces.get((idx, writer))
-            if pieces is None:
-                if self.held is None:
-                    pieces = tuple((box, owner) for box, owner in inside if owner != writer)
-                else:
-                    held = self.held[writer]
-                    pieces = tuple((box, owner) for box, owner in inside if not any(h.contains(box) for h in held))
-                self._pieces[idx, writer] = pieces
-            out[idx] = Gather(writer, pieces)
-        return out
+    @functools.cached_property
+    def candidates(self) -> dict[Shape, list[int]]:
+        """The ranks that may write each joined shard: the owners of its cells (made once, shared by
+        the keys held alike)."""
+        return {idx: sorted({owner for _, owner in inside}) for idx, inside in self.cells.items()}
+
+    def gather(self, idx: Shape, writer: int) -> Gather:
+        """The :class:`Gather` of joined shard ``idx`` when ``writer`` writes it."""
+        pieces = self._pieces.get((idx, writer))
+        if pieces is None:
+            inside = self.cells[idx]
+            if self.held is None:
+                pieces = tuple((box, owner) for box, owner in inside if owner != writer)
+            else:
+                held = self.held[writer]
+                pieces = tuple((box, owner) for box, owner in inside if not any(h.contains(box) for h in held))
+            self._pieces[idx, writer] = pieces
+        return Gather(writer, pieces)

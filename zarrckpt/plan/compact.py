@@ -15,10 +15,10 @@ D. what is left on a rank (RNG states and data-loader positions under per-rank k
    parts whose box no layout gives) is gathered to the coordinator only;
 E. the coordinator builds the whole plan (the same :func:`zarrckpt.plan.save.plan_held` as
    ``build_save_plan``, on the same holders) and scatters each rank its ``zarr.json`` share, the
-   arrays of its per-rank parts it writes, and for its class's tensors the writer turns (counted
-   over the whole save) and the numbers of their replicated blocks.
+   arrays of its per-rank parts it writes, and for its class's tensors the writers of their joined
+   and replicated shards (chosen over the whole save) and the numbers of their replicated blocks.
 Every other rank derives the boxes of its class's tensors from the layouts and plans those tensors
-(with their holders in other classes too) with the coordinator's turns (but per-rank arrays, held
+(with their holders in other classes too) with the coordinator's writers (but per-rank arrays, held
 by every rank: the coordinator sends each class their metadata, and a rank writes its row): for them, the plan
 ``build_save_plan`` gives from all descriptions, at a cost that grows with its class, not the job.
 A :class:`~zarrckpt.PerRank` value is a layout too (rank ``r`` holds row ``r`` of ``[world, ...]``, the
@@ -272,9 +272,9 @@ def coordinate(
     check: Check | None = None,
 ) -> tuple[Planned | None, list[bytes]]:
     """Rank 0: the whole plan (its arrays passed through ``check``), and each rank's payload: its
-    class's writer turns and replicated-block numbers, its zarr.json share and the arrays of its own
-    items it writes; ``(None, fallback payloads)`` where the class plans could differ from it; an
-    error payload for every rank where planning or ``check`` raised."""
+    class's writers of joined and replicated shards and replicated-block numbers, its zarr.json
+    share and the arrays of its own items it writes; ``(None, fallback payloads)`` where the class
+    plans could differ from it; an error payload for every rank where planning or ``check`` raised."""
     try:
         tensors, values = held_tables(docs, privates)
         plan = plan_held(tensors, values, world, chunk_bytes, small_tensor_bytes)
@@ -288,10 +288,11 @@ def coordinate(
         return None, [b'{"fallback":true}'] * world
     blocks, starts = block_starts(tensors, plan)
     rows = {k for k, meta in plan.arrays.items() if meta.per_rank}  # (a rank is told its rows, never plans them)
+    chosen = plan.chosen_writers()
     of_class = [
         wire(
             {
-                "turns": {k: plan.turns[k] for k in sorted(keys & plan.turns.keys())},
+                "writers": {k: chosen[k] for k in sorted(keys & chosen.keys())},
                 "starts": {k: starts[k] for k in sorted(keys & starts.keys())},
                 **({"rows": {k: plan.arrays[k].to_json() for k in sorted(keys & rows)}} if keys & rows else {}),
             }
@@ -323,7 +324,7 @@ def local_plan(
     docs: list[ClassDoc], payload: bytes, rank: int, world: int, chunk_bytes: int | ChunkRule, small_tensor_bytes: int
 ) -> Planned | None:
     """A rank other than 0: the plan of the tensors its class holds (with every holder, also in other
-    classes) and the writer turns the coordinator counted over the whole save, with the
+    classes) and the writers the coordinator chose over the whole save, with the
     coordinator's ``payload`` merged in; None where it said to fall back. Raises the coordinator's
     error. Its cost does not depend on the number of classes, nor on the ranks outside its own."""
     got = json.loads(payload)
@@ -334,8 +335,7 @@ def local_plan(
         return None
     mine = next(doc for doc in docs if rank in doc.members).keys(rows=False)
     tensors, _ = held_tables(docs, None, only=mine)
-    turns = {k: (t, s) for k, (t, s) in got["class"]["turns"].items()}
-    plan = plan_held(tensors, {}, world, chunk_bytes, small_tensor_bytes, turns)
+    plan = plan_held(tensors, {}, world, chunk_bytes, small_tensor_bytes, got["class"]["writers"])
     arrays = dict(plan.arrays)
     owners = dict(plan.owners)
     own = got["rank"]

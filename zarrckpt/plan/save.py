@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import bisect
 import json
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,7 +13,7 @@ from zarrckpt.format.array import ArrayMeta
 from zarrckpt.format.arraydoc import SPACED
 from zarrckpt.format.gcpause import gc_paused
 from zarrckpt.format.keys import validate_keys
-from zarrckpt.format.layout import ChunkRule, Shape, cell_box
+from zarrckpt.format.layout import ChunkRule, Shape
 from zarrckpt.format.manifest import group_json, group_paths
 from zarrckpt.plan.coarsen import Gather
 from zarrckpt.plan.grids import Layout, grid_pass
@@ -37,7 +36,11 @@ class ZarrSavePlan:
     replicated: frozenset[str] = frozenset()  # keys of which some block is held by several ranks
     gathers: Mapping[str, Mapping[Shape, Gather]] = field(default_factory=dict)  # key -> small shards joined
     docs: tuple[tuple[str, bytes], ...] | None = None  # this rank's zarr.json share, where it was handed one
-    turns: Mapping[str, tuple[int, int]] = field(default_factory=dict)  # key -> its writers' turns (see plan_held)
+
+    def chosen_writers(self) -> dict[str, list[int]]:
+        """The writers :func:`plan_held` chose: key -> the writer of each shard, in ``owners`` order,
+        of every tensor with joined or replicated shards (what a plan of some tensors only is given)."""
+        return {k: list(self.owners[k].values()) for k in sorted(self.gathers.keys() | self.replicated)}
 
     def shards_of(self, rank: int) -> list[tuple[ArrayMeta, Shape]]:
         """The shards ``rank`` writes: (array, shard grid index) pairs."""
@@ -64,7 +67,10 @@ def _shard_bytes(meta: ArrayMeta, idx: Shape) -> int:
     """The data bytes of shard ``idx`` of ``meta`` (the array's, when it is one shard)."""
     if meta.shard_shape == meta.shape:
         return meta.nbytes
-    return math.prod(cell_box(idx, meta.shard_shape, meta.shape).sizes) * meta.itemsize
+    n = meta.itemsize
+    for i, s, extent in zip(idx, meta.shard_shape, meta.shape, strict=True):
+        n *= min(s, extent - i * s)  # (the last shard along a dimension may be cut short)
+    return n
 
 
 def metadata_docs(arrays: list[ArrayMeta], rank: int = 0, world_size: int = 1) -> list[tuple[str, bytes]]:
@@ -96,8 +102,8 @@ def build_save_plan(
     every problem found, before anything is written. Shards smaller than ``small_tensor_bytes``
     (an FSDP ``Shard(0)`` of a norm weight over 128 ranks) are joined into shards of at least that
     size, or the whole tensor when it is smaller, each written by one of the ranks holding a part
-    of it (taken in turn) once the others sent it their parts (``ZarrSavePlan.gathers``); 0 keeps
-    every part's shards.
+    of it (the one with the fewest bytes to write, see :func:`plan_held`) once the others sent it
+    their parts (``ZarrSavePlan.gathers``); 0 keeps every part's shards.
 
     Keys whose holders hold the very same spec objects (a weight and its Adam moments, the same
     shard of every layer on a pipeline stage) are checked and gridded once.
@@ -129,18 +135,19 @@ def plan_held(
     world_size: int,
     chunk_bytes: int | ChunkRule,
     small_tensor_bytes: int,
-    turns: Mapping[str, tuple[int, int]] | None = None,
+    writers: Mapping[str, Sequence[int]] | None = None,
 ) -> ZarrSavePlan:
     """:func:`build_save_plan` from who holds what: ``tensors[key]`` lists each holder rank (rank
     order) and its :class:`TensorSpec`, ``values[key]`` each holder and its value. Equal inputs give
     equal plans however they were gathered (:mod:`zarrckpt.plan.compact` derives them from layouts).
 
-    Writers of joined small shards and of replicated shards are taken in turn over the save's
-    tensors in key order; the plan's ``turns`` says, per tensor that has such writers, where its
-    turn started (small shards, replicated tensors). ``turns`` given (a whole plan's): those, so
-    that a plan of some tensors only (a rank's own) has the whole plan's writers."""
+    A shard that several ranks could write (a joined small shard: the owners of its cells; a
+    replicated shard: its holders) goes to the one with the fewest bytes to write so far, the
+    largest such shards first, after every shard only one rank can write: the ranks' bytes come out
+    as even as the layout allows. ``writers`` given (a whole plan's :meth:`ZarrSavePlan.chosen_writers`):
+    those, so that a plan of some tensors only (a rank's own) has the whole plan's writers."""
     with gc_paused():
-        return _plan(tensors, values, world_size, chunk_bytes, small_tensor_bytes, turns)
+        return _plan(tensors, values, world_size, chunk_bytes, small_tensor_bytes, writers)
 
 
 def _plan(
@@ -149,7 +156,7 @@ def _plan(
     world_size: int,
     chunk_bytes: int | ChunkRule,
     small_tensor_bytes: int,
-    turns: Mapping[str, tuple[int, int]] | None,
+    writers: Mapping[str, Sequence[int]] | None,
 ) -> ZarrSavePlan:
     """The grid pass (every array's grid and metadata, every problem found), then the writers pass."""
     problems: list[str] = []
@@ -168,40 +175,86 @@ def _plan(
             "nothing was written: the ranks' state does not describe each global tensor exactly once:\n  "
             + "\n  ".join(problems[:50])
         )
-    owners, replicated, gathers, started = _writers(placed, turns)
+    owners, replicated, gathers = _writers(placed, world_size, writers)
     arrays = {key: meta for key, (meta, _) in placed.items()}
     values_ = {k: v[1][0] for k, v in sorted(values.items())}
-    return ZarrSavePlan(arrays, owners, values_, world_size, frozenset(replicated), gathers, turns=started)
+    return ZarrSavePlan(arrays, owners, values_, world_size, frozenset(replicated), gathers)
 
 
 def _writers(
-    placed: Mapping[str, tuple[ArrayMeta, Layout]], turns: Mapping[str, tuple[int, int]] | None
-) -> tuple[dict[str, dict[Shape, int]], set[str], dict[str, dict[Shape, Gather]], dict[str, tuple[int, int]]]:
-    """The writers pass, in key order: each shard's writer (``owners``), the replicated keys, the
-    joined small shards (``gathers``) and where each key's turns started (see :func:`plan_held`)."""
+    placed: Mapping[str, tuple[ArrayMeta, Layout]], world_size: int, given: Mapping[str, Sequence[int]] | None
+) -> tuple[dict[str, dict[Shape, int]], set[str], dict[str, dict[Shape, Gather]]]:
+    """The writers pass: each shard's writer (``owners``, in key order), the replicated keys and the
+    joined small shards (``gathers``); a shard several ranks could write goes to the least loaded
+    (see :func:`plan_held`), or to its writer in ``given``."""
     owners: dict[str, dict[Shape, int]] = {}
     replicated: set[str] = set()
-    gathers: dict[str, dict[Shape, Gather]] = {}
-    started: dict[str, tuple[int, int]] = {}
-    turn = 0  # joined small shards' writers are taken in turn over the save
-    spread = 0  # so are replicated tensors' writers, among each shard's holders (all of them write a DDP state)
+    open_: list[tuple[str, Mapping[Shape, Sequence[int]]]] = []  # keys whose shards have several candidates
     for key, (_, layout) in placed.items():
         grid = layout.grid
-        if turns is not None:
-            turn, spread = turns.get(key, (turn, spread))
-        at = (turn, spread)
-        owners[key] = grid.owners if layout.constant is None else {}  # a constant array: metadata only
-        if grid.replicated and layout.constant is None:  # equal constants are equal replicas
+        if layout.constant is not None:  # a constant array: metadata only (equal constants are equal replicas)
+            owners[key] = {}
+            continue
+        if grid.replicated:
             replicated.add(key)
-            owners[key] = {idx: held[spread % len(held)] for idx, held in grid.holders.items()}
-            spread += 1
         if layout.joins is not None:
-            gathers[key] = layout.joins.gathers(turn)
-            turn += len(gathers[key])
-            owners[key] = {idx: g.writer for idx, g in gathers[key].items()}
-        if key in gathers or key in replicated:
-            started[key] = at
-    return owners, replicated, gathers, started
+            cells: Mapping[Shape, Sequence[int]] = layout.joins.candidates
+        elif grid.replicated:
+            cells = grid.holders
+        else:
+            owners[key] = grid.owners
+            continue
+        owners[key] = dict.fromkeys(cells, -1)  # (its place in key order; the writers come below)
+        open_.append((key, cells))
+    if given is not None:
+        for key, cells in open_:
+            owners[key] = dict(zip(cells, given[key], strict=True))
+    else:
+        _least_loaded(placed, owners, open_, world_size)
+    gathers: dict[str, dict[Shape, Gather]] = {}
+    for key, _ in open_:
+        joins = placed[key][1].joins
+        if joins is not None:
+            gathers[key] = {idx: joins.gather(idx, writer) for idx, writer in owners[key].items()}
+    return owners, replicated, gathers
+
+
+def _least_loaded(
+    placed: Mapping[str, tuple[ArrayMeta, Layout]],
+    owners: dict[str, dict[Shape, int]],
+    open_: list[tuple[str, Mapping[Shape, Sequence[int]]]],
+    world_size: int,
+) -> None:
+    """Each shard of ``open_`` to the candidate with the fewest bytes so far (a tie: the first
+    candidate, the lowest rank), the largest shards first (equal sizes in key order), after counting
+    the shards ``owners`` already gives a writer (filled in place)."""
+    if all(len(c) == 1 for _, cells in open_ for c in cells.values()):  # no choice to make
+        for key, cells in open_:
+            owners[key] = {idx: cands[0] for idx, cands in cells.items()}
+        return
+    load = [0] * world_size
+    counted: dict[tuple[int, int], list[int]] = {}  # (id(the cells' dict), itemsize) -> bytes of each cell
+
+    def sizes(meta: ArrayMeta, cells: Mapping[Shape, Any]) -> list[int]:  # (keys held alike share theirs)
+        found = counted.get((id(cells), meta.itemsize))
+        if found is None:
+            found = counted[id(cells), meta.itemsize] = [_shard_bytes(meta, idx) for idx in cells]
+        return found
+
+    for key, owner in owners.items():
+        if owner and next(iter(owner.values())) >= 0:  # (an open key's are -1 until chosen)
+            for rank, nbytes in zip(owner.values(), sizes(placed[key][0], owner), strict=True):
+                load[rank] += nbytes
+    shards = [
+        (-nbytes, n, key, idx, cands)
+        for n, (key, cells) in enumerate(open_)
+        for (idx, cands), nbytes in zip(cells.items(), sizes(placed[key][0], cells), strict=True)
+    ]
+    shards.sort(key=lambda s: s[:2])
+    for minus_bytes, _, key, idx, cands in shards:
+        writer = min(cands, key=load.__getitem__)
+        load[writer] -= minus_bytes
+        owners[key][idx] = writer
 
 
 def _drop_empty_prefixes(values: Held, keys: set[str]) -> None:
