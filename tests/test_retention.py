@@ -81,6 +81,50 @@ def test_checkpoints_without_the_metric_are_kept_while_newest_then_deleted_with_
     assert all("'loss'" in m for m in said)
 
 
+def test_a_step_still_being_deleted_is_warned_about_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention after the next save finds an unranked step whose deletion is still running: it is
+    not queued again (``_doomed``), and now not warned about again either (a loaded CI run logged
+    step 2 twice)."""
+    import threading
+    import time
+
+    import zarrckpt.deleter
+
+    entered, release = threading.Event(), threading.Event()
+    real = zarrckpt.deleter.delete
+
+    def slow(*args: Any, **kwargs: Any) -> None:
+        entered.set()
+        release.wait(60)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(zarrckpt.deleter, "delete", slow)
+
+    def said() -> list[str]:  # the steps warned about
+        return [r.getMessage().split()[2] for r in caplog.records if "keep_best does not rank" in r.getMessage()]
+
+    manager = zarrckpt.CheckpointManager(tmp_path, interval=1, keep_last=1, keep_best=1, best_metric="loss")
+    try:
+        with caplog.at_level(logging.WARNING, logger="zarrckpt"):
+            manager.save(1, _state(1), metrics={"loss": 0.1})
+            manager.save(2, _state(2))
+            manager.save(3, _state(3))  # its retention deletes step 2, which blocks
+            assert entered.wait(60)
+            manager.save(4, _state(4))  # its retention finds step 2 still listed, and deletes step 3
+            deadline = time.monotonic() + 60
+            while "3" not in said() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            release.set()
+            manager.wait()
+    finally:
+        release.set()
+        manager.close()
+    assert said() == ["2", "3"]
+    assert zarrckpt.committed_steps(tmp_path) == [1, 4]
+
+
 def test_without_keep_best_retention_is_unchanged_and_metrics_are_still_saved(tmp_path: Path) -> None:
     manager = zarrckpt.CheckpointManager(tmp_path, interval=1, keep_last=2)
     try:

@@ -64,7 +64,9 @@ class Deleter:
 
     def _retain(self) -> None:
         steps = self.steps()
-        keep = self.policy.keep(steps, self.metrics.of(steps) if self.policy.keep_best else {})
+        with self._lock:
+            doomed = set(self._doomed)
+        keep = self.policy.keep(steps, self.metrics.of(steps) if self.policy.keep_best else {}, doomed)
         for step in steps:
             if step not in keep:
                 self._delete(step, None)

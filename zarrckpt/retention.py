@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -93,10 +93,11 @@ class Policy:
         if self.best_mode not in ("min", "max"):
             raise ZarrckptError(f"CheckpointManager: best_mode must be 'min' or 'max', not {self.best_mode!r}")
 
-    def keep(self, steps: Iterable[int], metrics: Mapping[int, float | None]) -> set[int]:
+    def keep(self, steps: Iterable[int], metrics: Mapping[int, float | None], doomed: Container[int] = ()) -> set[int]:
         """The steps kept; those deleted though they have no ``best_metric`` (not ranked) are logged at
-        WARNING. ``metrics``: each step's value of ``best_metric`` (None: none); a step not in it (its
-        manifest could not be read) is kept. Unused without ``keep_best``."""
+        WARNING, once: not those in ``doomed`` (a deletion of them is already queued, and retention after
+        the next save found them still listed). ``metrics``: each step's value of ``best_metric`` (None:
+        none); a step not in it (its manifest could not be read) is kept. Unused without ``keep_best``."""
         ordered = sorted(steps)
         keep = set(ordered[-self.keep_last :])
         if self.keep_every:
@@ -108,7 +109,7 @@ class Policy:
         sign = 1.0 if self.best_mode == "min" else -1.0
         best = sorted(scored, key=lambda s: (sign * scored[s], -s))[: self.keep_best]  # a tie: the newer
         keep |= set(best)
-        for step in (s for s in ordered if s not in keep and s not in scored):
+        for step in (s for s in ordered if s not in keep and s not in scored and s not in doomed):
             log.warning(
                 "retention: step %d has no %r metric, so keep_best does not rank it; deleting it, as older than "
                 "the keep_last=%d newest",
