@@ -95,3 +95,31 @@ def test_objects_come_back_byte_exact_whatever_their_last_bytes(storage, tail: b
     data = _payload(512) + tail
     fs.pipe_file(f"{root}/obj", data)
     assert fs.cat_file(f"{root}/obj") == data
+
+
+def _env_seen(rank: int, world: int, out: str) -> None:
+    import torch.distributed as dist
+
+    assert dist.get_world_size() == world
+    seen = {k: os.environ.get(k) for k in ("ZARRCKPT_SPAWN_PROBE", "ZARRCKPT_SPAWN_GONE")}
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(repr(seen))
+
+
+def test_spawned_ranks_see_the_callers_environment_at_each_call(tmp_path, monkeypatch) -> None:
+    """``zarrckpt.testing.spawn`` forks ranks from a forkserver that imported torch once; the server's
+    environment is the one from when it started, yet every rank gets the caller's as it is at each
+    call: a variable set, changed or removed between two calls reaches the ranks of the second."""
+    from zarrckpt.testing import spawn
+
+    monkeypatch.setenv("ZARRCKPT_SPAWN_PROBE", "first")
+    monkeypatch.setenv("ZARRCKPT_SPAWN_GONE", "here")
+    spawn(2, _env_seen, str(tmp_path / "a"))
+    monkeypatch.setenv("ZARRCKPT_SPAWN_PROBE", "second")
+    monkeypatch.delenv("ZARRCKPT_SPAWN_GONE")
+    spawn(2, _env_seen, str(tmp_path / "b"))
+    for rank in range(2):
+        first = (tmp_path / f"a.{rank}").read_text()
+        assert first == repr({"ZARRCKPT_SPAWN_PROBE": "first", "ZARRCKPT_SPAWN_GONE": "here"})
+        second = (tmp_path / f"b.{rank}").read_text()
+        assert second == repr({"ZARRCKPT_SPAWN_PROBE": "second", "ZARRCKPT_SPAWN_GONE": None})
