@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
                 for op, world in (("save", 4), ("load", 3)):
                     cfg |= {"op": op, "result": f"{tmp}/{client}-{op}.json"}
                     server.log.clear()
-                    spawn(world, _phase, cfg, timeout_s=900.0)
+                    spawn(world, _phase, cfg, timeout_s=900.0, fresh=True)
                     measured = json.loads(Path(cfg["result"]).read_text())
                     row[f"{op}/{client}"] = {"s": measured["s"], **_window(server.log.requests(), measured)}
                 remove_tree(url, rgw_storage_options(server.endpoint))

@@ -119,14 +119,14 @@ def run(
     opts = remote[1] if remote else None
     urls = {rule: f"{remote[0]}/{uuid.uuid4().hex}" if remote else str(tmp / f"{storage}-{rule}") for rule in rules}
     for rule, url in urls.items():
-        spawn(args.world, _save, url, opts, args.rows, args.cols, rule)
+        spawn(args.world, _save, url, opts, args.rows, args.cols, rule, fresh=True)
     results: dict[str, Results] = {rule: {} for rule in rules}
     for rep in range(args.reps):
         for rule in rules if rep % 2 == 0 else rules[::-1]:
             for name, m in lazy(urls[rule], opts, args.rows, args.cols, args.world).items():
                 results[rule].setdefault(name, []).append(m)
             out = tmp / "load.json"
-            spawn(args.world - 1, _load, urls[rule], opts, args.rows, args.cols, str(out))
+            spawn(args.world - 1, _load, urls[rule], opts, args.rows, args.cols, str(out), fresh=True)
             results[rule].setdefault(f"reshard {args.world} -> {args.world - 1}", []).append(
                 json.loads(out.read_text())
             )

@@ -282,7 +282,7 @@ def main() -> int:
     try:
         budget = None if args.staging_mib is None else int(args.staging_mib * MIB)
         cfg = {"gib": args.gib, "url": url, "out_dir": tmp, "cpu": args.cpu_dry_run, "budget": budget}
-        spawn(world, rank_main, cfg, timeout_s=1800.0)
+        spawn(world, rank_main, cfg, timeout_s=1800.0, fresh=True)
         per_rank = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

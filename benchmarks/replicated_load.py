@@ -75,7 +75,7 @@ def main() -> None:
             for n in range(args.repeat):
                 s3.log.clear()
                 out = str(Path(tmp, f"{fan_out}-{n}"))
-                spawn(args.world, _load, url, warm_url, opts, args.mib, fan_out, out)
+                spawn(args.world, _load, url, warm_url, opts, args.mib, fan_out, out, fresh=True)
                 times.append(json.loads(Path(out).read_text()))
                 gets = [r for r in s3.log.requests(url) if r.method == "GET" and "/c/" in r.path]
                 counts.append((len(gets), sum(r.bytes_sent for r in gets)))

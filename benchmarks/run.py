@@ -65,7 +65,7 @@ SAMPLER = CpuSampler()
 def run_spawn(world: int, fn: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     """Run ``fn`` on ``world`` gloo ranks; annotate each measurement with the CPU use of the S3
     server (moto: this process; RGW: its daemons) and of the whole machine during it."""
-    spawn(world, fn, cfg, timeout_s=1800.0)
+    spawn(world, fn, cfg, timeout_s=1800.0, fresh=True)
     results = json.loads(Path(cfg["result"]).read_text())
     for key, value in results.items():
         if isinstance(value, dict) and "t0" in value:

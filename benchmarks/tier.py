@@ -240,7 +240,7 @@ def s3_store(rgw: str) -> Iterator[Store]:
 
 def run_spawn(world: int, fn: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
-    spawn(world, fn, cfg, timeout_s=1800.0)
+    spawn(world, fn, cfg, timeout_s=1800.0, fresh=True)
     print(f"{fn.__name__} on {world} ranks: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     return json.loads(Path(cfg["result"]).read_text())
 
