@@ -34,13 +34,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def spawn(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0) -> None:
+def spawn(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0, fresh: bool = False) -> None:
     """Call ``fn(rank, world, *args)`` on ``world`` processes; raise if any of them fails.
 
-    ``fn`` and ``args`` must be picklable (``fn`` a module-level function).
+    ``fn`` and ``args`` must be picklable (``fn`` a module-level function). ``fresh``: each rank a
+    new interpreter (multiprocessing's *spawn*), as the benchmarks take them: nothing shared with a
+    server process, and libraries that keep state across a fork (AWS's CRT client in
+    s3torchconnector failed its requests in forked ranks) see a process of their own.
     """
     # a file:// rendezvous, as the example's launcher: a port found free, then bound by the group's
     # store a moment later, was taken meanwhile (EADDRINUSE, in a CI run with servers starting beside)
+    if fresh:
+        launch.spawn(world, fn, *args, timeout_s=timeout_s)
+        return
     multiprocessing.set_forkserver_preload(PRELOAD)  # (read when this process's server starts)
     with tempfile.TemporaryDirectory(prefix="zarrckpt-spawn-") as tmp:
         init = f"file://{os.path.join(tmp, 'rendezvous')}"
