@@ -49,6 +49,7 @@ STEPS = 10_000  # more than any run reaches before its kill
 KINDS = ("kill", "node lost", "kill", "fewer ranks", "restore kill", "job lost")
 START = 11.0  # seconds from the start to the resumed line, at first (then the median of the trials' last 5)
 WINDOW = (0.3, 7.0)  # a kill this long after that moment
+RESUMED = ("resumed from step", "starting from scratch")  # the job's lines at that moment
 
 
 def _job(remote: str, tier: str, world: int, steps: int, port: int) -> subprocess.Popen[str]:
@@ -119,8 +120,10 @@ def run_job(
     steps: int = STEPS,
     at_save: float | None = None,
     at_restore: float | None = None,
+    after: tuple[str, ...] = (),
 ) -> tuple[Run, str]:
-    """Start the job; kill -9 it after ``kill_after`` seconds (None: let it finish), or, with
+    """Start the job; kill -9 it after ``kill_after`` seconds (None: let it finish; with ``after``,
+    seconds from the first line starting with one of those, else from the start), or, with
     ``at_save``, that long after the first step's save that starts after ``kill_after`` (the job
     prints the step's digest, then starts its save), or, with ``at_restore``, that long after it
     says it restores; returns what it printed and what the tier showed at the kill."""
@@ -140,7 +143,15 @@ def run_job(
     if kill_after is None:
         proc.wait(timeout=600)
     else:
-        while time.monotonic() - started < kill_after and proc.poll() is None:
+        base = started
+        if after:  # (the job's own pace, whatever the machine's load: a loaded CI run took >16 s to resume)
+            deadline = started + 300
+            while proc.poll() is None and time.monotonic() < deadline:
+                if any(ln.startswith(after) for _, ln in lines):
+                    base = time.monotonic()
+                    break
+                time.sleep(0.01)
+        while time.monotonic() - base < kill_after and proc.poll() is None:
             if at_restore is not None and any(ln.startswith("restoring the newest") for _, ln in lines):
                 time.sleep(at_restore)
                 break
@@ -302,10 +313,12 @@ def run(
     final: bool = True,
     kinds: list[str] | None = None,
     window: tuple[float, float] = WINDOW,
+    anchored: bool = False,
 ) -> dict[str, Any]:
     """``trials`` kills (of ``kinds`` in this order; default: :data:`KINDS` over and over, shuffled;
-    ``window``: seconds after the moment the job resumes), then a run to the end (``final``), then
-    the reference run to compare the restored states with."""
+    ``window``: seconds after the moment the job resumes, as the trials so far took to get there, or,
+    ``anchored``, from the moment this trial's job says it resumed), then a run to the end
+    (``final``), then the reference run to compare the restored states with."""
     rng = random.Random(seed)
     remote, tier = os.path.join(workdir, "remote"), os.path.join(workdir, "tier")
     model = Model()
@@ -342,9 +355,10 @@ def run(
         if kind == "restore kill":  # within the time the last restores took, after the job says it restores
             kill_after, at_restore = at + 10, rng.uniform(0.0, took)
         else:
-            kill_after = at + rng.uniform(*window)
+            kill_after = (0.0 if anchored else at) + rng.uniform(*window)
             at_save = rng.uniform(0.0, 0.4) if rng.random() < 0.5 else None
-        trial, moment = run_job(remote, tier, world, kill_after, at_save=at_save, at_restore=at_restore)
+        after = RESUMED if anchored and at_restore is None else ()
+        trial, moment = run_job(remote, tier, world, kill_after, at_save=at_save, at_restore=at_restore, after=after)
         row: dict[str, Any] = {"trial": n, "kind": kind, "world": world, "wiped": wiped, "kill": round(kill_after, 1)}
         row |= {"at save": None if at_save is None else round(at_save, 2)}
         row |= {"at restore": None if at_restore is None else round(at_restore, 2)}
