@@ -39,8 +39,7 @@ def spawn(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120
 
     ``fn`` and ``args`` must be picklable (``fn`` a module-level function). ``fresh``: each rank a
     new interpreter (multiprocessing's *spawn*), as the benchmarks take them: nothing shared with a
-    server process, and libraries that keep state across a fork (AWS's CRT client in
-    s3torchconnector failed its requests in forked ranks) see a process of their own.
+    server process, nothing imported before the rank's own code, as under ``torchrun``.
     """
     # a file:// rendezvous, as the example's launcher: a port found free, then bound by the group's
     # store a moment later, was taken meanwhile (EADDRINUSE, in a CI run with servers starting beside)
