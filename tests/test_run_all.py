@@ -1,5 +1,6 @@
-"""``Storage.run_all`` with items run on the calling thread (small local reads), and what a load of
-many small local shards costs: one read per shard object, on the loading thread."""
+"""``Storage.run_all`` with items run on the calling thread (small local reads), what a load of
+many small local shards costs: one read per shard object, on the loading thread, and where small
+local writes go: the saving thread while the filesystem answers fast, the threads while it does not."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 import zarrckpt
+from zarrckpt.storage.concurrency import LOCAL_BATCH, SMALL_LOCAL_WRITE, Pace
 from zarrckpt.storage.store import Storage
 
 
@@ -88,3 +90,58 @@ def test_small_local_shards_are_read_once_each_on_the_loading_thread(
     assert sorted(p for p, _, _ in small) == sorted(f"p{i}/c/0" for i in range(50))  # one read per shard
     assert all(offset == 0 and on_caller for _, offset, on_caller in small)  # its index in the same read
     assert any(not on_caller for p, _, on_caller in reads if p.startswith("big/"))
+
+
+def _write_all(store: Storage, sizes: list[int], seconds: float = 0.0) -> tuple[int, list[bool], int]:
+    """``store.write_all`` over objects of ``sizes`` (each write sleeping ``seconds``): the total it
+    returned, whether each write ran on the calling thread, and the most writes that ran at once."""
+    caller = threading.current_thread()
+    lock = threading.Lock()
+    where: list[bool] = [False] * len(sizes)
+    running = [0, 0]  # now, most
+
+    def write(i: int) -> int:
+        with lock:
+            running[0] += 1
+            running[1] = max(running)
+        where[i] = threading.current_thread() is caller
+        time.sleep(seconds)
+        with lock:
+            running[0] -= 1
+        return sizes[i]
+
+    return store.write_all(write, range(len(sizes)), size=lambda i: sizes[i]), where, running[1]
+
+
+def test_small_local_writes_run_on_the_saving_thread_while_the_filesystem_is_fast(tmp_path: Path) -> None:
+    store = Storage(str(tmp_path / "ck"), concurrency=8)
+    sizes = [700] * (10 * LOCAL_BATCH) + [SMALL_LOCAL_WRITE] + [700] * LOCAL_BATCH
+    total, where, _ = _write_all(store, sizes)
+    assert total == sum(sizes)
+    assert all(where[i] for i, n in enumerate(sizes) if n < SMALL_LOCAL_WRITE)
+    assert not where[10 * LOCAL_BATCH]  # a large write: to a thread, always
+
+
+def test_small_local_writes_go_to_the_threads_while_the_filesystem_is_slow(tmp_path: Path) -> None:
+    # 2 ms a write, as a network filesystem answers (a local one: 26-75 us): after three slow runs
+    # on the saving thread, the runs go to the threads, and every 8 runs one more is tried here
+    store = Storage(str(tmp_path / "ck"), concurrency=8)
+    sizes = [700] * (40 * LOCAL_BATCH)
+    total, where, most = _write_all(store, sizes, seconds=0.002)
+    assert total == sum(sizes)
+    runs = [where[i * LOCAL_BATCH] for i in range(40)]
+    assert all(where[i] == runs[i // LOCAL_BATCH] for i in range(len(sizes)))  # a run stays on one thread
+    assert runs[:3] == [True] * 3 and not any(runs[3:11])  # three slow runs here, then 8 to the threads
+    assert runs.count(True) in range(5, 8)  # then one try here in every 9 runs: 3 + 3 or 4 of 40
+    assert most > 2
+
+
+def test_a_journal_stall_now_and_then_keeps_small_writes_on_the_saving_thread() -> None:
+    pace = Pace(limit=8)
+    for i in range(40):  # one run in four stalls (a journal commit)
+        assert pace.inline(small=True)
+        pace.recent.append(2e-3 if i % 4 == 3 else 40e-6)
+    for _ in range(3):  # three slow runs in a row: the threads
+        pace.recent.append(2e-3)
+    assert [pace.inline(small=True) for _ in range(18)] == ([False] * 8 + [True]) * 2
+    assert not pace.inline(small=False)

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from zarrckpt.errors import StorageError, ZarrckptError
 from zarrckpt.storage.caps import NameLimits, ReadCaps, default_concurrency
 from zarrckpt.storage.clients import isolate_randomness, open_filesystem
-from zarrckpt.storage.concurrency import in_runs, run_bounded
+from zarrckpt.storage.concurrency import SMALL_LOCAL_WRITE, Pace, in_runs, run_bounded
 from zarrckpt.storage.listing import Listing
 from zarrckpt.storage.local import Buffer, LocalBackend
 from zarrckpt.storage.localfs import LocalFiles
@@ -378,14 +378,21 @@ class Storage(Listing):
 
     def write_all(self, fn: Callable[[T], int], items: Iterable[T], size: Callable[[T], int]) -> int:
         """Run the writes ``fn`` over ``items`` (each returning the bytes it wrote) with bounded
-        concurrency; their total. On local files, small writes go to the threads in runs
-        (:func:`~zarrckpt.storage.concurrency.in_runs`): a thread per small object costs more than
-        writing it, while one thread for all of them waits alone whenever the filesystem blocks
-        (20,000 small tensors: on tmpfs 3.3 s one per thread, 2.0 s in runs, 1.4 s on one thread; on this
-        VM's ext4, whose metadata writes stall, 8.7-11.6 s in runs against 10.3-23.7 s on one thread)."""
+        concurrency; their total. On local files, small writes go in runs
+        (:func:`~zarrckpt.storage.concurrency.in_runs`), on the calling thread while the filesystem
+        answers them fast, else to the threads (:class:`~zarrckpt.storage.concurrency.Pace`); large
+        ones always to the threads."""
         if not isinstance(self.backend, LocalBackend):
             return sum(self.run_all(fn, items, writing=True))
-        return sum(self.run_all(lambda run: sum(map(fn, run)), in_runs(items, size), writing=True))
+        pace = Pace(self.write_concurrency)
+        return sum(
+            self.run_all(
+                lambda run: pace.timed(fn, run),
+                in_runs(items, size),
+                writing=True,
+                inline=lambda run: pace.inline(len(run) > 1 or size(run[0]) < SMALL_LOCAL_WRITE),
+            )
+        )
 
 
 def _rebuild(
