@@ -39,7 +39,7 @@ from fsspec.spec import AbstractFileSystem
 
 import zarrckpt
 import zarrckpt.lifecycle
-from zarrckpt.engine import clock, markers
+from zarrckpt.engine import clock, markers, writerid
 from zarrckpt.engine.prefix import state
 from zarrckpt.format.manifest import MANIFEST, PENDING, tombstone_marker
 from zarrckpt.storage import remote
@@ -462,8 +462,8 @@ def modelled(world: World) -> Iterator[World]:
     """Run zarrckpt against ``world``: its store, clocks, heartbeats and process identities."""
     global WORLD
     saved = (
-        clock.wall, clock.monotonic, clock.sleep, clock.wait, clock.relying_until, markers.writer_identity,
-        markers.proc_stat, markers._Heartbeat.start, markers._Heartbeat.stop, remote.ATOMIC_CREATE_CLIENTS,
+        clock.wall, clock.monotonic, clock.sleep, clock.wait, clock.relying_until, writerid.writer_identity,
+        writerid.proc_stat, markers._Heartbeat.start, markers._Heartbeat.stop, remote.ATOMIC_CREATE_CLIENTS,
     )  # fmt: skip
 
     def start(self: markers._Heartbeat) -> None:
@@ -500,8 +500,8 @@ def modelled(world: World) -> Iterator[World]:
     clock.sleep = lambda seconds: world.sleep(seconds) and None  # type: ignore[assignment,func-returns-value]
     clock.wait = lambda event, seconds: world.sleep(seconds, event)  # type: ignore[assignment]
     clock.relying_until = lambda deadline: setattr(world.current(), "deadline", deadline)  # type: ignore[assignment]
-    markers.writer_identity = lambda: dict(world.current().proc.identity)  # type: ignore[assignment]
-    markers.proc_stat = proc_stat  # type: ignore[assignment]
+    writerid.writer_identity = lambda: dict(world.current().proc.identity)  # type: ignore[assignment]
+    writerid.proc_stat = proc_stat  # type: ignore[assignment]
     markers._Heartbeat.start = start  # type: ignore[method-assign]
     markers._Heartbeat.stop = classmethod(stop)  # type: ignore[method-assign,assignment]
     remote.ATOMIC_CREATE_CLIENTS = (*remote.ATOMIC_CREATE_CLIENTS, CLIENT)
@@ -509,8 +509,8 @@ def modelled(world: World) -> Iterator[World]:
         yield world
     finally:
         (
-            clock.wall, clock.monotonic, clock.sleep, clock.wait, clock.relying_until, markers.writer_identity,
-            markers.proc_stat, markers._Heartbeat.start, markers._Heartbeat.stop, remote.ATOMIC_CREATE_CLIENTS,
+            clock.wall, clock.monotonic, clock.sleep, clock.wait, clock.relying_until, writerid.writer_identity,
+            writerid.proc_stat, markers._Heartbeat.start, markers._Heartbeat.stop, remote.ATOMIC_CREATE_CLIENTS,
         ) = saved  # fmt: skip
         deleter_module.delete = retention_delete  # type: ignore[assignment]
         WORLD = None

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import zarrckpt
-from zarrckpt.engine import markers
+from zarrckpt.engine import markers, writerid
 from zarrckpt.format.manifest import DELETING, PENDING
 from zarrckpt.storage.store import Storage
 from zarrckpt.testing import rgw, unique_url
@@ -141,7 +141,7 @@ def test_a_restart_in_another_pid_namespace_never_takes_a_live_save(
     manager = zarrckpt.CheckpointManager(root, interval=1, keep_last=3, async_save=False, storage_options=opts)
     for writer in (
         {"host": socket.gethostname(), "pid": _dead_pid()},  # (a zarrckpt before namespaces were recorded)
-        {**markers.writer_identity(), "pid": _dead_pid(), "pidns": "pid:[4026532999]"},
+        {**writerid.writer_identity(), "pid": _dead_pid(), "pidns": "pid:[4026532999]"},
     ):
         step = 2 if "pidns" not in writer else 3
         _died_saving(manager.url(step), opts, writer)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import zarrckpt
-from zarrckpt.engine import clock, markers
+from zarrckpt.engine import clock, markers, writerid
 from zarrckpt.format.manifest import DELETING, PENDING
 from zarrckpt.storage.store import Storage
 
@@ -42,7 +42,7 @@ def _died_saving(
     its writer ran under this kernel and PID namespace (the marker says so), as process ``pid``."""
     storage = Storage(url)
     doc = markers.marker_doc("died", world_size)
-    here = {k: v for k, v in markers.writer_identity().items() if k != "start"}
+    here = {k: v for k, v in writerid.writer_identity().items() if k != "start"}
     doc["writer"] = {**here, "pid": pid} if host == "here" else {"host": host, "pid": pid}
     if not heartbeat:
         del doc["heartbeat"]
@@ -75,7 +75,7 @@ def test_a_pid_under_the_same_hostname_elsewhere_proves_nothing(tmp_path: Path) 
     _died_saving(url, host=socket.gethostname(), pid=_dead_pid())
     with pytest.raises(zarrckpt.IncompleteCheckpointError, match="in progress"):
         zarrckpt.save(_state(2.0), url)
-    other_ns = {**markers.writer_identity(), "pid": _dead_pid(), "pidns": "pid:[1]"}
+    other_ns = {**writerid.writer_identity(), "pid": _dead_pid(), "pidns": "pid:[1]"}
     doc = json.loads((url / PENDING).read_text())
     (url / PENDING).write_text(json.dumps({**doc, "writer": other_ns}))
     with pytest.raises(zarrckpt.IncompleteCheckpointError, match="in progress"):
@@ -87,9 +87,9 @@ def test_a_zombie_or_a_reused_pid_counts_as_gone(tmp_path: Path) -> None:
     process (its start time differs from the marker's)."""
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     deadline = time.monotonic() + 10
-    while (markers.proc_stat(proc.pid) or ("?", 0))[0] != "Z" and time.monotonic() < deadline:
+    while (writerid.proc_stat(proc.pid) or ("?", 0))[0] != "Z" and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert (markers.proc_stat(proc.pid) or ("?", 0))[0] == "Z", "the child is a zombie until reaped"
+    assert (writerid.proc_stat(proc.pid) or ("?", 0))[0] == "Z", "the child is a zombie until reaped"
     zombie = tmp_path / "zombie"
     _died_saving(zombie, host="here", pid=proc.pid)
     zarrckpt.save(_state(2.0), zombie)
@@ -98,7 +98,7 @@ def test_a_zombie_or_a_reused_pid_counts_as_gone(tmp_path: Path) -> None:
     reused = tmp_path / "reused"
     _died_saving(reused, host="here", pid=os.getpid())  # this very process, but started at another time
     doc = json.loads((reused / PENDING).read_text())
-    doc["writer"]["start"] = markers.writer_identity()["start"] - 1
+    doc["writer"]["start"] = writerid.writer_identity()["start"] - 1
     (reused / PENDING).write_text(json.dumps(doc))
     zarrckpt.save(_state(3.0), reused)
     assert _loads(reused, 3.0)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import zarrckpt
-from zarrckpt.engine import markers
+from zarrckpt.engine import markers, writerid
 from zarrckpt.format.manifest import DELETING, MANIFEST, tombstone
 from zarrckpt.storage.store import Storage
 
@@ -49,7 +49,7 @@ def _died_deleting(url: Path, *, host: str, pid: int, age: float = 0.0, marker: 
     zarrckpt.save(_state(1.0), url)
     storage = Storage(url)
     doc = markers.marker_doc(zarrckpt.open(url).manifest.save_id)
-    here = {k: v for k, v in markers.writer_identity().items() if k != "start"}
+    here = {k: v for k, v in writerid.writer_identity().items() if k != "start"}
     doc["writer"] = {**here, "pid": pid} if host == "here" else {"host": host, "pid": pid}
     storage.write(MANIFEST, [tombstone(doc)])
     written = [url / MANIFEST]

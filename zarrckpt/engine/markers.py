@@ -1,5 +1,6 @@
 """The markers of the commit protocol (:mod:`zarrckpt.engine.commit`): their documents, their ages,
-who wrote them and whether that writer still runs, and the heartbeats of running saves and deletions.
+whether their writer still runs (who it is: :mod:`zarrckpt.engine.writerid`), and the heartbeats of
+running saves and deletions.
 
 A pending or deleting marker is a small JSON object: the save id, when it started, its writer (host,
 pid, and where the system tells them, the boot and PID namespace that make the pid mean something),
@@ -18,13 +19,11 @@ import json
 import logging
 import os
 import re
-import socket
 import threading
 from datetime import UTC, datetime
-from functools import cache
 from typing import Any, ClassVar
 
-from zarrckpt.engine import clock
+from zarrckpt.engine import clock, writerid
 from zarrckpt.errors import CheckpointExistsError, ZarrckptError
 from zarrckpt.format.manifest import PENDING
 from zarrckpt.storage.store import Storage
@@ -56,73 +55,6 @@ def _lapse_seconds() -> float:
     return lease_seconds() - heartbeat_seconds()
 
 
-# -- who wrote a marker -------------------------------------------------------------------------
-def writer_identity() -> dict[str, Any]:
-    """This process as a marker names it: host and pid, and (Linux) the boot id, PID namespace and
-    the pid's start time, without which another reader cannot tell whether the pid is this process."""
-    return dict(_identity(os.getpid()))
-
-
-@cache
-def _identity(pid: int) -> tuple[tuple[str, Any], ...]:
-    return tuple({"host": socket.gethostname(), "pid": pid, **_kernel(), **_started(pid)}.items())
-
-
-@cache
-def _kernel() -> dict[str, str]:
-    """This kernel's boot id and this process's PID namespace ({} where the system does not say)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        pidns = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return {}
-    return {"boot": boot, "pidns": pidns} if boot and pidns else {}
-
-
-def _started(pid: int) -> dict[str, int]:
-    stat = proc_stat(pid)
-    return {} if stat is None else {"start": stat[1]}
-
-
-def proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state, start time in clock ticks since boot) of process ``pid`` in this PID namespace; None
-    when there is no such process (or no /proc to ask)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return fields[0], int(fields[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _here(writer: dict[str, Any]) -> bool:
-    """Whether ``writer`` ran under this kernel and PID namespace, so that its pid names a process here.
-    A shared hostname proves nothing (containers, pods of one job); the boot id and namespace do."""
-    mine = writer_identity()
-    return bool(mine.get("boot")) and all(writer.get(k) == mine[k] for k in ("boot", "pidns"))
-
-
-def _gone_here(writer: dict[str, Any]) -> str | None:
-    """Why ``writer`` (a marker's) no longer runs, when it provably ran here; None: it may run."""
-    pid, start = writer.get("pid"), writer.get("start")
-    if not isinstance(pid, int) or not _here(writer):
-        return None
-    stat = proc_stat(pid)
-    if stat is None:
-        return f"its writer, process {pid} on this host, is gone"
-    if stat[0] in ("Z", "X"):
-        return f"its writer, process {pid} on this host, has exited"
-    if isinstance(start, int) and stat[1] != start:
-        return f"its writer, process {pid} on this host, is gone (another process has its pid now)"
-    return None
-
-
-def _is_me(writer: dict[str, Any]) -> bool:
-    mine = writer_identity()
-    return all(writer.get(k) == mine.get(k) for k in ("host", "pid", "boot", "pidns", "start"))
-
-
 # -- markers and their ages ---------------------------------------------------------------------
 def token(doc: dict[str, Any]) -> Any:
     """What names a marker's holder in this process's registries: a deletion's own id (several
@@ -133,7 +65,7 @@ def token(doc: dict[str, Any]) -> Any:
 def marker_doc(save_id: str, world_size: int | None = None) -> dict[str, Any]:
     """A marker's document; ``world_size``: a pending marker's, the ranks writing the save."""
     started = now()
-    doc = {"save_id": save_id, "started": started, "heartbeat": started, "writer": writer_identity()}
+    doc = {"save_id": save_id, "started": started, "heartbeat": started, "writer": writerid.writer_identity()}
     return doc if world_size is None else {**doc, "world_size": world_size}
 
 
@@ -180,10 +112,10 @@ def writer_gone(
     process. ``doc``: the marker's content when it is held elsewhere (a tombstone)."""
     doc = marker(storage, name) if doc is None else doc
     writer: dict[str, Any] = doc["writer"] if isinstance(doc.get("writer"), dict) else {}
-    gone = _gone_here(writer)
+    gone = writerid.gone_here(writer)
     if gone is not None:
         return gone
-    if (storage.url, name, token(doc), doc.get("started")) in _ABANDONED and _is_me(writer):
+    if (storage.url, name, token(doc), doc.get("started")) in _ABANDONED and writerid.is_me(writer):
         return "it failed in this process, which abandoned it"
     if doc and "heartbeat" not in doc:  # a writer of a zarrckpt without heartbeats: only the grace period tells
         return None
@@ -213,8 +145,8 @@ def writers_stopped(storage: Storage, doc: dict[str, Any], name: str = PENDING) 
     writer: dict[str, Any] = doc["writer"] if isinstance(doc.get("writer"), dict) else {}
     if doc.get("world_size") != 1:
         return False
-    abandoned = (storage.url, name, token(doc), doc.get("started")) in _ABANDONED and _is_me(writer)
-    return abandoned or _gone_here(writer) is not None
+    abandoned = (storage.url, name, token(doc), doc.get("started")) in _ABANDONED and writerid.is_me(writer)
+    return abandoned or writerid.gone_here(writer) is not None
 
 
 def has_lease(doc: dict[str, Any]) -> bool:
