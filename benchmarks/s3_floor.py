@@ -13,6 +13,8 @@ Four writers of the same state (``common.py``'s DTensors, Shard(0) over the rank
 in an order that rotates each repetition, timed barrier to barrier (max over ranks):
 
 - ``zarrckpt``: ``zarrckpt.save``;
+- ``zarrckpt, no MD5``: the same with its end-to-end check of each PUT off (a patch of this benchmark's:
+  no MD5 of each body, no ETag compared, ``verify_after_save=False``): what that check costs here;
 - ``s3torchconnector``: DCP's layout (one object per rank plus metadata) through AWS's Rust client
   (behind ``etagproxy.py``, which radosgw 16.2 needs for it);
 - ``bare: zarrckpt's objects``: the objects of zarrckpt's checkpoint (the same keys and sizes: shards,
@@ -53,15 +55,17 @@ from scenarios_peers import S3TC, peer_status, s3tc_saver  # noqa: E402
 from servers import stores  # noqa: E402
 
 import zarrckpt  # noqa: E402
+from zarrckpt.storage import remote  # noqa: E402
 from zarrckpt.storage.caps import REMOTE_CONCURRENCY  # noqa: E402
 from zarrckpt.storage.clients import open_filesystem  # noqa: E402
 from zarrckpt.storage.store import Storage  # noqa: E402
 from zarrckpt.testing import remove_tree, spawn  # noqa: E402
 
 TARGET = 1.2  # zarrckpt's save speed / s3torchconnector's (issue 39)
-WRITERS = ("zarrckpt", S3TC, "bare_objects", "bare_rank")
+WRITERS = ("zarrckpt", "zarrckpt_no_md5", S3TC, "bare_objects", "bare_rank")
 TITLES = {
     "zarrckpt": "zarrckpt (`zarrckpt.save`)",
+    "zarrckpt_no_md5": "zarrckpt, its end-to-end MD5 check off (a benchmark patch)",
     S3TC: "s3torchconnector (DCP's layout)",
     "bare_objects": "bare: zarrckpt's objects",
     "bare_rank": "bare: one object per rank",
@@ -117,9 +121,19 @@ def floor_phase(rank: int, world: int, cfg: dict[str, Any]) -> None:
     def bare_rank(url: str) -> None:
         put(f"{url.split('://', 1)[1]}/rank{rank}", mine)
 
+    def without_md5(url: str) -> None:
+        kept = remote._MD5_CLIENTS
+        remote._MD5_CLIENTS = ()  # no MD5 of each body, so no ETag compared (and no read-back: below)
+        try:
+            zarrckpt.save(state, url, storage_options=opts, verify_after_save=False)
+        finally:
+            remote._MD5_CLIENTS = kept
+
     def writer(name: str, url: str) -> Any:
         if name == "zarrckpt":
             return lambda: zarrckpt.save(state, url, storage_options=opts)
+        if name == "zarrckpt_no_md5":
+            return lambda: without_md5(url)
         if name == S3TC:
             return s3tc_saver(state, url, store)
         return (lambda: bare_objects(url)) if name == "bare_objects" else (lambda: bare_rank(url))
@@ -240,6 +254,12 @@ def render(args: argparse.Namespace, info: dict[str, Any], argv: list[str]) -> s
             f"| a bare client writing one object per rank, speed / s3torchconnector | "
             f"{speed[S3TC] / speed['bare_rank']:.2f}x | |",
         ]
+        if "zarrckpt_no_md5" in speed:
+            rows.insert(
+                -2,
+                f"| the save with its end-to-end MD5 check off, speed / s3torchconnector | "
+                f"{speed[S3TC] / speed['zarrckpt_no_md5']:.2f}x | what checking every PUT costs (a benchmark patch) |",
+            )
     else:
         rows.append(f"| s3torchconnector | not run: {info['s3tc']} | |")
     rows += [

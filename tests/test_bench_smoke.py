@@ -170,7 +170,7 @@ def test_s3_floor_report_says_whether_the_floor_allows_the_target():
         sys.path.remove(str(BENCH))
 
     def info(zarrckpt_s: float, bare_s: float) -> dict:
-        times = {"zarrckpt": zarrckpt_s, "s3tc": 1.2, "bare_objects": bare_s, "bare_rank": 0.6}
+        times = {"zarrckpt": zarrckpt_s, "zarrckpt_no_md5": 1.0, "s3tc": 1.2, "bare_objects": bare_s, "bare_rank": 0.6}
         hits = {"requests": 3, "bytes": 0, "PUT": 3, "detail": []}
         run = {n: {"s": s, "s3": hits, "gateway_cpu_s": 0.5, "machine_busy": 0.9} for n, s in times.items()}
         cost = {"count": 4, "bytes": 2**20, "s": 0.1, "gateway_cpu_s": 0.2}
@@ -189,5 +189,6 @@ def test_s3_floor_report_says_whether_the_floor_allows_the_target():
     passed = s3_floor.render(args, info(0.9, 0.8), [])
     assert "| save, zarrckpt speed / s3torchconnector (target >= 1.2x) | 1.33x | PASS |" in passed
     assert "| 1.50x | the floor allows the target |" in passed
+    assert "| the save with its end-to-end MD5 check off, speed / s3torchconnector | 1.20x |" in passed
     missed = s3_floor.render(args, info(1.5, 1.1), [])
     assert "| 0.80x | MISS |" in missed and "| 1.09x | the target is above the floor |" in missed
