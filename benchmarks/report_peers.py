@@ -42,8 +42,10 @@ MISS_NOTES: dict[str, str] = {
     "S3 on RGW: save, zarrckpt speed / s3torchconnector": (
         "s3torchconnector writes DCP's layout (one object per rank, a few multipart uploads) with a Rust "
         "client: 51 requests against zarrckpt's 228, whose per-request client CPU (on 2 cores shared by "
-        "4 ranks and the gateway) is the limit. Its requests go through `etagproxy.py` (Python), which "
-        "costs it CPU too."
+        "4 ranks and the gateway) weighs. The larger cost is zarrckpt's end-to-end check of each PUT: an MD5 "
+        "of every body (0.09 s per 64 MiB rank, against 0.004 s for crc32c) compared with the ETag; "
+        "`benchmarks/s3_floor.py` measured 1.03x with it and 1.35x with it patched off (15 repetitions, "
+        "2026-12-05). Its requests go through `etagproxy.py` (Python), which costs it CPU too."
     ),
     "S3 on moto: resharding load, zarrckpt speed / s3torchconnector": (
         "moto's per-request CPU (in the driver process) bounds both; s3torchconnector makes fewer, larger "
