@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 import zarrckpt
+from zarrckpt.engine import commit
 from zarrckpt.format.manifest import MANIFEST
 from zarrckpt.storage import durable
 from zarrckpt.storage.store import Storage
@@ -222,3 +224,66 @@ def test_parent_of_is_dirname() -> None:
 
     for path in ("/a/b/c", "/a", "a/b", "a", "/", "//a", "/a//b", "/tmp/x/zarr.json", ""):
         assert parent_of(path) == os.path.dirname(path), path
+
+
+def _state_of(n: int, numel: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(n)
+    return {f"t{i}": torch.randn(numel, generator=g) for i in range(n)}
+
+
+def test_write_back_starts_while_the_save_still_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if durable._syncfs_call() is None:
+        pytest.skip("no syncfs in this C library")
+    monkeypatch.delenv("ZARRCKPT_LOCAL_SYNC", raising=False)
+    # early syncs every 64 KiB, each on its own thread, joined before the writes end; the barrier still runs
+    monkeypatch.setattr(durable, "EARLY_SYNC_BYTES", 64 * 1024)
+    real, events = durable._syncfs, []
+
+    def syncfs(path: str) -> None:
+        events.append(("sync", threading.current_thread().name))
+        real(path)
+
+    monkeypatch.setattr(durable, "_syncfs", syncfs)
+    real_commit = commit.commit
+    monkeypatch.setattr(commit, "commit", lambda *a, **k: (events.append(("commit", "")), real_commit(*a, **k))[1])
+    state = _state_of(40, 4096)  # 640 KiB of shards
+    zarrckpt.save(state, tmp_path / "ck")
+    early = [e for e in events if e == ("sync", "zarrckpt-sync")]
+    assert len(early) >= 2, events
+    assert events[-2:] == [("sync", "MainThread"), ("commit", "")], events  # the barrier, then the commit
+    assert not [t for t in threading.enumerate() if t.name == "zarrckpt-sync"]
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    zarrckpt.load(target, tmp_path / "ck")
+    assert all(torch.equal(target[k], v) for k, v in state.items())
+
+
+def test_a_failed_early_sync_fails_the_save_though_the_barrier_succeeds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if durable._syncfs_call() is None:
+        pytest.skip("no syncfs in this C library")
+    monkeypatch.delenv("ZARRCKPT_LOCAL_SYNC", raising=False)
+    # errors of write-back reach the first syncfs that sees them: the barrier's own may then succeed
+    monkeypatch.setattr(durable, "EARLY_SYNC_BYTES", 64 * 1024)
+    real = durable._syncfs
+
+    def syncfs(path: str) -> None:
+        if threading.current_thread().name == "zarrckpt-sync":
+            raise durable._failed("syncfs", path, OSError(errno.EIO, os.strerror(errno.EIO)))
+        real(path)
+
+    monkeypatch.setattr(durable, "_syncfs", syncfs)
+    with pytest.raises(zarrckpt.StorageError, match=r"syncfs of .* failed"):
+        zarrckpt.save(_state_of(40, 4096), tmp_path / "ck")
+    assert not [t for t in threading.enumerate() if t.name == "zarrckpt-sync"]
+    with pytest.raises(zarrckpt.IncompleteCheckpointError):
+        zarrckpt.load(_state_of(40, 4096), tmp_path / "ck")
+
+
+def test_files_mode_starts_no_early_write_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ZARRCKPT_LOCAL_SYNC", "files")
+    monkeypatch.setattr(durable, "EARLY_SYNC_BYTES", 1)
+    calls: list[str] = []
+    monkeypatch.setattr(durable, "_syncfs", lambda path: calls.append(path))
+    zarrckpt.save(_state_of(10, 4096), tmp_path / "ck")
+    assert calls == []

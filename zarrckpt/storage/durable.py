@@ -11,6 +11,12 @@ and ``fsync(2)`` of each directory that gained an entry. ``ZARRCKPT_LOCAL_SYNC``
 - ``files``: one ``fdatasync`` per file and ``fsync`` per directory, 16 at a time; every error is
   this save's.
 
+With ``syncfs``, write-back starts early: while a batch of writes runs (:meth:`Unsynced.writing_back`),
+every EARLY_SYNC_BYTES created start a ``syncfs`` on another thread (one at a time, joined when the
+batch ends), so the disk writes while the save still creates files and the barrier finds little left
+(20,000 small tensors, 735 MB, ext4: the barrier 1.06 s -> 0.21 s, the save 6.5 s -> 5.5 s). A failure
+of an early sync fails the barrier: the bytes it was writing may not be on disk.
+
 A file whose write failed half-way is removed at once (the save then fails, or retries the whole
 object); a crash leaves what was written, torn or not, under the pending marker, where nothing loads
 it and the next save there removes it (docs/FORMAT.md, "What a crash leaves").
@@ -22,7 +28,7 @@ import contextlib
 import ctypes
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -32,6 +38,7 @@ Buffer = bytes | memoryview
 MODES = ("syncfs", "files")
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
 _THREADS = 16
+EARLY_SYNC_BYTES = 64 * 1024 * 1024
 
 
 def sync_mode() -> str:
@@ -86,6 +93,10 @@ class Unsynced:
         self._files: list[str] = []
         self._dirs: set[str] = set()
         self._lock = threading.Lock()
+        self._early = False  # inside writing_back() with syncfs: start write-back as bytes pile up
+        self._pending = 0  # bytes created since the last early sync started
+        self._syncing: threading.Thread | None = None
+        self._failed: StorageError | None = None  # an early sync's failure, raised by flush()
 
     def __len__(self) -> int:
         return len(self._files)
@@ -115,7 +126,42 @@ class Unsynced:
             self._dirs.add(parent)
             if new:
                 self._dirs.update(map(parent_of, new))
+            if self._early:
+                self._pending += sum(len(p) if type(p) is bytes else memoryview(p).nbytes for p in parts)
+                if self._pending >= EARLY_SYNC_BYTES and self._syncing is None:
+                    self._pending = 0
+                    self._syncing = threading.Thread(target=self._sync_early, args=(parent,), name="zarrckpt-sync")
+                    self._syncing.start()
         return True
+
+    @contextlib.contextmanager
+    def writing_back(self) -> Iterator[None]:
+        """Inside the block, start write-back early (``syncfs`` mode): see the module's text. The
+        thread doing it is joined before the block ends, whatever ends it."""
+        if sync_mode() != "syncfs":
+            yield
+            return
+        self._early = True
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._early, self._pending = False, 0
+                syncing = self._syncing
+            if syncing is not None:
+                syncing.join()
+
+    def _sync_early(self, path: str) -> None:
+        try:
+            _syncfs(_existing(path))
+        except StorageError as e:  # the call failed: what it was writing may not be on disk
+            with self._lock:
+                self._failed = self._failed or e
+        except OSError:
+            pass  # (opening the directory: the barrier opens its own)
+        finally:
+            with self._lock:
+                self._syncing = None
 
     def flush(self, root: str) -> None:
         """Make every file created so far durable, with the directory entries naming them (one barrier).
@@ -127,7 +173,9 @@ class Unsynced:
                 listed until a flush succeeds).
         """
         with self._lock:
-            files, dirs = list(self._files), sorted(self._dirs)
+            files, dirs, failed = list(self._files), sorted(self._dirs), self._failed
+        if failed is not None:
+            raise failed
         if not files:
             return
         if sync_mode() == "syncfs":
@@ -143,7 +191,7 @@ class Unsynced:
     def forget(self) -> None:
         """(The files were deleted: nothing left to make durable.)"""
         with self._lock:
-            self._files, self._dirs = [], set()
+            self._files, self._dirs, self._failed = [], set(), None
 
 
 def write_parts(fd: int, parts: Sequence[Buffer]) -> None:

@@ -65,6 +65,10 @@ class LocalBackend:
             return True if publish(full, parts, True, self._made) else None
         return True if self.unsynced.create(full, parts, self._made) else None
 
+    def writing_back(self) -> contextlib.AbstractContextManager[None]:
+        """A batch of writes during which write-back starts early (:meth:`Unsynced.writing_back`)."""
+        return self.unsynced.writing_back()
+
     def flush(self, root: str) -> None:
         """Make every file created with ``durable=False`` durable: one barrier."""
         self.unsynced.flush(root)

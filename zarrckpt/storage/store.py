@@ -381,18 +381,20 @@ class Storage(Listing):
         concurrency; their total. On local files, small writes go in runs
         (:func:`~zarrckpt.storage.concurrency.in_runs`), on the calling thread while the filesystem
         answers them fast, else to the threads (:class:`~zarrckpt.storage.concurrency.Pace`); large
-        ones always to the threads."""
+        ones always to the threads; the disk starts writing them back early
+        (:meth:`~zarrckpt.storage.durable.Unsynced.writing_back`)."""
         if not isinstance(self.backend, LocalBackend):
             return sum(self.run_all(fn, items, writing=True))
         pace = Pace(self.write_concurrency)
-        return sum(
-            self.run_all(
-                lambda run: pace.timed(fn, run),
-                in_runs(items, size),
-                writing=True,
-                inline=lambda run: pace.inline(len(run) > 1 or size(run[0]) < SMALL_LOCAL_WRITE),
+        with self.backend.writing_back():
+            return sum(
+                self.run_all(
+                    lambda run: pace.timed(fn, run),
+                    in_runs(items, size),
+                    writing=True,
+                    inline=lambda run: pace.inline(len(run) > 1 or size(run[0]) < SMALL_LOCAL_WRITE),
+                )
             )
-        )
 
 
 def _rebuild(
