@@ -3,7 +3,10 @@ S3 server, and its ops log counts exactly the requests a client made (as moto's 
 
 from __future__ import annotations
 
+import json
+import socket
 import subprocess
+import threading
 
 import fsspec
 import pytest
@@ -26,6 +29,66 @@ def test_ops_record_parses_a_gateway_record():
     assert r.touches("b/ck") and not r.touches("b/other")
     put = rgw.ops_record({"uri": "PUT /b/ck/a%20b HTTP/1.1", "http_status": "200", "bytes_received": 7})
     assert (put.method, put.path, put.bytes_received) == ("PUT", "/b/ck/a b", 7)
+
+
+class _HeldBackLog:
+    """A log socket that behaves as Ceph 16's does when its writer thread misses a wake-up: a
+    request's record reaches the reader only once the next request's record is queued."""
+
+    def __init__(self, tmp_path, held_back: int):
+        self.path = str(tmp_path / "ops.sock")
+        self.server = socket.socket(socket.AF_UNIX)
+        self.server.bind(self.path)
+        self.server.listen(1)
+        self.conn: socket.socket | None = None
+        self.held_back, self.queue, self.marks = held_back, [], 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        self.conn, _ = self.server.accept()
+        self.conn.sendall(b"[")
+
+    def request(self, key: str):
+        self.marks += 1
+        self.queue.append(json.dumps({"uri": f"HEAD /b/{key} HTTP/1.1", "http_status": "404"}).encode() + b",\n")
+        if self.marks > self.held_back:  # the wake-up this time flushes everything queued
+            while self.conn is None:
+                threading.Event().wait(0.01)
+            self.conn.sendall(b"".join(self.queue))
+            self.queue.clear()
+
+
+@pytest.mark.parametrize("held_back", [0, 1, 3])
+def test_a_marker_held_back_by_the_gateway_is_pushed_out_by_the_next(tmp_path, held_back):
+    gateway = _HeldBackLog(tmp_path, held_back)
+
+    class Log(rgw.OpsLog):
+        def _mark(self, mark: str) -> None:
+            gateway.request(f".ops-log-mark/{mark}")
+
+    log = Log(gateway.path, {}, "b")
+    try:
+        log.sync(timeout=10)
+        assert gateway.marks == held_back + 1  # one more marker per one held back, none beyond
+        assert log.requests() == []  # markers are not requests
+        assert gateway.marks == held_back + 2
+    finally:
+        log.close()
+
+
+def test_a_log_that_never_delivers_times_out(tmp_path):
+    gateway = _HeldBackLog(tmp_path, held_back=10**6)
+
+    class Log(rgw.OpsLog):
+        def _mark(self, mark: str) -> None:
+            gateway.request(f".ops-log-mark/{mark}")
+
+    log = Log(gateway.path, {}, "b")
+    try:
+        with pytest.raises(TimeoutError, match=r"delivered none of [23] marker requests in 2\.5 s"):
+            log.sync(timeout=2.5)
+    finally:
+        log.close()
 
 
 def test_missing_ceph_says_how_to_install(monkeypatch):

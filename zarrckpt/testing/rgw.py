@@ -87,12 +87,20 @@ class OpsLog(RequestLog):
         self._sock = socket.socket(socket.AF_UNIX)
         self._sock.connect(sock_path)
         self._seen: set[str] = set()
+        self._failed: BaseException | None = None
         self._fs: Any = None
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._read, name="rgw-ops-log", daemon=True)
         self._thread.start()
 
     def _read(self) -> None:
+        try:
+            self._parse()
+        except BaseException as e:  # sync() reports it
+            self._failed = e
+            raise
+
+    def _parse(self) -> None:
         decoder, text = json.JSONDecoder(), ""
         mark = f"{self._bucket}/.ops-log-mark"
         while data := self._recv():
@@ -118,19 +126,41 @@ class OpsLog(RequestLog):
         except OSError:  # closed
             return b""
 
-    def sync(self, timeout: float = 10.0) -> None:
-        """Wait until every request answered so far is in the log."""
+    def sync(self, timeout: float = 60.0) -> None:
+        """Wait until every request answered so far is in the log.
+
+        Ceph 16's log socket can hold a record back until the next request's record: its writer
+        thread waits on a condition without a predicate, so a record queued while it was writing
+        the previous batch waits for the next wake-up. A marker not seen within a second is
+        therefore followed by another one, which pushes the first out; seeing any of them is enough.
+        """
+        sent: set[str] = set()
+        deadline = time.monotonic() + timeout
+        while True:
+            mark = uuid.uuid4().hex
+            sent.add(mark)
+            self._mark(mark)
+            left = deadline - time.monotonic()
+            with self._cond:
+                if self._cond.wait_for(lambda: not sent.isdisjoint(self._seen), max(0.0, min(1.0, left))):
+                    self._seen -= sent
+                    return
+            if not self._thread.is_alive():
+                raise RuntimeError(f"the gateway's ops-log reader stopped: {self._failed!r}")
+            if left <= 1.0:
+                raise TimeoutError(
+                    f"the gateway's ops log delivered none of {len(sent)} marker requests in {timeout:g} s"
+                )
+
+    def _mark(self, mark: str) -> None:
+        """Send the marker request: one HEAD, answered 404 (s3fs's info() would also list)."""
         from fsspec.asyn import sync
         from s3fs import S3FileSystem  # whatever s3:// is registered to in this process
 
         if self._fs is None:
             self._fs = S3FileSystem(**self._options)
-        mark = uuid.uuid4().hex
-        with contextlib.suppress(FileNotFoundError):  # one HEAD, answered 404 (s3fs's info() would also list)
+        with contextlib.suppress(FileNotFoundError):
             sync(self._fs.loop, self._fs._call_s3, "head_object", Bucket=self._bucket, Key=f".ops-log-mark/{mark}")
-        with self._cond:
-            if not self._cond.wait_for(lambda: mark in self._seen, timeout):
-                raise TimeoutError("the gateway's ops log did not deliver the marker request")
 
     def clear(self) -> None:
         self.sync()
