@@ -77,7 +77,7 @@ def main() -> None:
                 out = str(Path(tmp, f"{fan_out}-{n}"))
                 spawn(args.world, _load, url, warm_url, opts, args.mib, fan_out, out, fresh=True)
                 times.append(json.loads(Path(out).read_text()))
-                gets = [r for r in s3.log.requests(url) if r.method == "GET" and "/c/" in r.path]
+                gets = [r for r in s3.log.requests(url) if r.method == "GET" and "/c." in r.path]
                 counts.append((len(gets), sum(r.bytes_sent for r in gets)))
             gets, nbytes = counts[0]
             rows.append((fan_out, nbytes / one_copy, gets, min(times)))

@@ -40,7 +40,8 @@ from zarrckpt.types import ArrayKind
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "uint8": 1}
 
 
-ADDED_LATER = {"per_rank": ""}  # fields added after EXPECTED was recorded -> their default (left out when so)
+# fields added after EXPECTED was recorded -> their default (left out when so)
+ADDED_LATER = {"per_rank": "", "separator": "."}
 READ_SIDE = {"crc_segment"}  # ArrayMeta's fields a read sets (where its checksums are), never part of a plan
 
 

@@ -99,7 +99,7 @@ def died_elsewhere(url: str, options: dict[str, Any] | None) -> None:
     doc = markers.marker_doc("died-elsewhere")
     doc["writer"] = {"host": "another-host", "pid": 1}
     storage.write(PENDING, [json.dumps(doc).encode()])
-    storage.write("model/w/c/0/0", [b"half of a shard"])
+    storage.write("model/w/c.0.0", [b"half of a shard"])
 
 
 @contextmanager
@@ -110,7 +110,7 @@ def running_save(url: str, options: dict[str, Any] | None, monkeypatch: pytest.M
     real = Storage.write
 
     def held(self: Storage, path: str, parts: Any, **kwargs: Any) -> None:
-        if self.url.rstrip("/") == url.rstrip("/") and "/c/" in path:
+        if self.url.rstrip("/") == url.rstrip("/") and "/c." in path:
             go.wait(60)
         real(self, path, parts, **kwargs)
 

@@ -478,7 +478,7 @@ def test_ls_root_lists_checkpoints(tmp_path: Path, capsys: pytest.CaptureFixture
     zarrckpt.save(state(trainer__step=33), str(root / "best"))  # no step in the name: trainer.step
     died = Storage(str(root / "step_0000000030"))  # a save that died before committing
     protocol.prepare(died, overwrite=False)
-    died.write("model/bf/c/0/0", [b"partial"])
+    died.write("model/bf/c.0.0", [b"partial"])
     deleting = Storage(str(root / "step_0000000005"))  # a deletion that died half-way
     zarrckpt.save(state(), deleting.url)
     deleting.write(DELETING, [json.dumps(markers.marker_doc("gone")).encode()])

@@ -84,7 +84,7 @@ def _running_save(url: Path) -> None:
     doc["writer"] = {"host": "another-host", "pid": 1}
     storage = Storage(url)
     storage.write(PENDING, [json.dumps(doc).encode()])
-    storage.write("model/w/c/0/0", [b"half of a shard"])
+    storage.write("model/w/c.0.0", [b"half of a shard"])
 
 
 def test_rm_refuses_a_save_that_may_still_run_unless_forced(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -92,7 +92,7 @@ def test_rm_refuses_a_save_that_may_still_run_unless_forced(tmp_path: Path, caps
     _running_save(url)
     rc, _, err = run(capsys, "rm", str(url))
     assert rc == 3 and "a save may still be writing it" in err and "--force" in err
-    assert (url / "model/w/c/0/0").read_bytes() == b"half of a shard"
+    assert (url / "model/w/c.0.0").read_bytes() == b"half of a shard"
     with pytest.raises(zarrckpt.IncompleteCheckpointError, match="force=True"):
         zarrckpt.delete(str(url))
     rc, _, err = run(capsys, "rm", "--force", str(url))
@@ -138,7 +138,7 @@ def test_cp_refuses_an_existing_destination_unless_overwrite(tmp_path: Path) -> 
 
 
 def _shard(root: Path) -> Path:
-    return next(p for p in sorted((root / "model" / "w" / "c").rglob("*")) if p.is_file())
+    return sorted((root / "model" / "w").glob("c.*"))[0]
 
 
 def test_cp_of_a_corrupt_source_fails_and_commits_nothing(tmp_path: Path) -> None:
@@ -162,7 +162,7 @@ def test_cp_finds_bytes_damaged_on_the_way_and_commits_nothing(tmp_path: Path, m
     real = Storage.write
 
     def damaging(self: Storage, path: str, parts: Any, **kw: Any) -> None:
-        if self.url == str(dst) and "/c/" in path:
+        if self.url == str(dst) and "/c." in path:
             data = bytearray(b"".join(bytes(p) for p in parts))
             data[len(data) // 3] ^= 0x01
             parts = [bytes(data)]
@@ -177,7 +177,7 @@ def test_cp_finds_bytes_damaged_on_the_way_and_commits_nothing(tmp_path: Path, m
 def test_cp_of_a_checkpoint_changed_after_commit_is_refused(tmp_path: Path) -> None:
     src = tmp_path / "a"
     zarrckpt.save(state(1.0), str(src))
-    (src / "model" / "w" / "c" / "stray").write_bytes(b"written after commit")
+    (src / "model" / "w" / "c.stray").write_bytes(b"written after commit")
     with pytest.raises(zarrckpt.CorruptChunkError, match="not committed"):
         zarrckpt.copy_checkpoint(str(src), str(tmp_path / "b"))
     assert not (tmp_path / "b" / MANIFEST).exists()

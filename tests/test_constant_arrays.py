@@ -81,9 +81,9 @@ def _doc(root: Path, key: str) -> dict[str, Any]:
 def test_constant_arrays_have_no_objects(saved: Path) -> None:
     for key, want in CONSTANTS.items():
         doc = _doc(saved, key)
-        assert not (saved / key / "c").exists(), key
+        assert not list((saved / key).glob("c*")), key
         assert (
-            doc["attributes"]["zarrckpt"]["constant"] is True and doc["attributes"]["zarrckpt"]["format_version"] == 2
+            doc["attributes"]["zarrckpt"]["constant"] is True and doc["attributes"]["zarrckpt"]["format_version"] == 4
         )
         assert (
             fill.from_json(doc["data_type"], doc["fill_value"])
@@ -91,9 +91,9 @@ def test_constant_arrays_have_no_objects(saved: Path) -> None:
         )
     for key in WRITTEN:
         assert "constant" not in _doc(saved, key)["attributes"]["zarrckpt"], key
-        assert any(p.is_file() for p in (saved / key / "c").rglob("*")), key
+        assert list((saved / key).glob("c.*")), key
     manifest = json.loads((saved / "zarr.json").read_text())["attributes"]["zarrckpt"]
-    assert manifest["format_version"] == 3  # (the chunk checksum table; the arrays keep 1 and 2)
+    assert manifest["format_version"] == 4  # (chunk keys "c.0": every array is version 4)
     assert manifest["integrity"]["arrays"]["step"] == {
         "shape": [],
         "data_type": "float32",
@@ -133,7 +133,7 @@ def test_verify_tells_no_chunks_by_design_from_a_lost_object(tmp_path: Path) -> 
     root = tmp_path / "ck"
     zarrckpt.save({"step": torch.tensor(3.0), "m": torch.zeros(4, 4), "w": torch.arange(16.0).reshape(4, 4)}, root)
     assert zarrckpt.open(root).verify().ok
-    (root / "w/c/0/0").unlink()
+    (root / "w/c.0.0").unlink()
     problems = zarrckpt.open(root).verify()["problems"]
     assert len(problems) == 1 and "'w'" in problems[0] and "missing" in problems[0]
 
@@ -147,7 +147,7 @@ def test_a_chunk_a_peer_adds_is_reported(tmp_path: Path, key: str) -> None:
         arr.write(np.float32(5.0)).result()
     else:  # zarr-python writes the shard it took for all fill value
         zarr.open_array(str(root / key), mode="r+", zarr_format=3)[...] = 5.0
-    assert (root / key / "c").exists()
+    assert list((root / key).glob("c*"))  # ("c": a 0-d array's one chunk)
     problems = zarrckpt.open(root).verify()["problems"]
     assert len(problems) == 1 and "constant array" in problems[0] and "another writer" in problems[0]
     with pytest.raises(ModifiedCheckpointError, match="written after commit"):
@@ -179,12 +179,17 @@ def test_a_manifest_edit_of_the_constant_is_refused(tmp_path: Path) -> None:
         zarrckpt.load({"step": torch.zeros(())}, root, strict=False)
 
 
-def test_without_constants_the_arrays_stay_version_1(tmp_path: Path) -> None:
-    """The manifest is version 3 (its chunk checksum table); each array the oldest that describes it."""
+def test_every_array_of_a_save_is_version_4(tmp_path: Path) -> None:
+    """Arrays and manifest are version 4, the oldest that describes their chunk keys ("c.0"), with
+    constant arrays or without."""
     root = tmp_path / "ck"
     zarrckpt.save({"w": torch.arange(4.0), "big": torch.zeros(20000)}, root)
-    assert json.loads((root / "zarr.json").read_text())["attributes"]["zarrckpt"]["format_version"] == 3
-    assert _doc(root, "w")["attributes"]["zarrckpt"]["format_version"] == 1
+    assert json.loads((root / "zarr.json").read_text())["attributes"]["zarrckpt"]["format_version"] == 4
+    for key in ("w", "big"):
+        doc = _doc(root, key)
+        assert doc["attributes"]["zarrckpt"]["format_version"] == 4, key
+        assert doc["chunk_key_encoding"] == {"name": "default", "configuration": {"separator": "."}}, key
+    assert sorted(p.name for p in (root / "w").iterdir()) == ["c.0", "zarr.json"]
 
 
 def test_invalid_constant_fill_value_is_refused(tmp_path: Path) -> None:
@@ -223,8 +228,8 @@ def test_save_on_s3_writes_no_object_for_agreeing_constants(
     url, opts = s3_url
     spawn(2, _save_parts, url, opts)
     puts = _puts(s3_requests, url)
-    shards = [p for p in puts if "/c/" in p or p.endswith("/c")]
-    assert shards == ["/split/c/0/0", "/split/c/1/0"]  # rank 1's part is all zeros but rank 0's is not
+    shards = [p for p in puts if "/c." in p or p.endswith("/c")]
+    assert shards == ["/split/c.0.0", "/split/c.1.0"]  # rank 1's part is all zeros but rank 0's is not
     assert "/zeros/zarr.json" in puts and "/step/zarr.json" in puts
     target = {"zeros": torch.ones(8, 8), "split": torch.zeros(8, 8), "step": torch.zeros(())}
     s3_requests.clear()
@@ -235,8 +240,8 @@ def test_save_on_s3_writes_no_object_for_agreeing_constants(
     gets = [r.path.split(prefix, 1)[1] for r in s3_requests.requests(url) if r.kind == "GET"]
     assert sorted(p for p in gets if not p.endswith("zarr.json")) == [
         "/.zarrckpt-crc32c",
-        "/split/c/0/0",
-        "/split/c/1/0",
+        "/split/c.0.0",
+        "/split/c.1.0",
     ]
 
 
@@ -259,10 +264,10 @@ def test_adam_state_on_s3(s3_url: tuple[str, dict[str, Any]], s3_requests: Reque
     shards = sorted(p for p in _puts(s3_requests, url) if not p.endswith(".json"))
     assert shards == [
         "/.zarrckpt-crc32c",  # the commit record's chunk checksums (format version 3)
-        "/model/bias/c/0",
-        "/model/weight/c/0/0",
-        "/optim/state/0/exp_avg/c/0/0",
-        "/optim/state/0/exp_avg_sq/c/0/0",
+        "/model/bias/c.0",
+        "/model/weight/c.0.0",
+        "/optim/state/0/exp_avg/c.0.0",
+        "/optim/state/0/exp_avg_sq/c.0.0",
     ]  # no object for optim.state.{0,1}.step nor for optim.state.1.exp_avg / exp_avg_sq
     ckpt = zarrckpt.open(url, storage_options=opts)
     assert {k for k, m in ckpt.manifest.arrays.items() if m.constant is not None} == {

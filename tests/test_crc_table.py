@@ -41,10 +41,10 @@ def _record(url: Path) -> dict[str, Any]:
     return found
 
 
-def test_a_save_writes_the_table_and_a_version_3_manifest(ckpt: Path) -> None:
+def test_a_save_writes_the_table_and_a_version_4_manifest(ckpt: Path) -> None:
     info = _record(ckpt)
     table = (ckpt / integrity.TABLE).read_bytes()
-    assert info["format_version"] == 3
+    assert info["format_version"] == 4  # (the table: 3; chunk keys "c.0": 4)
     assert info["integrity"]["table"] == {"path": integrity.TABLE, "bytes": len(table), "crc32c": crc32c.crc32c(table)}
     arrays = info["integrity"]["arrays"]
     assert arrays["c"] == {
@@ -186,7 +186,7 @@ def test_a_tensors_first_read_sends_its_segment_and_data_together(s3_server: str
         gets = [
             (path.rsplit("/", 1)[-1].split("?")[0], arrived, answered) for _, path, arrived, answered in proxy.timeline
         ]
-        assert sorted(name for name, _, _ in gets) == sorted([integrity.TABLE, "0"]), gets  # (the shard a/c/0/0)
+        assert sorted(name for name, _, _ in gets) == sorted([integrity.TABLE, "c.0.0"]), gets  # (the shard a/c.0.0)
         assert max(arrived for _, arrived, _ in gets) < min(answered for _, _, answered in gets), gets
     finally:
         proxy.close()

@@ -633,7 +633,7 @@ def test_s3_policy_grants_only_get_put_list_delete_under_the_prefix():
             else:
                 assert resource == "arn:aws:s3:::YOUR_BUCKET/YOUR_PREFIX/*"
 
-    obj = "arn:aws:s3:::YOUR_BUCKET/YOUR_PREFIX/run1/step_0000000100/model/w/c/0/0"
+    obj = "arn:aws:s3:::YOUR_BUCKET/YOUR_PREFIX/run1/step_0000000100/model/w/c.0.0"
     for action in ("s3:GetObject", "s3:PutObject", "s3:DeleteObject"):
         assert s3_allowed(policy, action, obj)
         for other in (

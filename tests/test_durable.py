@@ -143,7 +143,7 @@ def test_a_write_failing_half_way_leaves_no_torn_object(
     """The object is removed at once: a retry writes it whole (EIO is retried), and a failed save
     leaves no half object behind its name (ENOSPC is not)."""
     url = tmp_path / "ck"
-    victim = str(url / "big" / "c" / "0" / "0")
+    victim = str(url / "big" / "c.0.0")
     real, failed = os.writev, []
 
     def writev(fd: int, buffers: Any) -> int:

@@ -363,7 +363,7 @@ def _one_copy_bytes(state: dict[str, Any]) -> int:
 
 def _shard_gets(log: RequestLog, url: str) -> tuple[int, int]:
     """(GETs, bytes) of shard objects under ``url``, as the server counted them."""
-    gets = [r for r in log.requests(url) if r.method == "GET" and "/c/" in r.path]
+    gets = [r for r in log.requests(url) if r.method == "GET" and "/c." in r.path]
     return len(gets), sum(r.bytes_sent for r in gets)
 
 
@@ -510,10 +510,11 @@ def test_mixed_replicated_sharded_and_overlapping_2_to_3(
     s3_requests.clear()
     spawn(3, _load_mixed, url, opts, str(tmp_path))
     assert len(list(tmp_path.iterdir())) == 3
-    gets = [r for r in s3_requests.requests(url) if r.method == "GET" and "/c/" in r.path]
-    per_key = {k: sum(r.bytes_sent for r in gets if f"/m/{k}/c/" in r.path) for k in MIXED_BOXES}
+    gets = [r for r in s3_requests.requests(url) if r.method == "GET" and "/c." in r.path]
+    per_key = {k: sum(r.bytes_sent for r in gets if f"/m/{k}/c." in r.path) for k in MIXED_BOXES}
     fs, root = fsspec.core.url_to_fs(url, **opts)
-    stored = {k: sum(fs.du(f"{root}/m/{k}/c", total=False).values()) for k in MIXED_BOXES}  # the shard objects
+    shards = {k: fs.glob(f"{root}/m/{k}/c.*", detail=True) for k in MIXED_BOXES}  # the shard objects
+    stored = {k: sum(info["size"] for info in found.values()) for k, found in shards.items()}
     # replicated, partly replicated, overlapping, several parts: every stored byte fetched once
     assert {k: n for k, n in per_key.items() if k != "sharded"} == {k: n for k, n in stored.items() if k != "sharded"}
     # no replicas: read as without fan-out, each rank what it needs (small shards whole, at most 3 times)
@@ -540,7 +541,7 @@ def test_a_failed_read_on_the_reader_raises_on_every_rank(
     url, opts = s3_url
     zarrckpt.save(_replicated(), url, storage_options=opts, chunk_bytes=CHUNK_BYTES)
     fs, root = fsspec.core.url_to_fs(url, **opts)
-    shard = f"{root}/model/w3/c/0/0"
+    shard = f"{root}/model/w3/c.0.0"
     if damage == "corrupt":
         blob = bytearray(fs.cat_file(shard))
         blob[100] ^= 0xFF
@@ -702,8 +703,8 @@ def test_a_box_split_between_a_joined_object_and_its_own(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "1"]
     chunk, head = 256 * 256 * 4 + 4, 8 * 16 + 4
     gets = sorted(
-        (r.path.rsplit("/", 3)[-3], r.bytes_sent)
+        (r.path.rsplit("/", 1)[-1].split(".")[1], r.bytes_sent)  # .../e/c.R.0.0: rank R's shard
         for r in s3_requests.requests(url)
-        if r.method == "GET" and "/c/" in r.path
+        if r.method == "GET" and "/c." in r.path
     )
     assert gets == [("0", head + 8 * chunk), ("1", 6 * chunk)]

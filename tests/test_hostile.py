@@ -232,8 +232,7 @@ def test_traversal_touches_nothing_outside(name: str, tmp_path: Path, audit: lis
     _save(url)
     outside = tmp_path / "etc" / "x"  # what ../../etc/x resolves to from the checkpoint root
     outside.mkdir(parents=True)
-    for rel in ("zarr.json", "c/0/0"):  # a perfectly readable array, had the path been followed
-        (outside / rel).parent.mkdir(parents=True, exist_ok=True)
+    for rel in ("zarr.json", "c.0.0"):  # a perfectly readable array, had the path been followed
         (outside / rel).write_bytes((root / "v" / rel).read_bytes())
     sentinel = tmp_path / "sentinel"
     sentinel.write_text("untouched")
@@ -271,7 +270,7 @@ def test_traversal_touches_nothing_outside(name: str, tmp_path: Path, audit: lis
     got = {"v": torch.zeros(2, 2)}
     zarrckpt.load(got, url, strict=False)
     assert torch.equal(got["v"], _state()["v"])
-    assert "zarr.json" in storage_paths and "v/c/0/0" in storage_paths
+    assert "zarr.json" in storage_paths and "v/c.0.0" in storage_paths
     opened_here = [p for p in _opened(audit) if p.startswith(str(tmp_path.resolve()))]
     assert opened_here and all(p.startswith(str(root.resolve()) + os.sep) for p in opened_here), opened_here
 
@@ -434,7 +433,7 @@ DOCS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "codecs a dict": (lambda d: _node(d).update(codecs={"a": 1}), r"'codecs' must be a list"),
     "codec a string": (lambda d: _node(d).update(codecs=["x"]), r"'codecs\[0\]' must be a JSON object"),
     "configuration a list": (lambda d: _node(d)["codecs"][0].update(configuration=[]), r"'codecs\[0\].configuration'"),
-    "chunk keys with '.'": (lambda d: _node(d)["chunk_key_encoding"]["configuration"].update(separator="."), "key_enc"),
+    "chunk keys with '-'": (lambda d: _node(d)["chunk_key_encoding"]["configuration"].update(separator="-"), "key_enc"),
     "v2 chunk keys": (lambda d: _node(d)["chunk_key_encoding"].update(name="v2"), "chunk_key_encoding"),
     "rectilinear grid": (lambda d: _node(d)["chunk_grid"].update(name="rectilinear"), "chunk_grid"),
     "fill value 1": (lambda d: _node(d).update(fill_value=1.5), "fill_value"),
@@ -581,7 +580,7 @@ SHARD_EDITS: dict[str, tuple[Callable[[np.ndarray], None], str]] = {
 def test_crafted_shard_index(name: str, url: str) -> None:
     _save(url)
     edit, match = SHARD_EDITS[name]
-    _index(url, "model/w/c/0/0", 4, edit)
+    _index(url, "model/w/c.0.0", 4, edit)
     with pytest.raises(CorruptChunkError, match=match) as err:
         zarrckpt.load(_state(fill=False), url)
     assert err.value.key == "model.w"
@@ -590,7 +589,7 @@ def test_crafted_shard_index(name: str, url: str) -> None:
 def test_crafted_index_partial_read(url: str) -> None:
     """A rank that reads only the broken chunk's rows is refused too; one reading other rows is not."""
     _save(url)
-    _index(url, "model/w/c/0/0", 4, _set_entry(2, EMPTY, EMPTY))
+    _index(url, "model/w/c.0.0", 4, _set_entry(2, EMPTY, EMPTY))
     with pytest.raises(CorruptChunkError, match="missing"):
         zarrckpt.load({"model": {"w": zarrckpt.LocalShard(torch.zeros(2, 8), (8, 8), (4, 0))}}, url, strict=False)
     part = zarrckpt.LocalShard(torch.zeros(2, 8), (8, 8), (6, 0))

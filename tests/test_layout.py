@@ -372,10 +372,10 @@ def test_corrupt_or_truncated_index_is_detected(case, data) -> None:
     pos = data.draw(st.integers(0, len(head) - 1))
     head[pos] ^= 0x80
     with pytest.raises(CorruptChunkError, match="crc32c") as e:
-        decode_index(bytes(head), n, "mem://x/c/0", KEY)
-    assert KEY in str(e.value) and "mem://x/c/0" in str(e.value)
+        decode_index(bytes(head), n, "mem://x/c.0", KEY)
+    assert KEY in str(e.value) and "mem://x/c.0" in str(e.value)
     with pytest.raises(CorruptChunkError, match="truncated"):
-        decode_index(blob[: index_nbytes(n) - 1], n, "mem://x/c/0", KEY)
+        decode_index(blob[: index_nbytes(n) - 1], n, "mem://x/c.0", KEY)
 
 
 def test_encode_shard_passes_contiguous_chunks_without_copy() -> None:

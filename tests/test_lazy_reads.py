@@ -47,13 +47,13 @@ def _chunk_start(k: int) -> int:
 
 
 def _shard_gets(log: RequestLog, url: str) -> list[tuple[str, str | None]]:
-    return [(r.kind, r.range) for r in log.requests(url) if r.path.endswith("/w/c/0/0")]
+    return [(r.kind, r.range) for r in log.requests(url) if r.path.endswith("/w/c.0.0")]
 
 
 def _first_read_extra(log: RequestLog) -> None:
     """Besides its shard GETs, a tensor's first read makes exactly one request: the GET of its
     segment of the chunk checksum table (``w``'s 8 slots, the table's first 32 bytes), sent beside them."""
-    extra = [(r.kind, r.path.rsplit("/", 1)[-1], r.range) for r in log.requests() if not r.path.endswith("/w/c/0/0")]
+    extra = [(r.kind, r.path.rsplit("/", 1)[-1], r.range) for r in log.requests() if not r.path.endswith("/w/c.0.0")]
     assert extra == [("GET", integrity.TABLE, "bytes=0-31")]
 
 
@@ -144,7 +144,7 @@ def test_a_peer_dropping_a_chunk_is_caught_by_a_partial_read(
     arr = _zarr_array(url, opts, write_empty_chunks=False)
     arr[0:CHUNK_ROWS] = 0.0
     fs, root = fsspec.core.url_to_fs(url, **opts)
-    assert fs.size(f"{root}/w/c/0/0") == HEAD + 7 * CHUNK  # really dropped
+    assert fs.size(f"{root}/w/c.0.0") == HEAD + 7 * CHUNK  # really dropped
     s3_requests.clear()
     with pytest.raises(ModifiedCheckpointError, match="not laid out as zarrckpt wrote it"):
         zarrckpt.open(url, storage_options=opts)["w"][100, :5]
@@ -170,7 +170,7 @@ def test_a_peer_rewrite_in_place_is_caught_by_a_partial_read(
     s3_requests.clear()
     with pytest.raises(ModifiedCheckpointError, match="modified after commit by another writer") as err:
         zarrckpt.open(url, storage_options=opts)["w"][100, :5]
-    assert err.value.key == "w" and "w/c/0/0" in (err.value.chunk or "")
+    assert err.value.key == "w" and "w/c.0.0" in (err.value.chunk or "")
     assert len(_shard_gets(s3_requests, url)) == 2  # the read, then the index (layout unchanged)
     peer = zarrckpt.open(url, storage_options=opts, allow_modified=True)["w"]
     assert peer[110, 7].item() == -1.0 and torch.equal(peer[100, :5], _full()[100, :5])
@@ -182,8 +182,8 @@ def test_a_truncated_shard_read_without_the_index_is_reported(
     url, opts = s3_url
     _save(url, opts)
     fs, root = fsspec.core.url_to_fs(url, **opts)
-    shard = fs.cat_file(f"{root}/w/c/0/0")
-    fs.pipe_file(f"{root}/w/c/0/0", shard[: _chunk_start(7) + 52 * ROW + 8])  # cut inside the bytes of row 500
+    shard = fs.cat_file(f"{root}/w/c.0.0")
+    fs.pipe_file(f"{root}/w/c.0.0", shard[: _chunk_start(7) + 52 * ROW + 8])  # cut inside the bytes of row 500
     s3_requests.clear()
     with pytest.raises(CorruptChunkError, match="truncated") as err:
         zarrckpt.open(url, storage_options=opts)["w"][500, :5]
@@ -233,7 +233,7 @@ def test_a_load_gets_one_request_per_run_past_the_gap(
     assert sorted(gets) == sorted(
         ("GET", f"bytes={head + 4 * r * chunk}-{head + (4 * r + 2) * chunk - 1}") for r in range(rows)
     )
-    assert sum(r.bytes_sent for r in s3_requests.requests(url) if r.path.endswith("/w/c/0/0")) == rows * 2 * chunk
+    assert sum(r.bytes_sent for r in s3_requests.requests(url) if r.path.endswith("/w/c.0.0")) == rows * 2 * chunk
 
 
 # --- whole loads on object stores: request size and read-through gaps (pure) ---
@@ -296,11 +296,11 @@ def test_partly_needed_chunks_that_arrive_whole_are_checked(
     head, chunk = 8 * 16 + 4, 64 * ROW + 4
     s3_requests.clear()
     assert torch.equal(view[:, 10, :5], experts[:, 10, :5])
-    shard = [(r.kind, r.range) for r in s3_requests.requests(url) if r.path.endswith("/e/c/0/0/0")]
+    shard = [(r.kind, r.range) for r in s3_requests.requests(url) if r.path.endswith("/e/c.0.0.0")]
     assert shard == [("GET", "bytes=0-")]
     fs, root = fsspec.core.url_to_fs(url, **opts)
-    raw = bytearray(fs.cat_file(f"{root}/e/c/0/0/0"))
+    raw = bytearray(fs.cat_file(f"{root}/e/c.0.0.0"))
     raw[head + 3 * chunk + 20 * ROW] ^= 0xFF
-    fs.pipe_file(f"{root}/e/c/0/0/0", bytes(raw))
+    fs.pipe_file(f"{root}/e/c.0.0.0", bytes(raw))
     with pytest.raises(CorruptChunkError, match="crc32c"):
         zarrckpt.open(url, storage_options=opts)["e"][:, 10, :5]

@@ -221,7 +221,7 @@ def test_cleanup_removes_old_leftovers_even_newer_than_the_latest_commit(tmp_pat
     for step in (3, 4, 5, 6):  # a failed series of saves, newer than the latest commit
         s = Storage(str(root / f"step_{step:010d}"))
         protocol.prepare(s, overwrite=False)
-        s.write("model/w0/c/0/0", [b"partial"])
+        s.write("model/w0/c.0.0", [b"partial"])
         if step < 6:
             _age(root / f"step_{step:010d}" / PENDING, 2 * 3600)
     assert sorted(manager.cleanup()) == [3, 4, 5], "older than the grace period: removed"
@@ -375,10 +375,10 @@ def test_a_zombie_writer_cannot_commit_or_mix(tmp_path: Path) -> None:
     zombie = protocol.prepare(s, overwrite=False)
     markers.abandon(s, zombie)  # it counts as dead (as once its lease ran out), yet it runs on: a zombie
     restart = protocol.prepare(Storage(str(tmp_path / "ck")), overwrite=False)  # the restart takes over
-    s.write("model/w/c/0", [b"restart's shard"], create_only=True)
+    s.write("model/w/c.0", [b"restart's shard"], create_only=True)
     with pytest.raises(FileExistsError):
-        s.write("model/w/c/0", [b"zombie's shard"], create_only=True)
-    s.write("model/w/c/0", [b"restart's shard"], create_only=True)  # a retry of a landed write is fine
+        s.write("model/w/c.0", [b"zombie's shard"], create_only=True)
+    s.write("model/w/c.0", [b"restart's shard"], create_only=True)  # a retry of a landed write is fine
     with pytest.raises(zarrckpt.CheckpointExistsError, match="took this location over"):
         protocol.commit(s, Manifest(zombie, {}, {"v": 1}, 1))
     protocol.commit(s, Manifest(restart, {}, {"v": 2}, 1))
@@ -451,5 +451,5 @@ def test_array_metadata_is_written_after_every_shard(tmp_path: Path, monkeypatch
     state = {f"w{i}": torch.randn(256, 256) for i in range(24)}  # more shards than write threads
     zarrckpt.save(state, str(tmp_path / "ck"), chunk_bytes=4096)
     docs = [i for i, p in enumerate(order) if p.endswith("zarr.json") and p != "zarr.json"]
-    shards = [i for i, p in enumerate(order) if "/c/" in p]
+    shards = [i for i, p in enumerate(order) if "/c." in p]
     assert docs and shards and max(shards) < min(docs) and order[-1] == "zarr.json", order

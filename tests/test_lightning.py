@@ -409,7 +409,7 @@ def test_a_background_save_is_committed_or_raises_when_fit_returns(
     real = Storage.write
 
     def refuse(self: Storage, path: str, parts: Any, **kwargs: Any) -> None:
-        if "/c/" in path:
+        if "/c." in path:
             raise zarrckpt.StorageError(f"writing {path} refused (injected)")
         real(self, path, parts, **kwargs)
 

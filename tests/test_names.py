@@ -82,7 +82,7 @@ def test_the_limits_follow_the_storage(tmp_path: Path) -> None:
     assert local.kind == "local files" and local.component_bytes == 255 and local.temp_suffix_bytes == 17
     assert Storage("memory://x/y").name_limits.name_bytes is None
     meta = ArrayMeta("a.b", (10, 20), "float32", (3, 20), (3, 20))
-    assert longest_names(meta) == ["a/b/zarr.json", "a/b/c/3/0"]
+    assert longest_names(meta) == ["a/b/zarr.json", "a/b/c.3.0"]
     s3 = NameLimits("S3", 1011, None, 1024)  # a long prefix: 1,011 bytes of the key taken already
     with pytest.raises(zarrckpt.InvalidKeyError, match="named by 1025 bytes"):  # 1011 + "/" + "a/b/zarr.json"
         check_names([meta], s3, "s3://b/prefix")

@@ -23,7 +23,7 @@ import zarrckpt
 from zarrckpt import cli
 from zarrckpt.errors import StorageError, ZarrckptError
 
-SHARD = "w/c/0/0"
+SHARD = "w/c.0.0"
 SECONDS = 20.0
 
 
@@ -103,16 +103,16 @@ def test_a_fifo_under_a_path_holding_416_is_not_taken_for_a_range_past_the_end(t
         ("InvalidRange: the range asked for starts past the object's end (HTTP 416 Range Not Satisfiable)", True),
         ("Client error with status 416: range is not satisfiable", True),
         ("416 Requested range not satisfiable", True),
-        ("/tmp/pytest-of-root/pytest-416/ck/w/c/0/0 is a FIFO (named pipe), not a regular file", False),
-        ("s3://bucket/run/step_416/w/c/0/0: connection reset", False),
-        ("/data/ckpt.416/w/c/0/0: permission denied", False),
+        ("/tmp/pytest-of-root/pytest-416/ck/w/c.0.0 is a FIFO (named pipe), not a regular file", False),
+        ("s3://bucket/run/step_416/w/c.0.0: connection reset", False),
+        ("/data/ckpt.416/w/c.0.0: permission denied", False),
     ],
 )
 def test_a_range_past_the_end_is_told_by_its_status_not_by_digits_in_a_path(said: str, beyond: bool) -> None:
     from zarrckpt.storage.retry import past_end
 
     assert past_end(StorageError(said)) is beyond
-    outer = StorageError("reading s3://bucket/run/step_000416/w/c/0/0 failed")  # the answer as its cause
+    outer = StorageError("reading s3://bucket/run/step_000416/w/c.0.0 failed")  # the answer as its cause
     outer.__cause__ = OSError(22, said)
     assert past_end(outer) is beyond
 

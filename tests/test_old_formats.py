@@ -1,5 +1,6 @@
-"""Checkpoints written in the formats before version 3 (their commit record inline in the manifest)
-still load, open, verify, export and copy, every chunk still checked against that record
+"""Checkpoints written in the formats before version 4 still load, open, verify, export and copy,
+every chunk still checked against its commit record: versions 1 and 2 (the record inline in the
+manifest) and 3 (the record in the chunk checksum table), all three with chunk keys "c/0/1"
 (tests/fixtures/old_formats.py wrote them with the old code)."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from safetensors.torch import load_file
 import zarrckpt
 from tests.fixtures.old_formats import HERE, expected
 
-VERSIONS = (1, 2)
+VERSIONS = (1, 2, 3)
 
 
 @pytest.fixture(params=VERSIONS, ids=[f"format{v}" for v in VERSIONS])
@@ -39,8 +40,16 @@ def test_the_fixtures_are_of_the_old_formats(old: tuple[int, Path]) -> None:
     doc = _manifest(where)
     assert doc["format_version"] == version
     inline = [r for r in doc["integrity"]["arrays"].values() if "chunk_crc32c" in r]
-    assert inline and all(isinstance(r["chunk_crc32c"], str) for r in inline)  # base64, in the manifest
-    assert not [p for p in where.iterdir() if p.name.startswith(".")]  # no table object beside it
+    hidden = [p.name for p in where.iterdir() if p.name.startswith(".")]
+    if version < 3:
+        assert inline and all(isinstance(r["chunk_crc32c"], str) for r in inline)  # base64, in the manifest
+        assert not hidden  # no table object beside it
+    else:
+        assert not inline and hidden == [".zarrckpt-crc32c"]
+    arrays = [json.loads(p.read_bytes()) for p in where.rglob("zarr.json") if p.parent != where]
+    arrays = [a for a in arrays if a["node_type"] == "array"]
+    assert arrays and all(a["chunk_key_encoding"]["configuration"]["separator"] == "/" for a in arrays)
+    assert (where / "model" / "embed" / "weight" / "c" / "1" / "0").is_file()
 
 
 def test_loads_bit_exact(old: tuple[int, Path]) -> None:
@@ -81,6 +90,7 @@ def test_a_copy_is_of_todays_format_and_loads(old: tuple[int, Path], tmp_path: P
     tensors, _ = expected(version)
     zarrckpt.copy_checkpoint(str(where), str(tmp_path / "copy"))
     assert _manifest(tmp_path / "copy")["format_version"] >= version
+    assert (tmp_path / "copy" / "model" / "embed" / "weight" / "c" / "1" / "0").is_file()  # its chunk keys kept
     state: dict[str, Any] = {k: torch.zeros_like(t) for k, t in tensors.items()}
     zarrckpt.load(state, str(tmp_path / "copy"), keys=sorted(tensors))
     for key, t in tensors.items():

@@ -110,11 +110,11 @@ def test_verify_reports_every_problem(tmp_path: Path) -> None:
     zarrckpt.save(state, url, chunk_bytes=4096)
     summary = zarrckpt.open(url).verify()
     assert summary["problems"] == [] and summary["tensors"] == 3 and summary["bytes_read"] >= 2 * 64 * 64 * 4
-    shard = tmp_path / "ck/a/c/0/0"
+    shard = tmp_path / "ck/a/c.0.0"
     raw = bytearray(shard.read_bytes())
     raw[5000] ^= 1
     shard.write_bytes(bytes(raw))
-    (tmp_path / "ck/b/c/0/0").unlink()
+    (tmp_path / "ck/b/c.0.0").unlink()
     problems = zarrckpt.open(url).verify()["problems"]
     assert len(problems) == 2
     assert "'a'" in problems[0] and "crc32c" in problems[0]
@@ -135,7 +135,7 @@ def test_verify_reads_many_tensors_side_by_side_and_reports_in_key_order(
     state = {f"t{i:03d}": torch.arange(16.0) + i for i in range(40)}  # (not constant: stored in chunks)
     zarrckpt.save(state, url)  # (arrays of several shards, verified one by one: test_request_budget.py)
     for key in ("t031", "t007", "t019"):
-        (tmp_path / "ck" / key / "c" / "0").unlink()
+        (tmp_path / "ck" / key / "c.0").unlink()
     monkeypatch.setenv("ZARRCKPT_CONCURRENCY", "8")  # (local reads: as many as cores by default)
     ckpt = zarrckpt.open(url)
     lock, now, most = threading.Lock(), [0], [0]
@@ -233,7 +233,7 @@ def test_verify_progress_and_summary(tmp_path: Path, capsys: pytest.CaptureFixtu
     final = err.rsplit("\r", 1)[-1]
     assert re.fullmatch(rf"verify 3/3 tensors \[#{{30}}\] 100% {kib}, [\d.]+ [KMG]?i?B/s\s*\n", final), final
     assert "status</td><td><b>OK</b>" in summary._repr_html_()
-    (tmp_path / "ck/b/c/0/0").unlink()
+    (tmp_path / "ck/b/c.0.0").unlink()
     bad = zarrckpt.open(url).verify()
     assert not bad.ok and capsys.readouterr().err == ""  # no progress bar unless asked
     lines = str(bad).splitlines()

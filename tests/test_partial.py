@@ -199,7 +199,7 @@ def test_a_partial_lazy_read_says_its_values_were_not_checked(tmp_path: Any) -> 
     assert "partial_reads=False" in str(warning.message) and "zarrckpt show" in str(warning.message)
     assert isinstance(warning.message, UncheckedReadWarning)
     assert [(where.split("/ck/")[1], used) for where, used, _ in warning.message.partly] == [
-        ("w/c/0/0 (inner chunk [1, 0])", 5 * 4)
+        ("w/c.0.0 (inner chunk [1, 0])", 5 * 4)
     ]
     assert warning.filename == __file__  # said where the caller indexed the view
     local = str(tmp_path / "ck")
@@ -218,10 +218,10 @@ def test_show_prints_only_checked_values(capsys: pytest.CaptureFixture[str]) -> 
     url = f"memory://{uuid.uuid4().hex}/ck"
     full = _saved_lazily(url)
     storage = Storage(url)
-    raw = bytearray(storage.read("w/c/0/0"))
+    raw = bytearray(storage.read("w/c.0.0"))
     chunk = 64 * COLS * 4 + 4
     raw[16 * 8 + 4 + chunk + 10 * COLS * 4] ^= 0x01  # row 74, in chunk 1's first half
-    storage.write("w/c/0/0", [bytes(raw)])
+    storage.write("w/c.0.0", [bytes(raw)])
     with pytest.warns(UncheckedReadWarning):
         assert torch.equal(zarrckpt.open(url)["w"][100, :5], full[100, :5])
     assert cli.main(["show", url, "w[100, :5]"]) != 0

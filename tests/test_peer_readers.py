@@ -212,7 +212,7 @@ def test_partial_reads(saved, key: str) -> None:
 
 
 def _shard_files(root: Path, key: str) -> list[Path]:
-    return sorted(p for p in (root / _path(key) / "c").rglob("*") if p.is_file())
+    return sorted((root / _path(key)).glob("c.*"))
 
 
 def _expected_shard_bytes(meta: dict[str, Any], n_stored: int) -> int:
@@ -229,7 +229,7 @@ def test_small_all_zero_moment_is_a_constant_array(saved, key: str) -> None:
     array and the commit record), so it is not taken for a lost write; peers read its zeros."""
     root, flat = saved
     meta = json.loads((root / _path(key) / "zarr.json").read_text())
-    assert _shard_files(root, key) == [] and not (root / _path(key) / "c").exists()
+    assert _shard_files(root, key) == [] and not (root / _path(key) / "c").exists()  # (nor a 0-d chunk)
     assert meta["attributes"]["zarrckpt"]["constant"] is True
     assert fill.from_json(meta["data_type"], meta["fill_value"]) == bytes(flat[key].element_size())  # 0.0, 0x0000
     record = json.loads((root / "zarr.json").read_text())["attributes"]["zarrckpt"]["integrity"]["arrays"]
@@ -247,7 +247,7 @@ def test_all_zero_tensor_above_the_check_bound_is_written(tmp_path: Path) -> Non
     zarrckpt.save({"optim": {"state": {"w": {"exp_avg": zeros}}}}, root, chunk_bytes=8 * 1024)
     meta = json.loads((root / _path(key) / "zarr.json").read_text())
     files = _shard_files(root, key)
-    assert [p.relative_to(root / _path(key)).as_posix() for p in files] == ["c/0/0"]
+    assert [p.relative_to(root / _path(key)).as_posix() for p in files] == ["c.0.0"]
     inner = meta["codecs"][0]["configuration"]["chunk_shape"]
     shard = meta["chunk_grid"]["configuration"]["chunk_shape"]
     n = math.prod(s // c for s, c in zip(shard, inner, strict=True))
@@ -312,9 +312,9 @@ def test_edge_shards_layout(saved_by_ranks: Path) -> None:
     meta = json.loads((root / "model/rows/zarr.json").read_text())
     assert meta["chunk_grid"]["configuration"]["chunk_shape"] == [3, 6]
     assert meta["codecs"][0]["configuration"]["chunk_shape"] == [1, 6]
-    assert [p.name for p in _shard_files(root, "model.rows")] == ["0", "0", "0", "0"]
+    assert [p.name for p in _shard_files(root, "model.rows")] == ["c.0.0", "c.1.0", "c.2.0", "c.3.0"]
     # the last shard holds one row: two of its three inner chunks are out of bounds, not stored
-    last = root / "model/rows/c/3/0"
+    last = root / "model/rows/c.3.0"
     assert last.stat().st_size == 16 * 3 + 4 + 1 * (6 * 4 + 4)
     index = np.frombuffer(last.read_bytes()[: 16 * 3], dtype="<u8").reshape(3, 2)
     assert (index[1:] == 2**64 - 1).all()
@@ -348,12 +348,12 @@ def test_edge_all_zero_tensor_has_every_shard(saved_by_ranks: Path) -> None:
     key = "optim.state.model.rows.exp_avg_sq"
     meta = json.loads((root / _path(key) / "zarr.json").read_text())
     assert "constant" not in meta["attributes"]["zarrckpt"]
-    files = {p.relative_to(root / _path(key) / "c").as_posix(): p.stat().st_size for p in _shard_files(root, key)}
+    files = {p.name: p.stat().st_size for p in _shard_files(root, key)}
     assert files == {
-        "0/0": _expected_shard_bytes(meta, 3),
-        "1/0": _expected_shard_bytes(meta, 3),
-        "2/0": _expected_shard_bytes(meta, 3),
-        "3/0": _expected_shard_bytes(meta, 1),
+        "c.0.0": _expected_shard_bytes(meta, 3),
+        "c.1.0": _expected_shard_bytes(meta, 3),
+        "c.2.0": _expected_shard_bytes(meta, 3),
+        "c.3.0": _expected_shard_bytes(meta, 1),
     }
 
 

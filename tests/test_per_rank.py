@@ -119,12 +119,12 @@ def test_one_array_per_key_a_shard_per_row(saved: str) -> None:
     n = _rng(0).numel()
     assert doc["shape"] == [2, n] and doc["chunk_grid"]["configuration"]["chunk_shape"] == [1, n]
     ours = doc["attributes"]["zarrckpt"]
-    assert ours["per_rank"] == "tensor" and ours["format_version"] == 3 and ours["kind"] == "tensor"
-    assert sorted(p.name for p in (root / "trainer/rng/torch/c").iterdir()) == ["0", "1"]
+    assert ours["per_rank"] == "tensor" and ours["format_version"] == 4 and ours["kind"] == "tensor"
+    assert sorted(p.name for p in (root / "trainer/rng/torch").glob("c*")) == ["c.0.0", "c.1.0"]
     loader = json.loads((root / "trainer/loader/zarr.json").read_text())
     assert loader["data_type"] == "uint8" and loader["attributes"]["zarrckpt"]["per_rank"] == "json"
     manifest = json.loads((root / "zarr.json").read_text())["attributes"]["zarrckpt"]
-    assert manifest["format_version"] == 3 and "trainer.loader" not in manifest["values"]
+    assert manifest["format_version"] == 4 and "trainer.loader" not in manifest["values"]
 
 
 @pytest.mark.parametrize(
@@ -258,7 +258,7 @@ def test_both_planners_write_the_same_checkpoint(tmp_path: Path) -> None:
     spawn(2, _save_planned, str(tmp_path / "gathered"), True)
     spawn(2, _save_planned, str(tmp_path / "compact"), False)
     before, after = _files(tmp_path / "gathered"), _files(tmp_path / "compact")
-    assert "trainer/loader/c/1/0" in before and before.keys() == after.keys()
+    assert "trainer/loader/c.1.0" in before and before.keys() == after.keys()
     assert [k for k in before if before[k] != after[k]] == []
 
 
@@ -287,7 +287,7 @@ def test_async_save_and_a_plain_target_of_the_whole_array(tmp_path: Path) -> Non
 def test_readers_refuse_a_malformed_per_rank_array(change: dict[str, Any], message: str) -> None:
     from zarrckpt.format.array import ArrayMeta
 
-    meta = ArrayMeta("rng", (2, 4), "float32", (1, 4), (1, 4), per_rank="tensor")
+    meta = ArrayMeta("rng", (2, 4), "float32", (1, 4), (1, 4), per_rank="tensor", separator="/")
     doc = meta.to_json()
     assert doc["attributes"]["zarrckpt"]["format_version"] == 3 and ArrayMeta.from_json("rng", doc) == meta
     doc["attributes"]["zarrckpt"].update(change)

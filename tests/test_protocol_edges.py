@@ -95,7 +95,7 @@ def test_a_save_whose_location_is_taken_away_stops_writing_there(
 
     def slow(self: Storage, path: str, parts: Any, **kwargs: Any) -> None:
         time.sleep(0.05)
-        if "/c/" in path and sum("/c/" in p for p in written) == 5:  # five shards are written
+        if "/c." in path and sum("/c." in p for p in written) == 5:  # five shards are written
             threading.Thread(target=lambda: (zarrckpt.delete(url, force=True), deleted.set())).start()
             assert deleted.wait(30)
         real(self, path, parts, **kwargs)
@@ -104,7 +104,7 @@ def test_a_save_whose_location_is_taken_away_stops_writing_there(
     monkeypatch.setattr(Storage, "create", slow)
     with pytest.raises(zarrckpt.CheckpointExistsError, match="took the location over"):
         zarrckpt.save(state, url)
-    shards = [p for p in written if "/c/" in p]
+    shards = [p for p in written if "/c." in p]
     assert 5 <= len(shards) < 20, f"it wrote on after its location was taken: {len(shards)} shards"
     assert zarrckpt.list_checkpoints(tmp_path) == {"ck": "deleting"}, "what it wrote lies under a deleting marker"
 
@@ -120,7 +120,7 @@ def _died_saving(url: str, opts: dict[str, Any] | None, writer: dict[str, Any]) 
     storage = Storage(url, opts)
     doc = {**markers.marker_doc("died", 2), "writer": writer}
     storage.write(PENDING, [json.dumps(doc).encode()])
-    storage.write("model/w/c/0/0", [b"half of a shard"])
+    storage.write("model/w/c.0.0", [b"half of a shard"])
 
 
 def _dead_pid() -> int:

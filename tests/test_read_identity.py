@@ -67,7 +67,7 @@ def test_lazy_reads_detect_two_swapped_shard_objects(
 ) -> None:
     url, opts = where
     zarrckpt.save(_halves(1.0), url, storage_options=opts)
-    _swap(url, opts, "w/c/0/0", "w/c/1/0")
+    _swap(url, opts, "w/c.0.0", "w/c.1.0")
     view = zarrckpt.open(url, storage_options=opts)["w"]
     with pytest.raises(ModifiedCheckpointError, match="was modified after commit"):
         view[element]
@@ -80,7 +80,7 @@ def test_lazy_reads_detect_a_shard_from_an_older_checkpoint(where: tuple[str, di
     older, newer = f"{url}/step_1", f"{url}/step_2"
     zarrckpt.save(_halves(1.0), older, storage_options=opts)
     zarrckpt.save(_halves(2.0), newer, storage_options=opts)
-    Storage(newer, opts).write("w/c/1/0", [Storage(older, opts).read("w/c/1/0")])  # restored from a backup, say
+    Storage(newer, opts).write("w/c.1.0", [Storage(older, opts).read("w/c.1.0")])  # restored from a backup, say
     view = zarrckpt.open(newer, storage_options=opts)["w"]
     assert float(view[5, 17]) == 2.0 * (5 * COLS + 17)  # the untouched shard still reads
     for row, col in [(1024 + 5, 17), (1624, 3), (2047, 1000)]:
@@ -111,7 +111,7 @@ def test_a_far_element_is_still_one_get_with_its_chunks_crc32c(
     gets = [(r.kind, r.path.rsplit("/", 1)[-1], r.range) for r in s3_requests.requests(url)]
     offset, nbytes, _ = view.meta.crc_segment
     segment = ("GET", ".zarrckpt-crc32c", f"bytes={offset}-{offset + nbytes - 1}")  # its first read: its checksums
-    assert sorted(gets) == sorted([("GET", "0", f"bytes={start}-{end - 1}"), segment])
+    assert sorted(gets) == sorted([("GET", "c.1.0", f"bytes={start}-{end - 1}"), segment])
 
 
 # --- the plans (pure): every partly read chunk carries a proof that it is the committed chunk ---

@@ -58,7 +58,7 @@ def craft(url: Path, shape: list[int], shard: list[int], chunk: list[int], shard
     own.update({k: node[k] for k in ("shape", "chunk_grid", "codecs")})
     (url / "v" / "zarr.json").write_text(json.dumps(own))
     if shard_bytes is not None:
-        (url / "v" / "c" / "0").write_bytes(os.urandom(shard_bytes))
+        (url / "v" / "c.0").write_bytes(os.urandom(shard_bytes))
 
 
 # Run in a process of its own under RLIMIT_AS: each operation, its outcome, and the Python steps it took.
@@ -129,7 +129,7 @@ def test_verify_names_every_chunk_a_truncated_shard_lacks(tmp_path: Path) -> Non
     """8 inner chunks of 4 rows; the object cut inside chunk 3: chunks 3..7 are named, with the real length."""
     url = tmp_path / "ck"
     zarrckpt.save({"w": torch.arange(32 * 8.0).reshape(32, 8)}, url, chunk_bytes=4 * 8 * 4)
-    path = url / "w" / "c" / "0" / "0"
+    path = url / "w" / "c.0.0"
     raw = path.read_bytes()
     head, chunk = 16 * 8 + 4, 4 * 8 * 4 + 4
     path.write_bytes(raw[: head + 3 * chunk + 10])
@@ -142,12 +142,12 @@ def test_verify_counts_missing_shards_and_names_stray_objects(tmp_path: Path) ->
     url = tmp_path / "ck"
     parts = [zarrckpt.LocalShard(torch.full((2, 4), float(i)), (8, 4), (2 * i, 0)) for i in range(4)]
     zarrckpt.save({"w": parts}, url, small_tensor_bytes=0)
-    (url / "w" / "c" / "1" / "0").unlink()
-    (url / "w" / "c" / "3" / "0").unlink()
-    (url / "w" / "c" / "9").write_bytes(b"x")
+    (url / "w" / "c.1.0").unlink()
+    (url / "w" / "c.3.0").unlink()
+    (url / "w" / "c.9").write_bytes(b"x")
     (problem,) = zarrckpt.open(url).verify()["problems"]
-    assert "2 of 4 shard objects of 'w' are missing: w/c/1/0, w/c/3/0" in problem
-    assert "1 object(s) under" in problem and "'w/c/9'" in problem
+    assert "2 of 4 shard objects of 'w' are missing: w/c.1.0, w/c.3.0" in problem
+    assert "1 object(s) under" in problem and "'w/c.9'" in problem
 
 
 def test_a_save_beyond_the_ceilings_is_refused_before_writing(tmp_path: Path) -> None:
@@ -197,7 +197,7 @@ def test_fuzz_layouts_and_index_entries(tmp_path_factory: Any, shape: int, shard
     index = np.array([entry], dtype="<u8").tobytes()
     import crc32c
 
-    (url / "v" / "c" / "0").write_bytes(index + crc32c.crc32c(index).to_bytes(4, "little") + bytes(20))
+    (url / "v" / "c.0").write_bytes(index + crc32c.crc32c(index).to_bytes(4, "little") + bytes(20))
     doc = json.loads((url / "zarr.json").read_text())
     node = doc["consolidated_metadata"]["metadata"]["v"]
     node["shape"], node["chunk_grid"]["configuration"]["chunk_shape"] = [shape], [min(shard, shape)]

@@ -75,7 +75,7 @@ def _reads_right_through_damage(url: str, proxy: FaultProxy, opts: dict[str, Any
     ckpt = zarrckpt.open(url, storage_options=opts)
     assert ckpt.metadata == VALUES and proxy.response_flips == 0
     assert ckpt.stats()["retries"] >= 1
-    proxy.response_flip_if = _gets("/w/c/0/0")  # the shard: a run of whole chunks, without the index
+    proxy.response_flip_if = _gets("/w/c.0.0")  # the shard: a run of whole chunks, without the index
     proxy.response_flips = 2
     assert torch.equal(ckpt["w"][64:320], full[64:320]) and proxy.response_flips == 0
     proxy.response_flip_if = _gets("")  # every object read of a load: the manifest, the shard
@@ -85,7 +85,7 @@ def _reads_right_through_damage(url: str, proxy: FaultProxy, opts: dict[str, Any
         zarrckpt.load(target, url, storage_options=opts)
         assert torch.equal(target["w"], full) and target["trainer"] == VALUES["trainer"]
         assert proxy.response_flips == 0
-    proxy.response_flip_if = _gets("/w/c/0/0")  # verify reads the shard whole (index and chunks)
+    proxy.response_flip_if = _gets("/w/c.0.0")  # verify reads the shard whole (index and chunks)
     for _ in range(3):
         proxy.response_flips = 1
         summary = ckpt.verify()
@@ -165,7 +165,7 @@ def _in_listing(text: bytes, offset: int) -> Callable[[bytes], int]:
 def test_a_damaged_listing_makes_verify_report_nothing_amiss(
     client: str, moto: tuple[str, FaultProxy, dict[str, Any]], damage: str
 ) -> None:
-    """verify goes by a listing of what is stored. A bit flipped in a key (w/c/0/0 -> w/c/0/1) still
+    """verify goes by a listing of what is stored. A bit flipped in a key (w/c.0.0 -> w/c.0.1) still
     parses: verify lists the array again before it believes a shard missing and a stray there. A
     time stamp that is none fails the listing's parse (obstore's, botocore's): it is asked again,
     not reported as a listing that failed."""
@@ -173,11 +173,11 @@ def test_a_damaged_listing_makes_verify_report_nothing_amiss(
     ckpt = zarrckpt.open(url, storage_options=opts)
 
     def listing(method: str, path: str, status: int, body: bytes) -> bool:
-        return method == "GET" and status == 200 and "list-type=2" in path and b"w/c/0/0</Key>" in body
+        return method == "GET" and status == 200 and "list-type=2" in path and b"w/c.0.0</Key>" in body
 
     proxy.response_flip_if = listing
     if damage == "a key's name":
-        proxy.response_mask, proxy.response_flip_at = 0x01, _in_listing(b"w/c/0/0</Key>", 6)
+        proxy.response_mask, proxy.response_flip_at = 0x01, _in_listing(b"w/c.0.0</Key>", 6)
     else:
         proxy.response_mask, proxy.response_flip_at = 0x01, _in_listing(b"Z</LastModified>", 0)  # Z -> [
     proxy.response_flips = 1
@@ -194,14 +194,14 @@ def test_really_corrupted_objects_fail_as_before_after_one_read_more(
     JSON: read twice, then InvalidCheckpointError as before."""
     url, proxy, opts = moto
     direct = Storage(url, s3_storage_options(s3_server))
-    raw = bytearray(direct.read("w/c/0/0"))
+    raw = bytearray(direct.read("w/c.0.0"))
     raw[HEAD + 2 * CHUNK + 100] ^= 0x10  # inner chunk 2
-    direct.write("w/c/0/0", [bytes(raw)])
+    direct.write("w/c.0.0", [bytes(raw)])
     ckpt = zarrckpt.open(url, storage_options=opts)
     proxy.answered.clear()
     with pytest.raises(CorruptChunkError, match=r"inner chunk \[2, 0\]\) of 'w' fails its crc32c checksum"):
         ckpt["w"][128:192]
-    shard = [(m, p) for m, p, _ in proxy.answered if p.split("?")[0].endswith("/w/c/0/0")]
+    shard = [(m, p) for m, p, _ in proxy.answered if p.split("?")[0].endswith("/w/c.0.0")]
     assert len(shard) == 3, proxy.answered  # the chunk, the chunk again (the same bytes), the index
     with pytest.raises(CorruptChunkError, match="fails its crc32c checksum"):
         zarrckpt.load(_target(), url, storage_options=opts)

@@ -47,10 +47,10 @@ def _died_saving(
     if not heartbeat:
         del doc["heartbeat"]
     storage.write(PENDING, [json.dumps(doc).encode()])
-    storage.write("model/w/c/0/0", [b"half of a shard"])
+    storage.write("model/w/c.0.0", [b"half of a shard"])
     if age:
         then = time.time() - age
-        for path in (url / PENDING, url / "model/w/c/0/0"):
+        for path in (url / PENDING, url / "model/w/c.0.0"):
             os.utime(path, (then, then))
 
 
@@ -116,7 +116,7 @@ def test_a_save_with_a_fresh_heartbeat_is_never_touched(tmp_path: Path) -> None:
     _died_saving(url, host="another-host", pid=1)
     with pytest.raises(zarrckpt.IncompleteCheckpointError, match="in progress"):
         zarrckpt.save(_state(2.0), url)
-    assert (url / "model/w/c/0/0").read_bytes() == b"half of a shard", "nothing of it was touched"
+    assert (url / "model/w/c.0.0").read_bytes() == b"half of a shard", "nothing of it was touched"
 
 
 def test_a_marker_of_a_zarrckpt_without_heartbeats_keeps_the_grace_period(tmp_path: Path) -> None:
@@ -192,7 +192,7 @@ def test_a_running_save_keeps_its_marker_fresh(tmp_path: Path, monkeypatch: pyte
     slowed = []
 
     def slow(self: Storage, path: str, parts: Any, **kwargs: Any) -> None:
-        if "/c/" in path and not slowed:
+        if "/c." in path and not slowed:
             slowed.append(path)
             time.sleep(3)
         real(self, path, parts, **kwargs)
@@ -224,7 +224,7 @@ def test_a_failed_dcp_save_leaves_no_live_heartbeat(
     real = Storage.write
 
     def refuse(self: Storage, path: str, parts: Any, **kwargs: Any) -> None:
-        if "/c/" in path:
+        if "/c." in path:
             raise zarrckpt.StorageError(f"writing {path} refused (injected)")
         real(self, path, parts, **kwargs)
 

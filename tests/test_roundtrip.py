@@ -200,13 +200,13 @@ def test_a_save_that_lost_its_location_does_not_commit(tmp_path: Any) -> None:
 def test_corrupt_and_truncated_chunks(tmp_path: Any) -> None:
     url = str(tmp_path / "ck")
     zarrckpt.save({"model": {"w": torch.randn(64, 64)}}, url, chunk_bytes=4096)
-    shard = tmp_path / "ck/model/w/c/0/0"
+    shard = tmp_path / "ck/model/w/c.0.0"
     raw = bytearray(shard.read_bytes())
     raw[-100] ^= 0x40
     shard.write_bytes(bytes(raw))
     with pytest.raises(zarrckpt.CorruptChunkError) as err:
         zarrckpt.load({"model": {"w": torch.zeros(64, 64)}}, url)
-    assert err.value.key == "model.w" and "model/w/c/0/0" in str(err.value) and "crc32c" in str(err.value)
+    assert err.value.key == "model.w" and "model/w/c.0.0" in str(err.value) and "crc32c" in str(err.value)
     shard.write_bytes(bytes(raw[:-500]))
     with pytest.raises(zarrckpt.CorruptChunkError, match="truncated"):
         zarrckpt.load({"model": {"w": torch.zeros(64, 64)}}, url)

@@ -61,7 +61,7 @@ def test_checkpoint_calls_leave_every_global_generator_alone(
     torch.manual_seed(1234)
     before = _rngs()
     if proxy is not None:  # some writes and reads fail once: retried (by zarrckpt, and by the client)
-        proxy.faults = [("PUT", "/c/0/0", 503)] * 3 + [("GET", "/c/0/0", 503)] * 3 + [("POST", "/o", 503)] * 3
+        proxy.faults = [("PUT", "/c.0.0", 503)] * 3 + [("GET", "/c.0.0", 503)] * 3 + [("POST", "/o", 503)] * 3
     zarrckpt.save(STATE, f"{root}/a", storage_options=opts)
     got = {"model": {k: torch.zeros(64, 32) for k in STATE["model"]}, "step": 0}
     zarrckpt.load(got, f"{root}/a", storage_options=opts)

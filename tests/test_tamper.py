@@ -65,7 +65,7 @@ def test_manifest_records_every_chunk(ckpt: Path) -> None:
     at = record["chunk_table"]
     table = whole[at["offset"] : at["offset"] + at["bytes"]]
     assert at["bytes"] == 16 and at["crc32c"] == crc32c.crc32c(table)
-    shard = (ckpt / "model/w/c/0/0").read_bytes()
+    shard = (ckpt / "model/w/c.0.0").read_bytes()
     head = 16 * 4 + 4
     stored = [shard[head + i * (128 + 4) + 128 : head + (i + 1) * (128 + 4)] for i in range(4)]
     assert [table[4 * i : 4 * i + 4] for i in range(4)] == stored  # each chunk's own crc32c, as written
@@ -109,22 +109,22 @@ def _assert_refused_then_read_as_peer_reads(url: Path, key: str, peer: np.ndarra
 def test_zarr_python_rewrite_is_caught(ckpt: Path) -> None:
     arr = zarr.open_array(str(ckpt / "model/w"), mode="r+")
     arr[5, 3] = 99.0  # rewrites the shard: same index bytes, a fresh valid crc32c for chunk 1
-    _assert_refused_then_read_as_peer_reads(ckpt, "model.w", arr[...], "model/w/c/0/0")
+    _assert_refused_then_read_as_peer_reads(ckpt, "model.w", arr[...], "model/w/c.0.0")
 
 
 def test_zarr_python_empty_chunk_is_caught(ckpt: Path) -> None:
     arr = zarr.open_array(str(ckpt / "model/w"), mode="r+", config={"write_empty_chunks": False})
     arr[4:8] = 0.0  # an all-fill chunk: zarr-python drops it (an EMPTY index entry)
-    index = np.frombuffer((ckpt / "model/w/c/0/0").read_bytes()[: 16 * 4], "<u8").reshape(4, 2)
+    index = np.frombuffer((ckpt / "model/w/c.0.0").read_bytes()[: 16 * 4], "<u8").reshape(4, 2)
     assert index[1, 0] == 2**64 - 1  # really EMPTY
-    _assert_refused_then_read_as_peer_reads(ckpt, "model.w", arr[...], "model/w/c/0/0")
+    _assert_refused_then_read_as_peer_reads(ckpt, "model.w", arr[...], "model/w/c.0.0")
 
 
 def test_tensorstore_rewrite_is_caught(ckpt: Path) -> None:
     spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(ckpt / "model/w")}}
     store = ts.open(spec).result()
     store[0:4, :].write(np.full((4, 8), -1.5, dtype=np.float32)).result()
-    _assert_refused_then_read_as_peer_reads(ckpt, "model.w", store.read().result(), "model/w/c/0/0")
+    _assert_refused_then_read_as_peer_reads(ckpt, "model.w", store.read().result(), "model/w/c.0.0")
 
 
 def _shard(chunks: list[tuple[int, bytes]], n_chunks: int, gap: int = 0) -> bytes:
@@ -146,10 +146,10 @@ def test_any_valid_layout_with_allow_modified(ckpt: Path) -> None:
     """Chunks in reverse order with gaps and one EMPTY: refused, then read as zarr-python reads it."""
     w = _state()["model"]["w"].numpy()
     rows = [w[4 * k : 4 * k + 4].tobytes() for k in range(4)]
-    (ckpt / "model/w/c/0/0").write_bytes(_shard([(3, rows[3]), (2, rows[2]), (0, rows[0])], 4, gap=7))
+    (ckpt / "model/w/c.0.0").write_bytes(_shard([(3, rows[3]), (2, rows[2]), (0, rows[0])], 4, gap=7))
     peer = zarr.open_array(str(ckpt / "model/w"), mode="r")[...]
     assert np.array_equal(peer[:4], w[:4]) and np.all(peer[4:8] == 0)
-    _assert_refused_then_read_as_peer_reads(ckpt, "model.w", peer, "model/w/c/0/0")
+    _assert_refused_then_read_as_peer_reads(ckpt, "model.w", peer, "model/w/c.0.0")
 
 
 @pytest.mark.parametrize(
@@ -161,7 +161,7 @@ def test_any_valid_layout_with_allow_modified(ckpt: Path) -> None:
     ids=["beyond-the-object", "wrong-size"],
 )
 def test_allow_modified_still_checks_bounds_and_sizes(ckpt: Path, entry: tuple[int, int], match: str) -> None:
-    path = ckpt / "model/w/c/0/0"
+    path = ckpt / "model/w/c.0.0"
     raw = bytearray(path.read_bytes())
     index = np.frombuffer(bytes(raw[:64]), "<u8").reshape(4, 2).copy()
     index[2] = entry
@@ -173,7 +173,7 @@ def test_allow_modified_still_checks_bounds_and_sizes(ckpt: Path, entry: tuple[i
 
 
 def test_allow_modified_still_checks_chunk_checksums(ckpt: Path) -> None:
-    path = ckpt / "model/w/c/0/0"
+    path = ckpt / "model/w/c.0.0"
     raw = bytearray(path.read_bytes())
     raw[68 + 5] ^= 0xFF  # a flipped bit in chunk 0
     path.write_bytes(bytes(raw))
@@ -194,6 +194,29 @@ def test_peer_resize_is_reported(ckpt: Path) -> None:
         ModifiedCheckpointError, match=r"'model.w' is now \[20, 8\] float32; it was committed as \[16, 8\]"
     ):
         zarrckpt.load({"model": {"w": torch.zeros(20, 8)}}, ckpt, strict=False)
+
+
+def test_chunk_keys_moved_to_slashes_after_commit_are_refused(ckpt: Path) -> None:
+    """A peer's rewrite of an array with chunk keys "c/0/0" (its objects moved to match, valid Zarr
+    for every reader): one bit from "c.0.0", the commit record's meta_crc32c tells."""
+    from zarrckpt.format.array import ArrayMeta
+
+    (ckpt / "model/w/c/0").mkdir(parents=True)
+    (ckpt / "model/w/c.0.0").rename(ckpt / "model/w/c/0/0")
+    own, manifest = ckpt / "model/w/zarr.json", ckpt / "zarr.json"
+    for path, node in ((own, lambda d: d), (manifest, lambda d: d["consolidated_metadata"]["metadata"]["model/w"])):
+        doc = json.loads(path.read_text())
+        node(doc)["chunk_key_encoding"]["configuration"]["separator"] = "/"
+        path.write_text(json.dumps(doc))
+    peer = zarr.open_array(str(ckpt / "model/w"), mode="r")[...]
+    assert np.array_equal(peer, _state()["model"]["w"].numpy())  # still the committed values, elsewhere
+    meta = ArrayMeta.from_json("model/w", json.loads(own.read_text()))
+    assert meta.separator == "/" and meta.shard_path((0, 0)) == "model/w/c/0/0"
+    with pytest.raises(ModifiedCheckpointError, match=r"model\.w"):
+        zarrckpt.load(_target(), ckpt)
+    target = _target()
+    zarrckpt.load(target, ckpt, allow_modified=True)  # read as it is now: where its document says
+    assert torch.equal(target["model"]["w"], _state()["model"]["w"])
 
 
 def test_values_edited_through_our_attributes(ckpt: Path) -> None:

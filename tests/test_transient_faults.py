@@ -245,8 +245,8 @@ def test_storage_that_always_fails_gives_storage_error(
 def test_a_shard_that_cannot_be_written_leaves_no_commit(tmp_path: Path, fast_retries: RetryPolicy) -> None:
     url = _url(tmp_path)
     state = {"a": torch.ones(64, 64), "b": torch.arange(64 * 64.0).reshape(64, 64)}  # b: not a constant array
-    with pytest.raises(zarrckpt.StorageError, match=r"writing .*ck/b/c/0/0 failed after 3 attempts"):
-        zarrckpt.save(state, url, storage_options=_opts(tmp_path, rate=0.0, fail_paths="*/b/c/0/0"), chunk_bytes=4096)
+    with pytest.raises(zarrckpt.StorageError, match=r"writing .*ck/b/c.0.0 failed after 3 attempts"):
+        zarrckpt.save(state, url, storage_options=_opts(tmp_path, rate=0.0, fail_paths="*/b/c.0.0"), chunk_bytes=4096)
     _no_commit(tmp_path)
     assert (tmp_path / "ck" / ".zarrckpt-pending.json").exists()
     with pytest.raises(zarrckpt.IncompleteCheckpointError, match="never committed"):
@@ -275,11 +275,11 @@ def test_default_policy_gives_up_in_bounded_time(
 
 
 def test_permission_errors_are_not_retried(tmp_path: Path, clock: _FakeClock) -> None:
-    opts = _opts(tmp_path, rate=0.0, fail_paths="*/w/c/0", fail_with="permission")
-    with pytest.raises(zarrckpt.StorageError, match=r"writing .*ck/w/c/0 failed: PermissionError"):
+    opts = _opts(tmp_path, rate=0.0, fail_paths="*/w/c.0", fail_with="permission")
+    with pytest.raises(zarrckpt.StorageError, match=r"writing .*ck/w/c.0 failed: PermissionError"):
         zarrckpt.save({"w": torch.arange(8.0)}, _url(tmp_path), storage_options=opts)  # not constant: a shard
     assert clock.waits == []
-    assert faulty.calls_on("pipe_file", "/ck/w/c/0") == 1
+    assert faulty.calls_on("pipe_file", "/ck/w/c.0") == 1
     _no_commit(tmp_path)
 
 
@@ -289,15 +289,15 @@ def test_missing_shard_fails_fast_without_retries(tmp_path: Path, backend: str, 
     local = str(tmp_path / "ck")
     url, opts = (local, {}) if backend == "local" else (_url(tmp_path), _opts(tmp_path, rate=0.0))
     zarrckpt.save({"model": {"w": torch.randn(64, 64)}}, url, storage_options=opts, chunk_bytes=4096)
-    (tmp_path / "ck/model/w/c/0/0").unlink()
-    before = faulty.calls_on("cat_file", "/ck/model/w/c/0/0")  # (the save read its objects back: unverified store)
+    (tmp_path / "ck/model/w/c.0.0").unlink()
+    before = faulty.calls_on("cat_file", "/ck/model/w/c.0.0")  # (the save read its objects back: unverified store)
     with faulty.retry_log() as log, pytest.raises(zarrckpt.CorruptChunkError, match="missing"):
         zarrckpt.load({"model": {"w": torch.zeros(64, 64)}}, url, storage_options=opts)
     assert log.retries == 0 and clock.waits == []
     if backend == "faulty":
-        assert faulty.calls_on("cat_file", "/ck/model/w/c/0/0") - before == 1
+        assert faulty.calls_on("cat_file", "/ck/model/w/c.0.0") - before == 1
     with pytest.raises(FileNotFoundError):
-        Storage(url, opts).read("model/w/c/0/0")
+        Storage(url, opts).read("model/w/c.0.0")
 
 
 # -- what counts as transient ----------------------------------------------------------------------

@@ -215,7 +215,7 @@ class ZarrStorageInfo:
     three fields).
 
     A tensor chunk is one shard object: ``relative_path`` (from the checkpoint URL, e.g.
-    ``model/w/c/1/0``), ``offset`` 0 and ``length`` its size in bytes (the shard index, then every
+    ``model/w/c.1.0``), ``offset`` 0 and ``length`` its size in bytes (the shard index, then every
     inner chunk with its crc32c), and ``chunk_shape``, the inner chunks a read fetches by byte range.
     A bytes or numpy value stored as one shard is described the same way. A JSON value lies in the
     manifest (``zarr.json``, ``length`` its size, ``chunk_shape`` ``()``); an item stored in several

@@ -200,10 +200,11 @@ def _why_no_manifest(storage: Storage, error: OSError) -> ZarrckptError:
         found = storage.child(name).entries()
         if state(set(found)) not in (None, COMMITTED):  # a marker
             inside.append(name)
-        elif MANIFEST in found:  # by the listing alone (no GET): an array has chunks ("c") or no directory
+        elif MANIFEST in found:  # by the listing alone (no GET): an array has no directory but "c/" (versions 1-3)
             subdirs = "c" not in found and any(size is None for size in found.values())
             (inside if subdirs and (found[MANIFEST] or 0) > GROUP_DOC_BYTES else nodes).append(name)
-        elif "c" in found or not found:  # an array's chunks before its zarr.json; what a deletion leaves to prune
+        elif not found or any(n == "c" or n.startswith("c.") for n in found):
+            # an array's chunks ("c.0.1", or under "c/") before its zarr.json; what a deletion leaves to prune
             nodes.append(name)
     if inside:
         shown = ", ".join(inside[:3]) + (", ..." if len(inside) > 3 else "")

@@ -52,14 +52,15 @@ def verify_array(
     present, strays = _shard_objects(meta, _own_objects(storage, meta) if listing is None else listing)
     if strays or (present if meta.constant is not None else _amiss(meta, present)):  # news: ask again
         present, strays = _shard_objects(meta, _own_objects(storage, meta))
-    where = storage.where(f"{meta.path}/c")
+    at = meta.path if meta.separator == "." else f"{meta.path}/c"  # where its shard objects lie
+    where = storage.where(at)
     if meta.constant is not None and not any_layout:
         if present or strays:
             raise ModifiedCheckpointError(
                 f"{meta.key!r} was committed as a constant array, without chunks, but {where} holds some: "
                 f"written after commit by another writer; {integrity.ALLOW_HINT}",
                 key=meta.key,
-                chunk=f"{meta.path}/c",
+                chunk=at,
             )
         return 0
     problems: list[str] = []
@@ -101,7 +102,7 @@ def verify_array(
         message = "\n".join(problems[:SHOWN]) + (
             f"\n... and {len(problems) - SHOWN} more" if len(problems) > SHOWN else ""
         )
-        raise (kind or CorruptChunkError)(message, key=meta.key, chunk=f"{meta.path}/c")
+        raise (kind or CorruptChunkError)(message, key=meta.key, chunk=at)
     return sum(n for n, _ in results)
 
 
@@ -115,9 +116,13 @@ def by_shards(arrays: list[ArrayMeta]) -> tuple[list[ArrayMeta], list[ArrayMeta]
 
 
 def _own_objects(storage: Storage, meta: ArrayMeta) -> dict[str, int]:
-    """The array's objects (paths relative to the checkpoint -> sizes), by one listing of its ``c/``."""
-    own = storage.child(f"{meta.path}/c").sizes()
-    return {f"{meta.path}/c/{name}" if name else f"{meta.path}/c": size for name, size in own.items()}
+    """The array's objects (paths relative to the checkpoint -> sizes), by one listing: of its
+    directory (chunk keys ``c.1.0``; the shards' names start with ``c``) or of its ``c/``."""
+    if meta.separator == ".":
+        own = storage.child(meta.path).entries()
+        return {f"{meta.path}/{name}": size for name, size in own.items() if size is not None and name[:1] == "c"}
+    subtree = storage.child(f"{meta.path}/c").sizes()
+    return {f"{meta.path}/c/{name}" if name else f"{meta.path}/c": size for name, size in subtree.items()}
 
 
 def _amiss(meta: ArrayMeta, present: Mapping[Shape, int]) -> bool:
@@ -128,16 +133,16 @@ def _amiss(meta: ArrayMeta, present: Mapping[Shape, int]) -> bool:
 
 
 def _shard_objects(meta: ArrayMeta, listing: Mapping[str, int]) -> tuple[dict[Shape, int], list[str]]:
-    """The objects of ``listing`` under the array's ``c/``: shard index -> size for those in its grid,
-    and the names of the others."""
+    """The objects of ``listing`` named as the array's shards (``c`` and what follows it and its
+    separator): shard index -> size for those in its grid, and the names of the others."""
     grid = grid_shape(meta.shape, meta.shard_shape)
-    base = f"{meta.path}/c"
+    base, sep = f"{meta.path}/c", meta.separator
     present: dict[Shape, int] = {}
     strays: list[str] = []
     for name, size in listing.items():
-        if name != base and not name.startswith(base + "/"):
+        if name != base and not name.startswith(base + sep):
             continue
-        parts = name[len(base) :].lstrip("/").split("/") if name != base else []
+        parts = name[len(base) + 1 :].split(sep) if name != base else []
         index = tuple(int(p) for p in parts if p.isdigit() and p == str(int(p)))
         if len(index) == len(parts) == len(grid) and all(i < n for i, n in zip(index, grid, strict=True)):
             present[index] = size

@@ -21,10 +21,12 @@ from zarrckpt_dtypes import BY_NAME
 if TYPE_CHECKING:
     from zarrckpt.format.deferred import Deferred
 
-FORMAT_VERSION = 3  # the newest this zarrckpt reads; it writes the oldest that describes a checkpoint
+FORMAT_VERSION = 4  # the newest this zarrckpt reads; it writes the oldest that describes a checkpoint
 CONSTANT_VERSION = 2  # constant arrays (no shard objects) first appeared in format version 2
 TABLE_VERSION = 3  # the chunk checksum table (a manifest's commit record outside the JSON) first appeared in 3
 PER_RANK_VERSION = 3  # per-rank arrays ([world, ...], rank r's row; "per_rank" attribute) in format version 3
+DOT_KEYS_VERSION = 4  # chunk keys "c.0.1" (separator "."), the array's directory holding its objects, in 4
+SEPARATORS = ("/", ".")  # the chunk key separators a reader follows ("/": format versions 1-3)
 PER_RANK_KINDS = ("tensor", "json")  # an array's "per_rank": a row is the rank's tensor, or its value's JSON text
 ARRAY_KINDS: tuple[str, ...] = tuple(kind.value for kind in ArrayKind)  # an array's stored "kind"s
 BYTES_TYPE_NAMES = ("bytes", "bytearray", "BytesIO")
@@ -55,6 +57,7 @@ class ArrayMeta:
     python_type: str = ""  # kind "bytes": the saved value's type when not bytes ("bytearray" or "BytesIO")
     constant: bytes | None = None  # a constant array: every element's bytes (little-endian); no shard objects
     per_rank: str = ""  # a per-rank array ("tensor" or "json" rows): row r is rank r's (zarrckpt.plan.perrank)
+    separator: str = "."  # its chunk keys': "c.0.1" beside its zarr.json ("/": "c/0/1", written before version 4)
     # integrity.py: the commit's record of every inner chunk's crc32c (bytes; a Deferred while a lazy
     # read fetches them), and where they lie in the chunk checksum table, (offset, bytes, crc32c)
     committed_crc32c: bytes | Deferred = field(default=b"", compare=False, repr=False)
@@ -74,6 +77,7 @@ class ArrayMeta:
         python_type: str,
         constant: bytes | None,
         per_rank: str,
+        separator: str = ".",
     ) -> ArrayMeta:
         """``cls(...)`` of these fields (no commit record yet), at a fifth of the cost: a frozen
         dataclass sets each field through ``object.__setattr__`` (4.5 us an array; a save of 20,000
@@ -91,6 +95,7 @@ class ArrayMeta:
             python_type=python_type,
             constant=constant,
             per_rank=per_rank,
+            separator=separator,
             committed_crc32c=b"",
             crc_segment=None,
         )
@@ -113,11 +118,12 @@ class ArrayMeta:
         return math.prod(self.chunk_shape) * self.itemsize
 
     def shard_path(self, index: Shape) -> str:
-        return "/".join([self.path, "c", *map(str, index)])
+        """The shard object's path: ``PATH/c.1.0`` (``PATH/c/1/0`` before version 4; ``PATH/c`` when 0-d)."""
+        return self.path + "/" + self.separator.join(["c", *map(str, index)])
 
     def to_json(self) -> dict[str, Any]:
         """The array's ``zarr.json`` (its grid's fields are shared between arrays: read-only)."""
-        grid = _expected_grid(self.shard_shape, self.chunk_shape)
+        grid = _expected_grid(self.shard_shape, self.chunk_shape, self.separator)
         return {
             "zarr_format": grid["zarr_format"],
             "node_type": grid["node_type"],
@@ -145,6 +151,8 @@ class ArrayMeta:
 
     def version(self) -> int:
         """The oldest format version that describes this array."""
+        if self.separator == ".":
+            return DOT_KEYS_VERSION
         return PER_RANK_VERSION if self.per_rank else 1 if self.constant is None else CONSTANT_VERSION
 
     def fill_json(self) -> Any:
@@ -224,9 +232,12 @@ class ArrayMeta:
                 raise bad(
                     f"field 'fill_value' {short(doc.get('fill_value'))} is not a {dtype} value of a constant array"
                 )
+        separator = _separator(doc.get("chunk_key_encoding"), bad)
         role_, kind_ = Role(role), ArrayKind(kind)
-        meta = cls.made(key, shape, dtype, shard, chunk, role_, kind_, topology, python_type, constant, per_rank)
-        expected = _expected_grid(shard, chunk)  # what to_json writes for them, built once per grid
+        meta = cls.made(
+            key, shape, dtype, shard, chunk, role_, kind_, topology, python_type, constant, per_rank, separator
+        )
+        expected = _expected_grid(shard, chunk, separator)  # what to_json writes for them, built once per grid
         if not is_constant:
             expected = {**expected, "fill_value": dtypes.fill_value(dtype)}
         for name, want in expected.items():
@@ -238,8 +249,18 @@ class ArrayMeta:
         return meta
 
 
-def grid_fields(shard: Shape, chunk: Shape) -> dict[str, Any]:
-    """The fields of an array ``zarr.json`` that follow from its shard and inner chunk shapes alone."""
+def _separator(encoding: Any, bad: Bad) -> str:
+    """The separator of an array's ``chunk_key_encoding`` (Zarr v3's "default" one, "/" or ".")."""
+    conf = encoding.get("configuration", {}) if isinstance(encoding, dict) else None
+    sep = conf.get("separator", "/") if isinstance(conf, dict) else None
+    if not isinstance(encoding, dict) or encoding.get("name") != "default" or sep not in SEPARATORS:
+        raise bad(f"field 'chunk_key_encoding' is {short(encoding)}, not the default encoding with '/' or '.'")
+    return str(sep)
+
+
+def grid_fields(shard: Shape, chunk: Shape, separator: str = ".") -> dict[str, Any]:
+    """The fields of an array ``zarr.json`` that follow from its shard and inner chunk shapes and
+    its chunk key separator alone."""
     codec = {"endian": "little"}
     inner = [{"name": "bytes", "configuration": codec}, {"name": "crc32c"}]
     sharding = {"chunk_shape": list(chunk), "codecs": inner, "index_codecs": inner, "index_location": "start"}
@@ -247,7 +268,7 @@ def grid_fields(shard: Shape, chunk: Shape) -> dict[str, Any]:
         "zarr_format": 3,
         "node_type": "array",
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(shard)}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": separator}},
         "codecs": [{"name": "sharding_indexed", "configuration": sharding}],
     }
 

@@ -47,6 +47,7 @@ class ArrayDocs:
             meta.python_type,
             meta.constant,
             meta.per_rank,
+            meta.separator,
         )
         try:
             template = self._templates[rest]

@@ -6,7 +6,7 @@ committed data (a zarr-python rewrite of one element even leaves the shard index
 So the manifest records, per array (docs/FORMAT.md §6):
 
 - its ``shape``, ``data_type`` and ``meta_crc32c``, a crc32c of what zarrckpt reads it by (key,
-  shape, data type, shard and inner-chunk shapes, role, kind, Python type);
+  shape, data type, shard and inner-chunk shapes, role, kind, Python type, chunk key separator);
 - where its committed chunk checksums are: ``chunk_table``, its segment of the chunk checksum table
   (:data:`TABLE`, one object beside the manifest; format version 3): ``offset`` and ``bytes`` in
   the table and the segment's own ``crc32c``, so a lazy reader fetches and checks only its array's
@@ -108,12 +108,16 @@ def canonical(doc: Any) -> bytes:
 
 def meta_digest(meta: ArrayMeta) -> int:
     """crc32c of :func:`canonical` ``[key, shape, dtype, shard shape, chunk shape, role, kind,
-    python_type(, constant hex)]``, spelled here as the encoder would (a twentieth of its cost)."""
+    python_type(, constant hex)(, ".")]``, spelled here as the encoder would (a twentieth of its
+    cost). The chunk key separator is there when it is "." (format version 4): one bit from "/",
+    which would send every read of the array to other objects."""
     text = _TEXT  # (the encoder's own string escaping; ints as their repr)
     fields = [text(meta.key), _ints(meta.shape), text(meta.dtype), _ints(meta.shard_shape), _ints(meta.chunk_shape)]
     fields += [text(meta.role), text(meta.kind), text(meta.python_type)]
     if meta.constant is not None:  # a constant array: its elements' bytes, as hex
         fields.append(text(meta.constant.hex()))
+    if meta.separator != "/":
+        fields.append(text(meta.separator))
     return crc32c.crc32c(f"[{','.join(fields)}]".encode())
 
 

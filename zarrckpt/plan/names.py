@@ -16,8 +16,8 @@ from zarrckpt.storage.caps import NameLimits
 def longest_names(meta: ArrayMeta) -> list[str]:
     """The longest object names (relative to the checkpoint) written for ``meta``: its ``zarr.json``
     and its last shard object (the one with the widest indexes)."""
-    last = [str(n - 1) for n in grid_shape(meta.shape, meta.shard_shape)]
-    return [f"{meta.path}/zarr.json", "/".join([meta.path, "c", *last])]
+    last = tuple(n - 1 for n in grid_shape(meta.shape, meta.shard_shape))
+    return [f"{meta.path}/zarr.json", meta.shard_path(last)]
 
 
 def check_names(arrays: list[ArrayMeta], limits: NameLimits, where: str) -> None:

@@ -5,7 +5,7 @@ Layout (docs/FORMAT.md §8)::
 
     <tier root>/step_<10-digit step>.<save id>/        a local step: zarrckpt's own format
         zarr.json, .zarrckpt-crc32c                    its manifest and checksum table (every node)
-        <array>/c/<i>/...                              the shards this node's ranks wrote, and copies
+        <array>/c.<i>...                               the shards this node's ranks wrote, and copies
         .zarrckpt-tier/held-<rank>.json                this directory holds every object of that rank
         .zarrckpt-tier/committed.json                  every copy existed when the save ended
     <tier root>/.restore-<save id>.<node>/            a restore in progress (removed after it)
