@@ -144,14 +144,22 @@ def test_a_write_failing_half_way_leaves_no_torn_object(
     leaves no half object behind its name (ENOSPC is not)."""
     url = tmp_path / "ck"
     victim = str(url / "big" / "c.0.0")
-    real, failed = os.writev, []
+    real_write, real_writev, failed = os.write, os.writev, []
+
+    def fault(fd: int, first: Any) -> None:  # (a large object is written a part at a time, a small one by writev)
+        if os.readlink(f"/proc/self/fd/{fd}") == victim and (how == "permanent" or not failed):
+            failed.append(real_write(fd, bytes(first)[: len(first) // 2]))  # half of it lands
+            raise OSError(errno.EIO if how == "transient" else errno.ENOSPC, "injected")
+
+    def write(fd: int, data: Any) -> int:
+        fault(fd, data)
+        return real_write(fd, data)
 
     def writev(fd: int, buffers: Any) -> int:
-        if os.readlink(f"/proc/self/fd/{fd}") == victim and (how == "permanent" or not failed):
-            failed.append(real(fd, [bytes(buffers[0])[: len(buffers[0]) // 2]]))  # half of it lands
-            raise OSError(errno.EIO if how == "transient" else errno.ENOSPC, "injected")
-        return real(fd, buffers)
+        fault(fd, buffers[0])
+        return real_writev(fd, buffers)
 
+    monkeypatch.setattr(os, "write", write)
     monkeypatch.setattr(os, "writev", writev)
     if how == "transient":
         zarrckpt.save(_state(), str(url))
@@ -189,13 +197,17 @@ def test_directories_under_an_ancestor_that_refuses_mkdir(tmp_path: Path, monkey
     _same(url, _state())
 
 
+@pytest.mark.parametrize("vectored", [True, False], ids=["writev", "a write per part"])
 @pytest.mark.parametrize("most", [1, 7, 4096])
-def test_short_writes_are_resumed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, most: int) -> None:
+def test_short_writes_are_resumed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, most: int, vectored: bool) -> None:
     """write_parts writes every byte of its parts (bytes, and views of other item sizes) whatever
-    each call writes."""
+    each call writes: in one vectored call (small objects) or a part at a time (large ones)."""
     import numpy as np
 
     from zarrckpt.storage.durable import write_parts
+
+    if not vectored:
+        monkeypatch.setattr(durable, "VECTORED_BYTES", 0)
 
     real_write, real_writev = os.write, os.writev
 

@@ -39,6 +39,7 @@ MODES = ("syncfs", "files")
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
 _THREADS = 16
 EARLY_SYNC_BYTES = 64 * 1024 * 1024
+VECTORED_BYTES = 1024 * 1024  # objects under it are written with one writev (see write_parts)
 
 
 def sync_mode() -> str:
@@ -195,27 +196,26 @@ class Unsynced:
 
 
 def write_parts(fd: int, parts: Sequence[Buffer]) -> None:
-    """Write every byte of ``parts`` to ``fd`` (vectored, short writes resumed)."""
-    if 0 < len(parts) <= 512:  # one call, as a rule (a document: one write; a shard: one writev)
-        n = os.write(fd, parts[0]) if len(parts) == 1 else os.writev(fd, parts)
-        if n == sum(len(p) if type(p) is bytes else memoryview(p).nbytes for p in parts):
+    """Write every byte of ``parts`` to ``fd``, short writes resumed: an object under
+    :data:`VECTORED_BYTES` in one vectored call (a document: one write; a small shard: one
+    ``writev``), a larger one a part at a time. Linux copies a ``writev`` of several segments into
+    the page cache far slower than single writes of the same bytes: a 2 GiB save over 4 ranks spent
+    2.35 s in its writes with ``writev`` and 0.67 s with a write per part (one process's first save)."""
+    sizes = [len(p) if type(p) is bytes else memoryview(p).nbytes for p in parts]
+    total = sum(sizes)
+    skip = 0  # bytes already written
+    if 0 < len(parts) <= 512 and total < VECTORED_BYTES:
+        skip = os.write(fd, parts[0]) if len(parts) == 1 else os.writev(fd, parts)
+        if skip == total:
             return
-    else:
-        n = 0
-    views = [memoryview(p).cast("B") for p in parts]
-    while n and views:  # (what the first call wrote)
-        if n >= len(views[0]):
-            n -= len(views.pop(0))
-        else:
-            views[0], n = views[0][n:], 0
-    views = [v for v in views if len(v)]
-    while views:
-        n = os.writev(fd, views[:512])  # stay under IOV_MAX
-        while n and views:
-            if n >= len(views[0]):
-                n -= len(views.pop(0))
-            else:
-                views[0], n = views[0][n:], 0
+    for part, size in zip(parts, sizes, strict=True):
+        if skip >= size:
+            skip -= size
+            continue
+        view = memoryview(part).cast("B")[skip:]
+        skip = 0
+        while len(view):
+            view = view[os.write(fd, view) :]
 
 
 def _each(pool: ThreadPoolExecutor, paths: list[tuple[str, bool]]) -> None:
