@@ -52,7 +52,7 @@ def verify_array(
     present, strays = _shard_objects(meta, _own_objects(storage, meta) if listing is None else listing)
     if strays or (present if meta.constant is not None else _amiss(meta, present)):  # news: ask again
         present, strays = _shard_objects(meta, _own_objects(storage, meta))
-    at = meta.path if meta.separator == "." else f"{meta.path}/c"  # where its shard objects lie
+    at = meta.shards_at
     where = storage.where(at)
     if meta.constant is not None and not any_layout:
         if present or strays:
@@ -118,11 +118,12 @@ def by_shards(arrays: list[ArrayMeta]) -> tuple[list[ArrayMeta], list[ArrayMeta]
 def _own_objects(storage: Storage, meta: ArrayMeta) -> dict[str, int]:
     """The array's objects (paths relative to the checkpoint -> sizes), by one listing: of its
     directory (chunk keys ``c.1.0``; the shards' names start with ``c``) or of its ``c/``."""
+    at = meta.shards_at
     if meta.separator == ".":
-        own = storage.child(meta.path).entries()
-        return {f"{meta.path}/{name}": size for name, size in own.items() if size is not None and name[:1] == "c"}
-    subtree = storage.child(f"{meta.path}/c").sizes()
-    return {f"{meta.path}/c/{name}" if name else f"{meta.path}/c": size for name, size in subtree.items()}
+        own = storage.child(at).entries()
+        return {f"{at}/{name}": size for name, size in own.items() if size is not None and name[:1] == "c"}
+    subtree = storage.child(at).sizes()
+    return {f"{at}/{name}" if name else at: size for name, size in subtree.items()}
 
 
 def _amiss(meta: ArrayMeta, present: Mapping[Shape, int]) -> bool:

@@ -117,6 +117,11 @@ class ArrayMeta:
     def chunk_nbytes(self) -> int:
         return math.prod(self.chunk_shape) * self.itemsize
 
+    @property
+    def shards_at(self) -> str:
+        """Where its shard objects lie: its own directory (chunk keys ``c.1.0``), or ``PATH/c``."""
+        return self.path if self.separator == "." else f"{self.path}/c"
+
     def shard_path(self, index: Shape) -> str:
         """The shard object's path: ``PATH/c.1.0`` (``PATH/c/1/0`` before version 4; ``PATH/c`` when 0-d)."""
         return self.path + "/" + self.separator.join(["c", *map(str, index)])
