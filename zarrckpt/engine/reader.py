@@ -10,7 +10,7 @@ the next; the same bytes twice are what is stored). Pieces of partly read chunks
 cannot be checked: ``partly`` collects those chunks.
 
 ``any_layout`` (``allow_modified``) reads shards another Zarr writer laid out: the index first,
-then the chunks where it says (:func:`_read_any`), so that read cannot be planned ahead.
+then the chunks where it says (:func:`read_any`), so that read cannot be planned ahead.
 
 A constant array (no shard objects by design) is read without a request: every element is its
 fill value. With ``any_layout`` its shards are looked for too (a peer may have written some).
@@ -20,21 +20,21 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
-from typing import TypeVar
 
 import crc32c
 import numpy as np
 
+from zarrckpt.engine import shardcheck
+from zarrckpt.engine.anylayout import read_any
 from zarrckpt.engine.chunkcopy import check_entry, chunk_where, copy_chunk, fill_task, fill_value
 from zarrckpt.errors import CorruptChunkError, ModifiedCheckpointError, StorageError
 from zarrckpt.format import dtypes, integrity
 from zarrckpt.format.deferred import Deferred
 from zarrckpt.format.gcpause import gc_paused
-from zarrckpt.format.shard import EMPTY, ShardLayout, chunks_per_shard, decode_index, index_nbytes
+from zarrckpt.format.shard import ShardLayout
 from zarrckpt.plan.fetch import (
-    MAX_REQUEST_BYTES,
     Fetch,
     Request,
     ShardRead,
@@ -43,13 +43,11 @@ from zarrckpt.plan.fetch import (
     plan_reads,
     plan_shard,
 )
-from zarrckpt.plan.ranges import Range, merge_ranges
-from zarrckpt.storage.retry import BadRead, past_end, read_again
+from zarrckpt.storage.retry import BadRead, past_end
 from zarrckpt.storage.store import Storage
 
 __all__ = ["PartRead", "Request", "read_regions", "read_shard"]
 
-T = TypeVar("T")
 PartRead = tuple[str, int, int]  # a chunk read in part, unchecked: (where, bytes of it used, its stored bytes)
 Scratch = dict[int, tuple[int, np.ndarray]]  # partly read chunk -> (its first byte read, the bytes read)
 
@@ -70,7 +68,7 @@ def read_regions(
     ``partial``: fetch only the needed byte ranges of inner chunks that are needed in small part,
     at the price of not checking those chunks' crc32c (see :mod:`zarrckpt.plan.fetch`); each such
     chunk is appended to ``partly`` (when given).
-    ``any_layout``: read shards laid out by any Zarr writer (``allow_modified``), see :func:`_read_any`.
+    ``any_layout``: read shards laid out by any Zarr writer (``allow_modified``), see :func:`read_any`.
     ``read_through=False``: never fetch the chunks between two needed ones (a fanned-out read: other
     ranks read those). ``lazy``: a lazy view's read, which reads through smaller gaps (:func:`lazy_caps`).
     """
@@ -114,7 +112,7 @@ def _apart(read: ShardRead, lazy: bool) -> list[ShardRead]:
 
 
 def _run_all(storage: Storage, work: Iterable[ShardRead | ShardTask], partly: list[PartRead] | None = None) -> int:
-    """Run shard reads concurrently: planned ones, or tasks for :func:`_read_any`; the bytes fetched."""
+    """Run shard reads concurrently: planned ones, or tasks for :func:`read_any`; the bytes fetched."""
 
     def one(item: ShardRead | ShardTask) -> int:
         if not isinstance(item, ShardRead):
@@ -132,14 +130,14 @@ def _run_all(storage: Storage, work: Iterable[ShardRead | ShardTask], partly: li
 
 
 def read_shard(storage: Storage, task: ShardTask, read: ShardRead | None) -> int:
-    """Run one shard's planned ``read``, or (None) read it whatever its layout (:func:`_read_any`);
+    """Run one shard's planned ``read``, or (None) read it whatever its layout (:func:`read_any`);
     returns the bytes fetched.
 
     Raises:
         CorruptChunkError: the object is missing or truncated, or an index entry or chunk fails its check.
     """
     try:
-        return _read_any(storage, task) if read is None else run(storage, read)
+        return read_any(storage, task) if read is None else run(storage, read)
     except FileNotFoundError:
         if task.meta.constant is not None:  # a constant array's shard no one wrote (allow_modified)
             fill_task(task)
@@ -166,28 +164,9 @@ def run(storage: Storage, read: ShardRead) -> int:
             if not fetch.direct:
                 again = functools.partial(_fetch, storage, read, fetch, scratch)
             # a read without the index whose chunk fails as stored: the index tells another writer's layout
-            fetched += _again(storage, read.task.path, again, None if read.reads_index else read, bad)
+            fetched += shardcheck.again(storage, read.task.path, again, None if read.reads_index else read, bad)
     _scatter_pieces(read.task, scratch)
     return fetched
-
-
-def _again(
-    storage: Storage,
-    path: str,
-    attempt: Callable[[], T],
-    explain: ShardRead | None = None,
-    failed: BadRead | None = None,
-) -> T:
-    """``attempt()`` (``failed``: how it failed once already), read again while its bytes fail a
-    checksum (:class:`BadRead`) and differ from every earlier attempt's (:func:`read_again`); then
-    its error, after :func:`_explain` of ``explain``'s chunks it concerns (which may raise an error
-    that explains it better)."""
-    try:
-        return read_again(attempt, storage.retry, storage.where(path), lambda: storage.traffic.add(retries=1), failed)
-    except BadRead as bad:
-        if explain is not None and bad.chunks:
-            _explain(storage, explain, bad.chunks)
-        raise bad.error from None
 
 
 def _fetch(storage: Storage, read: ShardRead, fetch: Fetch, scratch: Scratch) -> int:
@@ -200,27 +179,27 @@ def _fetch(storage: Storage, read: ShardRead, fetch: Fetch, scratch: Scratch) ->
             short = fetch.end is not None and len(blob) < fetch.end - fetch.start
             if fetch.index and (len(blob) >= layout.index_nbytes or not short):  # another layout: say so first
                 raw = bytes(blob[: layout.index_nbytes])
-                index = _decoded(raw, layout.n_chunks, storage.where(path), task.meta.key, blob)
+                index = shardcheck.decoded(raw, layout.n_chunks, storage.where(path), task.meta.key, blob)
                 for k in task.needs:
                     check_entry(index[k], layout, task.meta, path, k)
             if short:
                 if not read.reads_index:
-                    _explain(storage, read, [*fetch.chunks, *fetch.anchors, *(k for k, _, _ in fetch.pieces)])
-                raise _truncated(storage, task, layout, fetch.start, fetch.end, fetch.start + len(blob))
+                    shardcheck.explain(storage, read, [*fetch.chunks, *fetch.anchors, *(k for k, _, _ in fetch.pieces)])
+                raise shardcheck.truncated(storage, task, layout, fetch.start, fetch.end, fetch.start + len(blob))
             for k in fetch.chunks:
                 at = _offset(layout, k) - fetch.start
                 try:
                     copy_chunk(task, k, blob[at : at + layout.chunk_nbytes], path, blob)
                 except ModifiedCheckpointError:  # its own crc32c holds: no damage on the way
                     if not read.reads_index:
-                        _explain(storage, read, [k])
+                        shardcheck.explain(storage, read, [k])
                     raise
             for k in fetch.anchors:  # a partly read chunk, without the index: is it the one committed?
                 at = _offset(layout, k) + layout.chunk_nbytes - 4 - fetch.start
                 try:
                     integrity.check_chunk(task.meta, task.index, k, blob[at : at + 4], chunk_where(task, k, path))
                 except ModifiedCheckpointError:
-                    _explain(storage, read, [k])
+                    shardcheck.explain(storage, read, [k])
                     raise
             for k, lo, hi in fetch.pieces:
                 first, buf = scratch[k]
@@ -230,26 +209,7 @@ def _fetch(storage: Storage, read: ShardRead, fetch: Fetch, scratch: Scratch) ->
     except StorageError as e:  # a range the object does not reach: S3's 416 InvalidRange
         if not past_end(e):
             raise
-        raise _truncated(storage, task, layout, fetch.start, fetch.end) from None
-
-
-def _decoded(raw: bytes, n_chunks: int, where: str, key: str, blob: memoryview | None = None) -> np.ndarray:
-    """The shard index in ``raw`` (the first bytes of ``blob``, which the digest covers when given);
-    BadRead when it fails its crc32c."""
-    try:
-        return decode_index(raw, n_chunks, where, key)
-    except CorruptChunkError as e:
-        raise BadRead(e, crc32c.crc32c(raw if blob is None else blob)) from None
-
-
-def _index(storage: Storage, path: str, n_chunks: int, key: str) -> np.ndarray:
-    """The verified index of shard object ``path`` (one ranged read; again when it fails its crc32c)."""
-
-    def fetch() -> np.ndarray:
-        with storage.reading(path, 0, index_nbytes(n_chunks)) as raw:
-            return _decoded(bytes(raw), n_chunks, storage.where(path), key)
-
-    return _again(storage, path, fetch)
+        raise shardcheck.truncated(storage, task, layout, fetch.start, fetch.end) from None
 
 
 def _partly_read(storage: Storage, read: ShardRead) -> list[PartRead]:
@@ -262,37 +222,6 @@ def _partly_read(storage: Storage, read: ShardRead) -> list[PartRead]:
         return []
     where = storage.where(read.task.path)
     return [(chunk_where(read.task, k, where), n, read.layout.chunk_nbytes) for k, n in sorted(got.items())]
-
-
-def _truncated(
-    storage: Storage, task: ShardTask, layout: ShardLayout, start: int, end: int | None, size: int | None = None
-) -> CorruptChunkError:
-    """A shard object shorter than its layout: its real length, and how many inner chunks it lacks."""
-    path = task.path
-    if size is None:
-        try:
-            size = storage.size(path)
-        except (StorageError, FileNotFoundError):
-            size = None
-    lost = None if size is None else layout.n_stored - layout.chunks_from(size)
-    lacking = "" if size is None else f": {size} bytes of {layout.nbytes}, {lost} of its {layout.n_stored} inner "
-    lacking += "" if size is None else "chunks past its end"
-    return CorruptChunkError(
-        f"shard object {storage.where(path)} of {task.meta.key!r} is truncated{lacking} (a read of bytes "
-        f"{start}..{'' if end is None else end} reaches past it); `zarrckpt verify` lists every chunk lost",
-        key=task.meta.key,
-        chunk=path,
-    )
-
-
-def _explain(storage: Storage, read: ShardRead, chunks: Sequence[int]) -> None:
-    """A read without its shard's index failed (a chunk's checksum, or the object is too short):
-    raise ModifiedCheckpointError if the index (now fetched) shows another writer's layout for
-    one of ``chunks``; else return, and the read's own error stands."""
-    task, layout = read.task, read.layout
-    index = _index(storage, task.path, layout.n_chunks, task.meta.key)
-    for k in sorted(set(chunks)):
-        check_entry(index[k], layout, task.meta, task.path, k)
 
 
 def _offset(layout: ShardLayout, k: int) -> int:
@@ -316,57 +245,6 @@ def _scatter_pieces(task: ShardTask, scratch: Scratch) -> None:
             req.dest[part.relative_to(req.box.offsets).slices()] = src
 
 
-def _read_any(storage: Storage, task: ShardTask) -> int:
-    """Read one shard whatever its layout: chunks in any order, gaps between them, EMPTY entries
-    (read as the fill value). Still checked: the index crc32c, each chunk's size (uncompressed),
-    that it lies after the index and inside the object, and its crc32c."""
-    meta = task.meta
-    path = meta.shard_path(task.index)
-    n_chunks = math.prod(chunks_per_shard(meta.shard_shape, meta.chunk_shape))
-    head = index_nbytes(n_chunks)
-    size = meta.chunk_nbytes + 4
-    index = _index(storage, path, n_chunks, meta.key)
-    ranges: list[Range] = []
-    chunks: list[int] = []
-    for k in sorted(task.needs):
-        offset, nbytes = int(index[k][0]), int(index[k][1])
-        if offset == EMPTY and nbytes == EMPTY:  # never written: the fill value
-            for part, req in task.needs[k]:  # (no chunk-sized buffer: its size is the metadata's word)
-                req.dest[part.relative_to(req.box.offsets).slices()] = fill_value(meta)
-        elif nbytes != size or offset < head:
-            raise CorruptChunkError(
-                f"inner chunk {k} of {meta.key!r} in shard {path} has index entry ({offset}, {nbytes}); "
-                f"zarrckpt reads uncompressed chunks of {size} bytes stored after the {head}-byte index",
-                key=meta.key,
-                chunk=f"{path}#{k}",
-            )
-        else:
-            ranges.append((offset, offset + size))
-            chunks.append(k)
-    fetched = head
-    for start, end, members in merge_ranges(ranges, 0, MAX_REQUEST_BYTES):
-        parts = [(ranges[i][0] - start, chunks[i]) for i in members]
-        fetched += _again(storage, path, functools.partial(_read_range, storage, task, start, end, parts))
-    return fetched
-
-
-def _read_range(storage: Storage, task: ShardTask, start: int, end: int, parts: list[tuple[int, int]]) -> int:
-    """Read bytes ``[start, end)`` of a shard laid out by any writer, which hold whole chunks (each
-    ``(place in the range, chunk)`` of ``parts``): check and copy them; the bytes fetched."""
-    meta, path = task.meta, task.path
-    with storage.reading(path, start, end) as blob:
-        if len(blob) < end - start:
-            raise CorruptChunkError(
-                f"shard object {storage.where(path)} of {meta.key!r} is shorter than its index says: bytes "
-                f"{start}..{end} hold {len(blob)} of {end - start} bytes (truncated)",
-                key=meta.key,
-                chunk=path,
-            )
-        for at, k in parts:
-            copy_chunk(task, k, blob[at : at + meta.chunk_nbytes + 4], path, blob)
-        return len(blob)
-
-
 def _read_direct(storage: Storage, read: ShardRead, fetch: Fetch) -> int:
     """Read a run of whole chunks straight into their destinations (one vectored read, the shard's
     index first when the run follows it), then verify (a chunk or index failing its crc32c: BadRead)."""
@@ -384,8 +262,8 @@ def _read_direct(storage: Storage, read: ShardRead, fetch: Fetch) -> int:
     got = storage.read_into(path, fetch.start, buffers)
     if head:
         if got < len(head):
-            raise _truncated(storage, task, layout, 0, fetch.end, got)
-        index = _decoded(bytes(head), layout.n_chunks, storage.where(path), task.meta.key)
+            raise shardcheck.truncated(storage, task, layout, 0, fetch.end, got)
+        index = shardcheck.decoded(bytes(head), layout.n_chunks, storage.where(path), task.meta.key)
         for k in task.needs:
             check_entry(index[k], layout, task.meta, path, k)
         got -= len(head)

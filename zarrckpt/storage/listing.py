@@ -1,11 +1,13 @@
-"""Listing and bulk deletion under a checkpoint root, the half of :class:`~zarrckpt.storage.store.Storage`
-that sees many objects at once: the entries directly under the root, every object below it with its
-size, and deleting all of them but the ones kept (batched, checked by a last listing)."""
+"""What is stored under a checkpoint root, and bulk deletion: the half of
+:class:`~zarrckpt.storage.store.Storage` that asks rather than reads or writes: one object's size,
+age and existence, the entries directly under the root, every object below it with its size, and
+deleting all of them but the ones kept (batched, checked by a last listing)."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Collection, Iterable
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from zarrckpt.errors import StorageError
@@ -44,6 +46,41 @@ class Listing:
             writing: bool = False,
             inline: Callable[[T], bool] | None = None,
         ) -> list[R]: ...
+
+    def modified(self, path: str) -> datetime | None:
+        """When the store last saw the object at ``path`` written, in UTC (None if absent or unknown)."""
+        full = self._abs(path)
+        try:
+            stamp: datetime = self._request("checking", path, lambda: self.fs.modified(full))
+        except (FileNotFoundError, NotImplementedError, StorageError):
+            return None
+        return stamp.replace(tzinfo=UTC) if stamp.tzinfo is None else stamp
+
+    def age(self, path: str) -> float | None:
+        """Seconds since the object at ``path`` was last modified (None if absent or unknown)."""
+        stamp = self.modified(path)
+        return None if stamp is None else (datetime.now(UTC) - stamp).total_seconds()
+
+    def size(self, path: str) -> int:
+        """The size in bytes of the object at ``path``; FileNotFoundError when absent."""
+        full = self._abs(path)
+        return int(self._request("checking", path, lambda: self.fs.info(full)["size"]))
+
+    def listed_itself(self, entries: dict[str, int | None]) -> bool:
+        """Whether ``entries``, this root's listing, is the root itself: an object (a file), which a
+        listing names as its only entry (one request more, only for a listing of one object so named)."""
+        name = self.root.rsplit("/", 1)[-1]
+        if set(entries) != {name} or entries[name] is None:
+            return False
+        try:
+            info = self._request("checking", "", lambda: self.fs.info(self.root))
+        except FileNotFoundError:
+            return False
+        return bool(info.get("type") == "file")
+
+    def exists(self, path: str) -> bool:
+        full = self._abs(path)
+        return bool(self._request("checking", path, lambda: self.fs.exists(full)))
 
     def is_empty(self) -> bool:
         """True when nothing is stored under the root: the first entry found answers (object stores:

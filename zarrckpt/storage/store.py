@@ -15,7 +15,6 @@ import os
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from zarrckpt.errors import StorageError, ZarrckptError
@@ -308,41 +307,6 @@ class Storage(Listing):
         got = self._request("reading", path, lambda: self.backend.get(full, start, end))
         self.traffic.add(bytes_read=len(got))
         return got
-
-    def modified(self, path: str) -> datetime | None:
-        """When the store last saw the object at ``path`` written, in UTC (None if absent or unknown)."""
-        full = self._abs(path)
-        try:
-            stamp: datetime = self._request("checking", path, lambda: self.fs.modified(full))
-        except (FileNotFoundError, NotImplementedError, StorageError):
-            return None
-        return stamp.replace(tzinfo=UTC) if stamp.tzinfo is None else stamp
-
-    def age(self, path: str) -> float | None:
-        """Seconds since the object at ``path`` was last modified (None if absent or unknown)."""
-        stamp = self.modified(path)
-        return None if stamp is None else (datetime.now(UTC) - stamp).total_seconds()
-
-    def size(self, path: str) -> int:
-        """The size in bytes of the object at ``path``; FileNotFoundError when absent."""
-        full = self._abs(path)
-        return int(self._request("checking", path, lambda: self.fs.info(full)["size"]))
-
-    def listed_itself(self, entries: dict[str, int | None]) -> bool:
-        """Whether ``entries``, this root's listing, is the root itself: an object (a file), which a
-        listing names as its only entry (one request more, only for a listing of one object so named)."""
-        name = self.root.rsplit("/", 1)[-1]
-        if set(entries) != {name} or entries[name] is None:
-            return False
-        try:
-            info = self._request("checking", "", lambda: self.fs.info(self.root))
-        except FileNotFoundError:
-            return False
-        return bool(info.get("type") == "file")
-
-    def exists(self, path: str) -> bool:
-        full = self._abs(path)
-        return bool(self._request("checking", path, lambda: self.fs.exists(full)))
 
     def _guard(self, *, fresh: bool = False) -> None:
         if self.guard is not None:
