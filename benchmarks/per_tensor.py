@@ -8,7 +8,10 @@ prints, per phase, the best seconds and microseconds per tensor (wall, and CPU o
 (``plan.localstate.collect``), planning (``engine.saveplan.plan_save``), writing shards, the
 ``zarr.json`` documents (made and written), commit (manifest and chunk checksum table), other
 (preparing, the storage, ...), total. Then the raw byte cost (the same bytes written as one file,
-best of ``--reps``) and what is left of the total per tensor: the fixed cost. ``--profile FILE``
+best of ``--reps``) and what is left of the total per tensor: the fixed cost. Then the floor of the
+save's files: the very files and directories one save made, with their bytes, written again from
+memory by a plain loop (``mkdir``, ``open``, ``write``, ``close``; best of ``--reps``), and what the
+save costs beyond that (describing, planning, checksums, documents, the commit). ``--profile FILE``
 adds one more save under cProfile and writes its top 25 functions by tottime to FILE.
 """
 
@@ -121,6 +124,36 @@ def raw_write(state: dict[str, Any], path: str) -> float:
     return seconds
 
 
+def saved_files(root: str) -> tuple[list[str], list[tuple[str, bytes]]]:
+    """The directories (parents first) and files (path, bytes) under ``root``, relative to it."""
+    dirs, files = [], []
+    for here, subdirs, names in os.walk(root):
+        rel = os.path.relpath(here, root)
+        dirs += [os.path.normpath(os.path.join(rel, d)) for d in subdirs]
+        for name in names:
+            with open(os.path.join(here, name), "rb") as f:
+                files.append((os.path.normpath(os.path.join(rel, name)), f.read()))
+    return sorted(dirs), sorted(files)
+
+
+def bare_files(dirs: list[str], files: list[tuple[str, bytes]], root: str) -> float:
+    """Seconds to write ``files`` and make ``dirs`` under a fresh ``root`` in a plain loop: the cost
+    of the save's own files and directories, without anything the save decides or checks."""
+    shutil.rmtree(root, ignore_errors=True)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    start = time.perf_counter()
+    os.mkdir(root)
+    for d in dirs:
+        os.mkdir(os.path.join(root, d))
+    for rel, data in files:
+        fd = os.open(os.path.join(root, rel), flags, 0o666)
+        os.write(fd, data)
+        os.close(fd)
+    seconds = time.perf_counter() - start
+    shutil.rmtree(root)
+    return seconds
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tensors", type=int, default=20000)
@@ -138,6 +171,8 @@ def main() -> None:
     both = [one_save(state, url) for _ in range(args.reps)]
     runs, cpus = [r[0] for r in both], [r[1] for r in both]
     raw = min(raw_write(state, os.path.join(args.dir, "raw.bin")) for _ in range(args.reps))
+    dirs, files = saved_files(url)
+    bare = min(bare_files(dirs, files, os.path.join(args.dir, "bare")) for _ in range(args.reps))
     print(f"{n} tensors, {nbytes / 2**20:.1f} MiB, best of {args.reps} saves on {args.dir}")
     print(f"{'phase':<10} {'s':>8} {'us/tensor':>10} {'CPU us/t':>9}   (each run, s)")
     for phase in PHASES:
@@ -147,6 +182,11 @@ def main() -> None:
     total = min(r["total"] for r in runs)
     print(f"{'raw bytes':<10} {raw:8.3f} {raw / n * 1e6:10.1f}   (one file of the same bytes)")
     print(f"{'fixed':<10} {total - raw:8.3f} {(total - raw) / n * 1e6:10.1f}   (total - raw bytes)")
+    print(
+        f"{'bare files':<10} {bare:8.3f} {bare / n * 1e6:10.1f}   "
+        f"(the save's {len(files)} files and {len(dirs)} directories, written by a plain loop)"
+    )
+    print(f"{'beyond':<10} {total - bare:8.3f} {(total - bare) / n * 1e6:10.1f}   (total - bare files)")
     if args.profile:
         shutil.rmtree(url, ignore_errors=True)
         prof = cProfile.Profile()

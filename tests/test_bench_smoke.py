@@ -192,3 +192,30 @@ def test_s3_floor_report_says_whether_the_floor_allows_the_target():
     assert "| the save with its end-to-end MD5 check off, speed / s3torchconnector | 1.20x |" in passed
     missed = s3_floor.render(args, info(1.5, 1.1), [])
     assert "| 0.80x | MISS |" in missed and "| 1.09x | the target is above the floor |" in missed
+
+
+@pytest.mark.timeout(120)
+def test_per_tensor_benchmark_reports_the_floor_of_the_saves_own_files(tmp_path):
+    """``per_tensor.py`` on a few tensors: every phase, then the bare rewrite of the save's own files,
+    which counts exactly the files and directories a save of that state leaves."""
+    cmd = [sys.executable, str(BENCH / "per_tensor.py"), "--tensors", "40", "--reps", "1", "--dir", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {line.split()[0]: line.split() for line in done.stdout.splitlines() if line.strip()}
+    for phase in ("collect", "planning", "shards", "documents", "commit", "other", "total", "fixed", "beyond"):
+        assert phase in rows, done.stdout
+    bare = next(line for line in done.stdout.splitlines() if line.startswith("bare files"))
+    files, dirs = int(bare.split("save's ")[1].split()[0]), int(bare.split(" files and ")[1].split()[0])
+    sys.path.insert(0, str(BENCH))
+    try:
+        import per_tensor
+    finally:
+        sys.path.remove(str(BENCH))
+    import zarrckpt
+
+    zarrckpt.save(per_tensor.build_state(40), str(tmp_path / "again"))
+    made_dirs, made_files = per_tensor.saved_files(str(tmp_path / "again"))
+    assert (files, dirs) == (len(made_files), len(made_dirs))
+    assert files >= 2 * 41  # a shard and a zarr.json per tensor at least
+    total, beyond, bare_s = float(rows["total"][1]), float(rows["beyond"][1]), float(bare.split()[2])
+    assert beyond == pytest.approx(total - bare_s, abs=2e-3)
