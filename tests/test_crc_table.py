@@ -5,6 +5,7 @@ for the arrays it no longer backs, never read past silently."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -190,3 +191,27 @@ def test_a_tensors_first_read_sends_its_segment_and_data_together(s3_server: str
         assert max(arrived for _, arrived, _ in gets) < min(answered for _, _, answered in gets), gets
     finally:
         proxy.close()
+
+
+def test_format_md_example_record_is_the_record_of_its_state(tmp_path: Path) -> None:
+    """docs/FORMAT.md §6's ``integrity`` example and its worked ``meta_crc32c`` inputs are what a save of
+    the state it names writes: a reader implementing the record can check its digests against them."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "FORMAT.md").read_text()
+    state = {
+        "model": {"embed": {"weight": torch.arange(512 * 64, dtype=torch.float32).reshape(512, 64)}},
+        "optim": {"loss_scale": torch.tensor(100.0)},
+    }
+    zarrckpt.save(state, str(tmp_path / "ck"), chunk_bytes=8192)
+    record = _record(tmp_path / "ck")["integrity"]
+    weight, scale = record["arrays"]["model/embed/weight"], record["arrays"]["optim/loss_scale"]
+    example = text.split('"integrity": {"table"', 1)[1].split('"attributes_crc32c"', 1)[0]
+    numbers = [int(n) for n in re.findall(r'"(?:crc32c|meta_crc32c)": (\d+)', example)]
+    assert numbers == [record["table"]["crc32c"], weight["meta_crc32c"], weight["chunk_table"]["crc32c"]]
+    worked = {
+        '["model.embed.weight",[512,64],"float32",[512,64],[32,64],"main_weight","tensor","","."]': weight,
+        '["optim.loss_scale",[],"float32",[],[],"other","tensor","","0000c842","."]': scale,
+    }
+    for digest_input, entry in worked.items():
+        assert f"`{digest_input}`" in text, f"FORMAT.md no longer shows {digest_input}"
+        assert crc32c.crc32c(digest_input.encode()) == entry["meta_crc32c"]
+        assert str(entry["meta_crc32c"]) in text
