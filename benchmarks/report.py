@@ -71,7 +71,12 @@ MISS_NOTES: dict[str, str] = {
     "async save, staging='background', later calls: blocked / sync save": _BACKGROUND,
     "save, local: zarrckpt speed / DCP": (
         "the goal is 1.5x since issue 27 (>= 1.5x DCP on every save; it was 1.2x). At small sizes (`--quick`) "
-        "the save is bound by file creation and collectives (zarrckpt writes 334 files, DCP 5)."
+        "the save is bound by file creation and collectives (zarrckpt writes 334 files, DCP 5). At 2 GiB "
+        "the ratio follows the page-cache pages each first save writes into: on this VM a page free for "
+        "a while is handed back to the host and faults when written again. `benchmarks/fresh_pages.py` "
+        "(2026-12-06): DCP / zarrckpt 1.97x on a process's first save, 2.85x after 40 s idle, 1.12-1.17x "
+        "on pages just freed, where both write 2 GiB in 1.2-1.5 s (the machine's floor). Compare the "
+        "share of the raw limit in section 1."
     ),
     "save, local: zarrckpt speed / raw write (faster variant)": (
         "not seen at 2 GiB; at small sizes (`--quick`) zarrckpt's 334 file creations dominate."
