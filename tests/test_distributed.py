@@ -186,3 +186,95 @@ def test_the_ranks_asks_are_decided_together(tmp_path: Path) -> None:
     """The saved keys some rank asks for travel as flags, the rest as distinct lists: a key only one
     rank asks for counts, one no rank asks for is refused on every rank, as is one rank's missing key."""
     spawn(3, _asks_differ, str(tmp_path / "ck"))
+
+
+class _Counting:
+    """``torch.distributed`` as :mod:`zarrckpt.engine.dist` sees it, noting each collective it makes."""
+
+    def __init__(self, real: object) -> None:
+        self.real, self.calls = real, []
+
+    def __getattr__(self, name: str) -> object:
+        attr = getattr(self.real, name)
+        if name not in {"all_gather", "broadcast", "gather", "all_reduce", "barrier", "scatter"}:
+            return attr
+
+        def counted(*args: object, **kwargs: object) -> object:
+            self.calls.append(name)
+            return attr(*args, **kwargs)
+
+        return counted
+
+
+def _primitives(rank: int, world: int) -> None:
+    from zarrckpt.engine import dist as zdist
+
+    group, counting = zdist.Group(), _Counting(zdist.torch_dist)
+    cap = group.inline_bytes() - 8  # an object's bytes that travel with its length
+    zdist.torch_dist = counting  # (this process only)
+    try:
+        for size in (0, cap - 3, cap - 2, cap - 1, cap + 5, 3 * zdist.INLINE_MAX):  # a string: 2 quotes more
+            for alone in (False, True):  # every rank's object that long, or only rank 1's
+                obj = "x" * size if not alone or rank == 1 else "y" * rank
+                counting.calls.clear()
+                got = group.all_gather_json(obj)
+                expected: list[object] = [None] * world
+                dist.all_gather_object(expected, obj)  # torch's own gather: the oracle
+                assert got == expected, (size, alone)
+                longest = max(len(json.dumps(o)) for o in expected)
+                assert counting.calls == ["all_gather"] * (1 if longest <= cap else 2), (size, alone)
+        for root in range(world):
+            for size in (0, zdist.INLINE_MAX - 10, zdist.INLINE_MAX - 9, zdist.INLINE_MAX - 8, 5 * zdist.INLINE_MAX):
+                data = bytes([65 + root]) * size if rank == root else b"not sent"
+                counting.calls.clear()
+                assert group.broadcast_from(root, data) == bytes([65 + root]) * size, (root, size)
+                assert counting.calls == ["broadcast"] * (1 if size <= zdist.INLINE_MAX - 9 else 2), (root, size)
+        counting.calls.clear()
+        assert group.on_rank0(lambda: b"r" * 100, "reading") == b"r" * 100
+        assert counting.calls == ["broadcast"]  # its outcome and its result together
+        assert group.on_rank0(lambda: b"m" * 5000, "reading") == b"m" * 5000  # (a manifest: the rest follows)
+        assert counting.calls == ["broadcast"] * 3
+
+        def refused() -> bytes:
+            raise zarrckpt.IncompleteCheckpointError("never committed")
+
+        with pytest.raises(zarrckpt.IncompleteCheckpointError, match="never committed"):
+            group.on_rank0(refused, "opening")  # the same type on every rank
+
+        def broken() -> bytes:
+            raise ValueError("bad value")
+
+        with pytest.raises(ValueError if rank == 0 else zarrckpt.ZarrckptError, match="bad value") as err:
+            group.on_rank0(broken, "opening")
+        assert rank == 0 or "opening failed on rank 0: ValueError" in str(err.value)
+    finally:
+        zdist.torch_dist = counting.real
+
+
+@pytest.mark.slow
+def test_small_objects_travel_in_one_collective_and_every_size_arrives_whole() -> None:
+    spawn(3, _primitives)
+
+
+@pytest.mark.parametrize(("world", "inline"), [(2, 1024), (64, 1024), (128, 512), (1024, 64), (4096, 16), (16384, 16)])
+def test_a_gathers_first_collective_stays_small_at_any_scale(world: int, inline: int) -> None:
+    from zarrckpt.engine.dist import Group
+
+    group = Group()
+    group.size = world  # (the rule alone: no process group)
+    assert group.inline_bytes() == inline
+    assert len(json.dumps(None)) + 2 <= inline - 8  # a run_together's "[null]" still fits at the floor
+
+
+def test_gathered_buffers_come_to_the_host_alike_from_a_gpu() -> None:
+    from types import SimpleNamespace
+
+    from zarrckpt.engine.dist import Group
+
+    bufs = [torch.tensor([r, r + 1, 255], dtype=torch.uint8) for r in range(3)]
+    on_cpu = Group()._on_host(bufs)
+    gpu = Group()
+    gpu.device = SimpleNamespace(type="cuda")  # type: ignore[assignment]  # (the branch alone: one stacked copy)
+    assert (
+        [a.tolist() for a in gpu._on_host(bufs)] == [a.tolist() for a in on_cpu] == [[r, r + 1, 255] for r in range(3)]
+    )

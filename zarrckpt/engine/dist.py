@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 _side_groups: dict[tuple[int, str], ProcessGroup] = {}
 MAX_DISTINCT = 256  # distinct objects sent one broadcast each; more: one all-gather of them all
+INLINE_MAX = 1024  # bytes per rank a gather's or broadcast's first collective carries (the length included)
+INLINE_TOTAL = 64 * 1024  # ... and at most this in all, over the ranks of a gather
 
 
 class Group:
@@ -41,18 +43,43 @@ class Group:
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
     def all_gather_json(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj`` (JSON-serialisable), in rank order."""
+        """Every rank's ``obj`` (JSON-serialisable), in rank order: one all-gather where every
+        object fits in :meth:`inline_bytes`, else a second one of what was left over."""
         raw = _encode(obj)
         if not self.active:
             return [json.loads(raw)]
-        length = torch.tensor([len(raw)], dtype=torch.int64, device=self.device)
-        sizes = [torch.zeros_like(length) for _ in range(self.size)]
-        torch_dist.all_gather(sizes, length, group=self.pg)
-        lengths = [int(n.item()) for n in sizes]
-        buf = self._padded(raw, max(lengths))
-        bufs = [torch.empty_like(buf) for _ in range(self.size)]
-        torch_dist.all_gather(bufs, buf, group=self.pg)
-        return _decode(bufs, lengths)
+        return _decode(self._all_gather_bytes(raw))
+
+    def _all_gather_bytes(self, raw: bytes) -> list[bytes]:
+        cap = self.inline_bytes() - 8  # (8 bytes: the length)
+        head = self._joined([len(raw).to_bytes(8, "little"), raw[:cap]], cap + 8)
+        heads = [torch.empty_like(head) for _ in range(self.size)]
+        torch_dist.all_gather(heads, head, group=self.pg)
+        firsts = self._on_host(heads)
+        lengths = [int.from_bytes(h[:8].tobytes(), "little") for h in firsts]
+        longest = max(lengths)
+        if longest <= cap:
+            return [h[8 : 8 + n].tobytes() for h, n in zip(firsts, lengths, strict=True)]
+        rest = self._padded(raw[cap:], longest - cap)
+        rests = [torch.empty_like(rest) for _ in range(self.size)]
+        torch_dist.all_gather(rests, rest, group=self.pg)
+        return [
+            b"".join((h[8 : 8 + min(n, cap)].data, r[: max(n - cap, 0)].data))  # (one copy)
+            for h, r, n in zip(firsts, self._on_host(rests), lengths, strict=True)
+        ]
+
+    def _on_host(self, bufs: list[torch.Tensor]) -> list[np.ndarray]:
+        """Gathered buffers as host arrays: views of them on CPU, one device-to-host copy of them
+        all on a GPU (not one per rank)."""
+        if self.device.type == "cpu":
+            return [b.numpy() for b in bufs]
+        return list(torch.stack(bufs).cpu().numpy())
+
+    def inline_bytes(self) -> int:
+        """Bytes per rank of a gather's first collective (an object's length and its first bytes):
+        up to 1 KiB, at most 64 KiB in all (16 bytes a rank from 4,096 ranks on, which still holds a
+        ``[null]``), so small objects travel in one collective at any scale."""
+        return max(16, min(INLINE_MAX, INLINE_TOTAL // self.size))
 
     def all_gather_alike_json(self, obj: Any, max_distinct: int = MAX_DISTINCT) -> list[Any]:
         """As :meth:`all_gather_json`, for objects most ranks share (a load's key lists: every rank
@@ -82,7 +109,9 @@ class Group:
         buf = self._padded(raw, max(lengths))
         bufs = [torch.empty_like(buf) for _ in range(self.size)] if self.rank == 0 else None
         torch_dist.gather(buf, bufs, group=self.pg, group_dst=0)
-        return [] if bufs is None else _decode(bufs, lengths)
+        return (
+            [] if bufs is None else _decode([b.cpu().numpy()[:n].tobytes() for b, n in zip(bufs, lengths, strict=True)])
+        )
 
     def all_gather_fixed(self, data: bytes) -> list[bytes]:
         """Every rank's ``data``, in rank order; every rank passes the same number of bytes (one collective)."""
@@ -94,15 +123,26 @@ class Group:
         return [bytes(b.cpu().numpy()) for b in bufs]
 
     def broadcast_from(self, root: int, data: bytes) -> bytes:
-        """Group rank ``root``'s ``data`` on every rank (a length, then the bytes)."""
+        """Group rank ``root``'s ``data`` on every rank (what the others pass is ignored)."""
+        return self._broadcast(root, data, 0)[1]
+
+    def _broadcast(self, root: int, data: bytes, flag: int) -> tuple[int, bytes]:
+        """Rank ``root``'s ``flag`` (0-255) and ``data`` on every rank: one broadcast of the length,
+        the flag and the first bytes (:data:`INLINE_MAX` in all), a second of the rest."""
         if not self.active:
-            return data
+            return flag, data
         src = torch_dist.get_global_rank(self.pg, root) if self.pg is not None else root
-        length = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
-        torch_dist.broadcast(length, src, group=self.pg)
-        buf = self._padded(data if self.rank == root else b"", int(length.item()))
-        torch_dist.broadcast(buf, src, group=self.pg)
-        return bytes(buf.cpu().numpy())
+        cap = INLINE_MAX - 9
+        mine = data if self.rank == root else b""
+        head = self._joined([len(mine).to_bytes(8, "little"), bytes([flag]), mine[:cap]], cap + 9)
+        torch_dist.broadcast(head, src, group=self.pg)
+        first = head.cpu().numpy()
+        n, got = int.from_bytes(first[:8].tobytes(), "little"), int(first[8])
+        if n <= cap:
+            return got, first[9 : 9 + n].tobytes()
+        rest = self._padded(mine[cap:], n - cap)
+        torch_dist.broadcast(rest, src, group=self.pg)
+        return got, b"".join((first[9:].data, rest.cpu().numpy().data))  # (one copy)
 
     def all_reduce_min(self, values: np.ndarray) -> np.ndarray:
         """The elementwise minimum over ranks of an int64 vector."""
@@ -163,16 +203,7 @@ class Group:
 
     def broadcast_bytes(self, data: bytes) -> bytes:
         """Rank 0's ``data`` on every rank (what the others pass is ignored)."""
-        if not self.active:
-            return data
-        root = torch_dist.get_global_rank(self.pg, 0) if self.pg is not None else 0
-        length = torch.tensor([len(data) if self.rank == 0 else 0], dtype=torch.int64, device=self.device)
-        torch_dist.broadcast(length, root, group=self.pg)
-        buf = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
-        if self.rank == 0 and data:
-            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        torch_dist.broadcast(buf, root, group=self.pg)
-        return bytes(buf.cpu().numpy())
+        return self.broadcast_from(0, data)
 
     def start_exchange(
         self, sends: Sequence[tuple[int, np.ndarray]], recvs: Sequence[tuple[int, np.ndarray]]
@@ -230,15 +261,18 @@ class Group:
                 result = fn()
             except Exception as e:
                 error = e
-        status = json.loads(self.broadcast_bytes(json.dumps(_describe(error)).encode()))
+        failed = error is not None
+        sent = json.dumps(_describe(error)).encode() if failed else result
+        flag, got = self._broadcast(0, sent, int(failed))  # (one broadcast: its outcome and its result)
         if error is not None:
             raise error
-        if status is not None:
+        if flag:
+            status = json.loads(got)
             kind = getattr(errors, status[0], None)
             if isinstance(kind, type) and issubclass(kind, ZarrckptError):
                 raise kind(status[1])
             raise ZarrckptError(f"{what} failed on rank 0: {status[0]}: {status[1]}")
-        return self.broadcast_bytes(result)
+        return got
 
     def exchange_bytes(self, outgoing: Sequence[Sequence[Any]]) -> list[memoryview]:
         """All-to-all: send the byte buffers ``outgoing[r]`` (bytes, or contiguous numpy arrays),
@@ -315,9 +349,9 @@ def _encode(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
 
 
-def _decode(bufs: list[torch.Tensor], lengths: list[int]) -> list[Any]:
+def _decode(raws: list[bytes]) -> list[Any]:
     with gc_paused():
-        return [json.loads(bytes(b[:n].cpu().numpy())) for b, n in zip(bufs, lengths, strict=True)]
+        return [json.loads(raw) for raw in raws]
 
 
 def _describe(error: BaseException | None) -> list[str] | None:
