@@ -142,3 +142,20 @@ def test_every_partly_read_chunk_is_fetched_with_its_crc32c(read: tuple[ArrayMet
             if caps is LOCAL_FILES:
                 assert not partly, "local files: partly needed chunks are read whole"
             assert partly <= set(fetch.anchors), "a piece without its chunk's crc32c in the same read"
+
+
+@settings(max_examples=300, deadline=None)
+@given(_reads())
+def test_on_local_files_every_chunk_a_request_takes_whole_is_read_straight_into_it(read: tuple[ArrayMeta, Box]) -> None:
+    """A shard object holding several ranks' rows has chunks a rank needs in part at its edges: those
+    are read apart, and the chunks between still go straight into the destination (one copy), not
+    through a read buffer with the edges."""
+    meta, box = read
+    dest = np.empty(box.sizes, np.float32)
+    for shard_read in plan_fetches([Request(meta, box, dest)], LOCAL_FILES):
+        task, seen = shard_read.task, []
+        for fetch in shard_read.fetches:
+            views = [task.direct_view(k) is not None for k in fetch.chunks]
+            assert all(views) if fetch.direct else not any(views), (fetch, views)
+            seen += fetch.chunks
+        assert sorted(seen) == sorted(task.needs), "every needed chunk read once"

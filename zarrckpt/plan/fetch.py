@@ -37,6 +37,7 @@ verifies before it uses any chunk.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -201,10 +202,12 @@ def plan_shard(task: ShardTask, caps: ReadCaps, partial: bool = False) -> ShardR
         return ShardRead(task, layout, (Fetch(0, None, index=True, chunks=tuple(needed)),))
     fetches = [] if skip_index else [Fetch(0, layout.index_nbytes, index=True)]
     for run in _runs(needed, layout, caps):
-        start = _offset(layout, run[0])
-        end = _offset(layout, run[-1]) + layout.chunk_nbytes
-        direct = caps.vectored and all(task.direct_view(k) is not None for k in run)
-        fetches.append(Fetch(start, end, chunks=tuple(run), direct=direct))
+        # local files: the chunks a request takes whole read straight into it, the others apart (a
+        # rank's first and last chunk, where a shard object holds several ranks' rows, are partly its)
+        for direct, group in itertools.groupby(run, lambda k: caps.vectored and task.direct_view(k) is not None):
+            chunks = tuple(group)
+            start, end = _offset(layout, chunks[0]), _offset(layout, chunks[-1]) + layout.chunk_nbytes
+            fetches.append(Fetch(start, end, chunks=chunks, direct=direct))
     if len(fetches) > 1 and fetches[0].index and fetches[1].start == layout.index_nbytes:
         # the index and the chunks right behind it in one read (a small shard: one open, not two)
         fetches[:2] = [replace(fetches[1], start=0, index=True)]
