@@ -46,12 +46,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 sys.path.insert(0, str(HERE))
 
+import tier_floor  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from common import (  # noqa: E402
     CpuSampler,
     build_state,
     hidden_size,
+    leaves,
     measure,
     requests_in,
     state_nbytes,
@@ -156,9 +158,16 @@ def save_phase(rank: int, world: int, cfg: dict[str, Any]) -> None:
 def restore_phase(rank: int, world: int, cfg: dict[str, Any]) -> None:
     """Part 1 (the restores): load_latest from the local tier and zarrckpt.load from S3, alternating."""
     mesh = _mesh(world)
-    state, sums = build_state(cfg["gib"], mesh, fill=False)
+    state, sums = build_state(cfg["gib"], mesh, fill=True)
+    floor_root = Path(cfg["floor"])
+    tier_floor.write_files(leaves(state), floor_root, rank)  # the expected bytes, for the floor's reads
+    for t in leaves(state):
+        t.zero_()
+    dist.barrier()
+    lost = {r for r, node in enumerate(cfg["nodes"]) if node == cfg["lost"]}
+    floor = tier_floor.Floor(leaves(state), floor_root, rank, world, cfg["per_node"], lost)
     manager = _manager(cfg, cfg["nodes"][rank])
-    out: dict[str, Any] = {"local": [], "remote": []}
+    out: dict[str, Any] = {"local": [], "remote": [], "floor": []}
     remote_url = f"{cfg['run_url']}/step_{BOTH:010d}"
     got: list[Any] = []
 
@@ -181,8 +190,8 @@ def restore_phase(rank: int, world: int, cfg: dict[str, Any]) -> None:
     cpu: list[float] = []
 
     for i in range(cfg["reps"]):
-        pair = [("local", local), ("remote", remote)]
-        for name, fn in pair if i % 2 == 0 else pair[::-1]:
+        contenders = [("local", local), ("remote", remote), ("floor", floor)]
+        for name, fn in contenders[i % 3 :] + contenders[: i % 3]:
             got.clear()
             cpu.clear()
             profile = cfg.get("profile")
@@ -282,7 +291,10 @@ def measure_all(args: argparse.Namespace) -> dict[str, Any]:
                 if store.log is not None:
                     store.log.clear()
                 result = str(scratch / f"restore-{name}.json")
-                got = run_spawn(len(ranks), restore_phase, {**cfg, "nodes": ranks, "result": result})
+                floor = str(tier_root / f"floor-{name}")
+                args_ = {**cfg, "nodes": ranks, "lost": lost, "floor": floor, "result": result}
+                got = run_spawn(len(ranks), restore_phase, args_)
+                shutil.rmtree(floor, ignore_errors=True)
                 for runs in got.values():
                     for m in runs:
                         m["s3"] = requests_in(store.log, m["t0"], m["t1"]) if store.log is not None else None
@@ -377,13 +389,25 @@ def why_missed(speed_pass: bool, summary: dict[str, float], restores: dict[str, 
             f"(machine busy {med(busy_all):.0%} during them, other jobs included), and S3 here is a gateway on "
             "loopback keeping its objects in memory: no network, no disk, so an S3 read costs CPU (HTTP, the "
             "gateway) but no transfer time, and the local restore has work of its own (the lost node's objects "
-            "shipped from their replica over gloo and written to its scratch directory, every chunk's checksum). "
+            "shipped from their replica over gloo, every chunk's checksum). "
             f"CPU seconds per restore (ranks + server): local {summary['local_cpu']:.2f}, S3 "
             f"{summary['remote_cpu']:.2f} ({summary['remote_cpu'] / summary['local_cpu']:.1f}x). Where S3 is "
             "across a network, its restore is bound by the object store's bandwidth per node, the local one by "
             "host memory and one peer's copy: this machine cannot show that ratio.",
             "",
         ]
+        if "floor" in summary:
+            over = summary["local"] - summary["floor"]
+            out += [
+                f"The floor (the bytes alone, below) takes {fmt_s(summary['floor'])} s: the S3 restore is "
+                f"{summary['ceiling']:.1f}x the floor, so no local restore could be {SPEEDUP_TARGET:g}x faster than "
+                f"S3 here unless it costs at most {fmt_s(summary['remote'] / SPEEDUP_TARGET)} s, "
+                f"{fmt_s(summary['remote'] / SPEEDUP_TARGET - summary['floor'])} s over the floor. It costs "
+                f"{fmt_s(over)} s over it: choosing the step and agreeing on it, the manifest, planning the "
+                "reads, every chunk checked against the commit record, and about a dozen collectives among all "
+                "ranks, each one round of every process on these cores.",
+                "",
+            ]
     if not block_pass:
         out += [
             "Blocked-call MISS: see the calls of every repetition in section 2 (the machine is shared: one slow "
@@ -415,6 +439,11 @@ def render(args: argparse.Namespace, info: dict[str, Any], argv: list[str]) -> s
         lcpu = med([m["cpu_s"] + m.get("server_cpu_s", 0.0) for m in loc])
         rcpu = med([m["cpu_s"] + m.get("server_cpu_s", 0.0) for m in rem])
         summary[name] |= {"local_cpu": lcpu, "remote_cpu": rcpu}
+        flo = r.get("floor", [])  # (reports of runs before the floor was measured have none)
+        if flo:
+            fs = med([m["s"] for m in flo])
+            summary[name] |= {"floor": fs, "ceiling": rs / fs if fs > 0 else float("inf")}
+            summary[name] |= {"floor_cpu": med([m["cpu_s"] for m in flo])}
         lreq = [m["s3"] for m in loc if m["s3"] is not None]
         rreq = [m["s3"] for m in rem if m["s3"] is not None]
         lgets = max((q.get("GET", 0) for q in lreq), default=None)
@@ -438,6 +467,13 @@ def render(args: argparse.Namespace, info: dict[str, Any], argv: list[str]) -> s
             f"{rgets if rgets is not None else 'n/a'} | {mib(rbytes) if rbytes is not None else 'n/a'}; {rbytes_io} "
             f"| {cpu(rem)} | {busy(rem)} | yes |"
         )
+        if flo:
+            fbytes = f"0 B; {mib(med([m['rchar'] for m in flo]))} / {mib(med([m['wchar'] for m in flo]))}"
+            rows.append(
+                f"| {label} | floor: the bytes alone (`tier_floor.py`) | {fmt_s(summary[name]['floor'])} | "
+                f"{runs(flo)} | {nbytes / summary[name]['floor'] / 2**30:.2f} | 0 | {fbytes} | {cpu(flo)} | "
+                f"{busy(flo)} | yes |"
+            )
     speed = summary["all"]["speedup"]
     speed_pass = speed >= SPEEDUP_TARGET
     verdict = lambda ok: "PASS" if ok else "MISS"  # noqa: E731
@@ -461,6 +497,15 @@ def render(args: argparse.Namespace, info: dict[str, Any], argv: list[str]) -> s
         f"| restore after one node loss: local tier >= {SPEEDUP_TARGET:g}x faster than S3 ({restores['all']['world']} "
         f"ranks) | {speed:.1f}x ({fmt_s(summary['all']['local'])} s vs {fmt_s(summary['all']['remote'])} s) "
         f"| {verdict(speed_pass)} |",
+        *(
+            [
+                f"| (the most any local restore could show here: S3 restore / the floor, {restores['all']['world']} "
+                f"ranks) | {summary['all']['ceiling']:.1f}x ({fmt_s(summary['all']['remote'])} s vs "
+                f"{fmt_s(summary['all']['floor'])} s) | |"
+            ]
+            if "ceiling" in summary["all"]
+            else []
+        ),
         f"| restore from the local tier: 0 objects read from S3 | GETs: {local_gets} | {verdict(zero_ok)} |",
         f'| local-tier save blocks the caller <= {BLOCK_TARGET:g}x `async_save(staging="background")` '
         f"| {block_ratio:.2f}x ({fmt_s(l_call)} s vs {fmt_s(a_call)} s) | {verdict(block_pass)} |",
@@ -490,11 +535,15 @@ def render(args: argparse.Namespace, info: dict[str, Any], argv: list[str]) -> s
         + ", ".join(f"{n} {mib(b)}" for n, b in info["tier_bytes"].items())
         + f" ({mib(tier_total)} in all: 2 steps x (own shards + one replica)).",
         "",
-        "Each restore runs in fresh processes; `load_latest` and `zarrckpt.load` alternate, "
+        "Each restore runs in fresh processes; `load_latest`, `zarrckpt.load` and the floor take turns, "
         f"{args.reps} of each; time = max over ranks, barrier to barrier (`common.measure`); every restore "
         "checked bit for bit (crc32c of every local shard against the generated values). S3 requests are those "
         "the server logged during the restore (its whole bucket); the local restore's include `load_latest`'s "
-        "listing of the remote root (which step is newest there), no object read.",
+        "listing of the remote root (which step is newest there), no object read. The floor is what no restore "
+        "can beat on this machine: every rank fills the same tensors with the same bytes and computes their "
+        "crc32c, a surviving node's ranks by vectored reads of one file each in the tier's memory, the lost "
+        "node's ranks over gloo from a rank of the next node that reads them from such a file; no step "
+        "chosen, no manifest, no plan, no collective but those transfers (`benchmarks/tier_floor.py`).",
         "",
         "| ranks | restore | median s | every run, s | GiB/s | S3 GETs | S3 bytes sent; the ranks' read() / write() "
         "bytes (files, gloo) | CPU s: ranks + server | machine busy | bit-exact |",

@@ -34,9 +34,12 @@ def test_quick_tier_benchmark_runs(tmp_path):
     assert len(targets) == 3, targets
     for line in targets:
         assert line.rstrip(" |").endswith(("PASS", "MISS")), line
-    # the restores: on 3 ranks (every node) and 2 (the survivors), each from the local tier and from S3
+    # the restores: on 3 ranks (every node) and 2 (the survivors), each from the local tier, from S3
+    # and the floor (the bytes alone), which bounds the speed-up any local restore could show
     restores = [line for line in lines if line.startswith(("| 3 ranks (3 nodes", "| 2 ranks (2 nodes"))]
-    assert len(restores) == 4, restores
+    assert len(restores) == 6, restores
+    assert len([line for line in restores if "| floor: the bytes alone" in line]) == 2, restores
+    assert next(line for line in lines if line.startswith("| (the most any local restore could show here"))
     for line in restores:
         assert line.rstrip(" |").endswith("yes"), line  # bit-exact
     local = [line for line in restores if "local tier: `load_latest`" in line]

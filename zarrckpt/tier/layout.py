@@ -158,14 +158,3 @@ def senders(missing: Sequence[str], held_by: Sequence[Sequence[int]], nodes: Nod
         ranks = nodes.ranks[holders[h % len(holders)]]
         out[path] = ranks[(h // len(holders)) % len(ranks)]
     return out, lost
-
-
-def receivers(wanted: Sequence[Sequence[str]], nodes: Nodes) -> dict[int, dict[str, int]]:
-    """For each node index, each path some of its ranks want (``wanted[rank]``) -> the lowest of
-    them, which receives it for the node (a node receives an object once)."""
-    out: dict[int, dict[str, int]] = {}
-    for rank, paths in enumerate(wanted):
-        node = out.setdefault(nodes.index(rank), {})
-        for p in paths:
-            node.setdefault(p, rank)
-    return out

@@ -152,16 +152,6 @@ def size(step_root: str, path: str) -> int:
     return os.path.getsize(os.path.join(step_root, path))
 
 
-def put(root: str, path: str, data: memoryview | bytes) -> None:
-    """Create ``root/path`` (a received object), whole or not at all (temporary name, rename)."""
-    full = os.path.join(root, path)
-    os.makedirs(os.path.dirname(full), exist_ok=True)
-    tmp = f"{full}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, full)
-
-
 def link(src_root: str, dst_root: str, path: str) -> bool:
     """Hard-link ``src_root/path`` into ``dst_root`` (another rank of the node may have already);
     False when the source is not there."""

@@ -4,10 +4,11 @@ Every rank calls :func:`restore`. Each node's lowest rank says what its tier dir
 all-gather); :func:`zarrckpt.tier.layout.choose` picks, alike on every rank, the newest step that
 some node saw committed and whose every saving rank's objects survive on some node. The manifest
 and checksum table come from a node holding the step (one broadcast each). The load is planned as
-any load (:func:`zarrckpt.api.load_from`), then each node gathers the objects its ranks need into a
-scratch directory: hard links of what its own tier holds, and copies of the rest sent by a rank of
-a node that holds them (each object once per node). The ranks read from there, every chunk checked
-against the step's commit record, and the scratch directory goes.
+any load (:func:`zarrckpt.api.load_from`), then each rank gathers the objects it needs: hard links
+into a scratch directory of what its node's tier holds, and the rest sent by a rank of a node that
+holds them, kept in memory (:mod:`zarrckpt.tier.received`; an object two ranks of a node need travels
+to each). The ranks read from there, every chunk checked against the step's commit record, and the
+scratch directory goes.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from zarrckpt.engine.dist import Group
 from zarrckpt.errors import IncompleteCheckpointError, ZarrckptError
 from zarrckpt.format import integrity
 from zarrckpt.format.manifest import MANIFEST, Manifest
-from zarrckpt.plan.fetch import Request, plan_reads
+from zarrckpt.plan.fetch import Request, shards_needed
 from zarrckpt.storage.store import Storage
 from zarrckpt.tier import LocalTier, nodedir
-from zarrckpt.tier.layout import RESTORING, Choice, Nodes, StepSeen, choose, receivers, senders, step_dir
+from zarrckpt.tier.layout import RESTORING, Choice, Nodes, StepSeen, choose, senders, step_dir
+from zarrckpt.tier.received import scratch_storage
 from zarrckpt.tier.ship import ship
 
 log = logging.getLogger("zarrckpt")
@@ -105,14 +107,13 @@ def _read(
     *,
     on_received: Any = None,
 ) -> int:
-    """Gather the objects ``requests`` read into the node's ``scratch``, then read them from there."""
+    """Gather the objects ``requests`` read (links into the node's ``scratch``, received ones in
+    memory), then read them from there."""
 
-    tasks = plan_reads([r for r in requests if r.meta.constant is None])
+    needed = shards_needed([r for r in requests if r.meta.constant is None])
     failed, missing = None, []
     try:
-        missing = [
-            p for p in sorted({t.meta.shard_path(t.index) for t in tasks}) if not nodedir.link(step_root, scratch, p)
-        ]
+        missing = [p for p in sorted(needed) if not nodedir.link(step_root, scratch, p)]
     except OSError as e:  # (every rank learns of it in the all-gather below, and raises)
         failed = f"rank {group.rank}: linking the local tier's objects into {scratch} failed: {e}"
     gathered = group.all_gather_json([failed, missing])
@@ -134,18 +135,16 @@ def _read(
             f"restoring from the local tier: {len(lost)} objects are on no surviving node (first: {lost[0]}), "
             "although every rank's held marker survives; the tier was changed after it was committed"
         )
-    into = receivers(wanted, nodes)
     sends: dict[int, list[str]] = {}
-    sources = set()
-    for wants in into.values():
-        for path, rank in wants.items():
+    for rank, paths in enumerate(wanted):  # each rank receives what it wants and its node lacks
+        for path in paths:
             if sender[path] == group.rank:
                 sends.setdefault(rank, []).append(path)
-            if rank == group.rank:
-                sources.add(sender[path])
+    sources = sorted({sender[p] for p in wanted[group.rank]})
+    objects: dict[str, memoryview] = {}
     size, read = partial(nodedir.size, step_root), partial(nodedir.read_into, step_root)
-    received = ship(group, sends, sorted(sources), size, read, partial(nodedir.put, scratch))
+    received = ship(group, sends, sources, size, read, objects.__setitem__)
     if on_received is not None and received:
         on_received(received)
-    group.barrier()  # every node's scratch holds all its ranks need
-    return loader.read(group, Storage(scratch), manifest, requests, fan_out=False, allow_modified=False) + received
+    storage = scratch_storage(scratch, objects)
+    return loader.read(group, storage, manifest, requests, fan_out=False, allow_modified=False) + received
