@@ -120,6 +120,17 @@ def test_pruning_keeps_a_whole_step_another_node_saw_committed(tmp_path: Path) -
     assert nodedir.doomed(str(tmp_path), 1, {sid}) == [], "another node saw it committed: kept"
 
 
+def test_pruning_deletes_an_older_zarrckpts_restore_scratch(tmp_path: Path) -> None:
+    """A restore no longer writes to the tier; the scratch directory of an older version's killed
+    restore goes with the next save's pruning."""
+    left = tmp_path / f".restore-{'d' * 32}.n0"
+    (left / "w").mkdir(parents=True)
+    (left / "w" / "c.0").write_bytes(b"x")
+    assert nodedir.doomed(str(tmp_path), 1) == [left.name]
+    nodedir.prune(str(tmp_path), 1)
+    assert not left.exists()
+
+
 def test_each_missing_object_has_one_sender() -> None:
     nodes = Nodes.of(["a", "a", "b", "b"])
     send, lost = senders(["x/c.0", "x/c.1", "y/c.0"], [[0], [0, 1], []], nodes)
@@ -299,6 +310,8 @@ def test_one_node_lost_restores_from_peers_on_another_world_without_remote_reads
     # the same 2 nodes of 2 ranks again: n1's two new ranks want some objects both (the small
     # tensors' rows of all ranks share objects); each receives its own copy
     spawn(4, _restore, base, 2, 15, 0.0)
+    written = [os.path.join(d, f) for node in ("n1", "n2") for d, _, fs in os.walk(f"{base}/tier/{node}") for f in fs]
+    assert written == [], "a restore keeps what it receives in memory: nothing lands in a tier"
 
 
 def _restore_from_a_damaged_copy(rank: int, world: int, base: str) -> None:
@@ -388,13 +401,13 @@ def test_a_received_object_reads_as_the_same_bytes_in_a_file_would(
     """A restore reads a received object from memory; the oracle is the same bytes as a local file:
     every read (vectored into buffers of any format, a range, a view, whole) gives the same bytes
     and the same count, past the end included."""
-    from zarrckpt.tier.received import scratch_storage
+    from zarrckpt.tier.received import with_received
 
     root = tmp_path_factory.mktemp("received")
     data = bytes(np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8))
     (root / "file").write_bytes(data)
-    memory = scratch_storage(str(root), {"mem": memoryview(bytearray(data))})
-    files = scratch_storage(str(root), {})
+    memory = with_received(str(root), {"mem": memoryview(bytearray(data))})
+    files = with_received(str(root), {})
 
     def buffers() -> list[memoryview]:
         out = []

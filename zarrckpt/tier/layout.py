@@ -18,7 +18,7 @@ from typing import Any
 STEP_DIR = re.compile(r"^step_(\d{10})\.([0-9a-f]{32})$")
 TIER_DIR = ".zarrckpt-tier"  # in a step directory: the held markers and the committed marker
 COMMITTED = f"{TIER_DIR}/committed.json"
-RESTORING = ".restore-"  # a restore's scratch directory in the tier root: <RESTORING><save id>.<node>
+RESTORING = ".restore-"  # an older zarrckpt's restore scratch directory in the tier root (pruned)
 FORMAT = "zarrckpt-tier/1"
 
 

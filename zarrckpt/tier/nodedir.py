@@ -1,5 +1,4 @@
-"""A node's tier directory on disk: its local steps, their markers, pruning, room, and a restore's
-scratch directory (the objects a node's ranks need, hard-linked or received, read as one checkpoint).
+"""A node's tier directory on disk: its local steps, their markers, pruning and room.
 
 Layout (docs/FORMAT.md §8)::
 
@@ -8,7 +7,7 @@ Layout (docs/FORMAT.md §8)::
         <array>/c.<i>...                               the shards this node's ranks wrote, and copies
         .zarrckpt-tier/held-<rank>.json                this directory holds every object of that rank
         .zarrckpt-tier/committed.json                  every copy existed when the save ended
-    <tier root>/.restore-<save id>.<node>/            a restore in progress (removed after it)
+    <tier root>/.restore-<save id>.<node>/            an older zarrckpt's restore left (the next save deletes it)
 """
 
 from __future__ import annotations
@@ -95,9 +94,9 @@ def committed(step_root: str, doc: dict[str, Any]) -> None:
 
 
 def doomed(root: str, keep: int, committed_elsewhere: Collection[str] = ()) -> list[str]:
-    """What :func:`prune` deletes: every step directory but the ``keep`` newest committed ones,
-    and any restore's scratch left behind. A step counts as committed when this node or another
-    saw it so (``committed_elsewhere``: save ids): a kill between two nodes' committed markers
+    """What :func:`prune` deletes: every step directory but the ``keep`` newest committed ones, and
+    any restore's scratch directory an older zarrckpt left. A step counts as committed when this node
+    or another saw it so (``committed_elsewhere``: save ids): a kill between two nodes' committed markers
     leaves a whole copy without its own."""
     committed = [s for s in scan(root) if s.committed or s.save_id in committed_elsewhere]
     kept = {step_dir(s.step, s.save_id) for s in committed[: max(keep, 0)]}
@@ -150,24 +149,6 @@ def read_into(step_root: str, path: str, view: memoryview) -> None:
 
 def size(step_root: str, path: str) -> int:
     return os.path.getsize(os.path.join(step_root, path))
-
-
-def link(src_root: str, dst_root: str, path: str) -> bool:
-    """Hard-link ``src_root/path`` into ``dst_root`` (another rank of the node may have already);
-    False when the source is not there."""
-    src, dst = os.path.join(src_root, path), os.path.join(dst_root, path)
-    os.makedirs(os.path.dirname(dst), exist_ok=True)
-    try:
-        os.link(src, dst)
-    except FileExistsError:
-        pass
-    except FileNotFoundError:
-        return False
-    return True
-
-
-def remove(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def now() -> float:

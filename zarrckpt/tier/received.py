@@ -1,5 +1,6 @@
-"""A restore's scratch directory as one checkpoint: the objects its node's tier holds (hard-linked into
-it), and those a peer sent over the process group, kept in memory where they arrived.
+"""What a restoring rank reads a local step from, as one checkpoint: the objects its node's tier
+holds of the step, where they are, and those a peer sent over the process group, kept in memory
+where they arrived.
 
 A received object is never written to the node's tier: a write to fresh pages of host memory and a
 read back would cost more than the transfer itself. It is read, and checked against the step's
@@ -55,9 +56,9 @@ class Received(LocalBackend):
         return at - offset
 
 
-def scratch_storage(scratch: str, received: Mapping[str, memoryview]) -> Storage:
-    """The storage a restore reads from: ``scratch`` (a local directory) with ``received`` (relative
-    path -> the object's bytes) in memory."""
-    storage = Storage(scratch)
+def with_received(root: str, received: Mapping[str, memoryview]) -> Storage:
+    """The local directory ``root`` as a storage, with the objects in ``received`` (relative path ->
+    the object's bytes) read from memory."""
+    storage = Storage(root)
     storage.backend = Received(storage.fs, {f"{storage.root}/{p}": v for p, v in received.items()})
     return storage

@@ -4,11 +4,10 @@ Every rank calls :func:`restore`. Each node's lowest rank says what its tier dir
 all-gather); :func:`zarrckpt.tier.layout.choose` picks, alike on every rank, the newest step that
 some node saw committed and whose every saving rank's objects survive on some node. The manifest
 and checksum table come from a node holding the step (one broadcast each). The load is planned as
-any load (:func:`zarrckpt.api.load_from`), then each rank gathers the objects it needs: hard links
-into a scratch directory of what its node's tier holds, and the rest sent by a rank of a node that
-holds them, kept in memory (:mod:`zarrckpt.tier.received`; an object two ranks of a node need travels
-to each). The ranks read from there, every chunk checked against the step's commit record, and the
-scratch directory goes.
+any load (:func:`zarrckpt.api.load_from`). Each rank reads what its node's tier holds of the step
+where it is, and receives the rest from a rank of a node that holds it, into memory
+(:mod:`zarrckpt.tier.received`; an object two ranks of a node need travels to each). Every chunk is
+checked against the step's commit record, wherever it came from.
 """
 
 from __future__ import annotations
@@ -23,14 +22,14 @@ from typing import Any
 from zarrckpt.api import load_from
 from zarrckpt.engine import crctable, loader
 from zarrckpt.engine.dist import Group
-from zarrckpt.errors import IncompleteCheckpointError, ZarrckptError
+from zarrckpt.errors import IncompleteCheckpointError
 from zarrckpt.format import integrity
 from zarrckpt.format.manifest import MANIFEST, Manifest
 from zarrckpt.plan.fetch import Request, shards_needed
 from zarrckpt.storage.store import Storage
 from zarrckpt.tier import LocalTier, nodedir
-from zarrckpt.tier.layout import RESTORING, Choice, Nodes, StepSeen, choose, senders, step_dir
-from zarrckpt.tier.received import scratch_storage
+from zarrckpt.tier.layout import Choice, Nodes, StepSeen, choose, senders, step_dir
+from zarrckpt.tier.received import with_received
 from zarrckpt.tier.ship import ship
 
 log = logging.getLogger("zarrckpt")
@@ -65,14 +64,8 @@ def restore(
 
     raw, table = _from_source(group, source, step_root, where)
     manifest = crctable.with_table(Manifest.loads(raw, where), lambda: table, 1, where)
-    scratch = os.path.join(root, f"{RESTORING}{choice.save_id}.{tier.node_name()}")
-    os.makedirs(scratch, exist_ok=True)
-    try:  # (every rank has read all it reads from the scratch once the load returns or raises: it ends together)
-        read = partial(_read, group, nodes, step_root, scratch)
-        stats = load_from(state_dict, group, Storage(scratch), manifest, read, **kwargs)
-    finally:
-        if nodes.lead(group.rank):
-            nodedir.remove(scratch)
+    read = partial(_read, group, nodes, step_root)
+    stats = load_from(state_dict, group, Storage(step_root), manifest, read, **kwargs)
     log.info("restored local step %d in %.2fs", choice.step, time.perf_counter() - start)
     return stats
 
@@ -101,26 +94,16 @@ def _read(
     group: Group,
     nodes: Nodes,
     step_root: str,
-    scratch: str,
     manifest: Manifest,
     requests: Sequence[Request],
     *,
     on_received: Any = None,
 ) -> int:
-    """Gather the objects ``requests`` read (links into the node's ``scratch``, received ones in
-    memory), then read them from there."""
+    """Gather the objects ``requests`` read that this rank's node lacks (received into memory from a
+    node that holds them), then read them and the node's own from ``step_root``."""
 
     needed = shards_needed([r for r in requests if r.meta.constant is None])
-    failed, missing = None, []
-    try:
-        missing = [p for p in sorted(needed) if not nodedir.link(step_root, scratch, p)]
-    except OSError as e:  # (every rank learns of it in the all-gather below, and raises)
-        failed = f"rank {group.rank}: linking the local tier's objects into {scratch} failed: {e}"
-    gathered = group.all_gather_json([failed, missing])
-    problems = [f for f, _ in gathered if f is not None]
-    if problems:
-        raise ZarrckptError(problems[0])
-    wanted = [list(w) for _, w in gathered]
+    wanted = group.all_gather_json([p for p in sorted(needed) if not os.path.isfile(os.path.join(step_root, p))])
     union = sorted({p for w in wanted for p in w})
     lead = nodes.lead(group.rank)
     have = [i for i, p in enumerate(union) if os.path.exists(os.path.join(step_root, p))] if lead and union else []
@@ -146,5 +129,5 @@ def _read(
     received = ship(group, sends, sources, size, read, objects.__setitem__)
     if on_received is not None and received:
         on_received(received)
-    storage = scratch_storage(scratch, objects)
+    storage = with_received(step_root, objects)
     return loader.read(group, storage, manifest, requests, fan_out=False, allow_modified=False) + received
