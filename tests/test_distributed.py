@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -212,17 +213,39 @@ def _primitives(rank: int, world: int) -> None:
     group, counting = zdist.Group(), _Counting(zdist.torch_dist)
     cap = group.inline_bytes() - 8  # an object's bytes that travel with its length
     zdist.torch_dist = counting  # (this process only)
+    real_max = zdist.GATHER_MAX
     try:
-        for size in (0, cap - 3, cap - 2, cap - 1, cap + 5, 3 * zdist.INLINE_MAX):  # a string: 2 quotes more
-            for alone in (False, True):  # every rank's object that long, or only rank 1's
-                obj = "x" * size if not alone or rank == 1 else "y" * rank
+        # gloo: a small gather goes to rank 0 and back in a tree; above GATHER_MAX in all, gloo's ring
+        for most in (real_max, (cap + 8) * world):  # the second: only a gather's first collective fits
+
+            def calls(total: int, most: int = most) -> list[str]:  # what an all-gather of `total` bytes makes
+                return ["gather", "broadcast"] if total <= most else ["all_gather"]
+
+            zdist.GATHER_MAX = most
+            for size in (0, cap - 3, cap - 2, cap - 1, cap + 5, 3 * zdist.INLINE_MAX):  # a string: 2 quotes more
+                for alone in (False, True):  # every rank's object that long, or only rank 1's
+                    obj = "x" * size if not alone or rank == 1 else "y" * rank
+                    counting.calls.clear()
+                    got = group.all_gather_json(obj)
+                    expected: list[object] = [None] * world
+                    dist.all_gather_object(expected, obj)  # torch's own gather: the oracle
+                    assert got == expected, (size, alone)
+                    longest = max(len(json.dumps(o)) for o in expected)
+                    rest = [] if longest <= cap else calls((longest - cap) * world)
+                    assert counting.calls == calls((cap + 8) * world) + rest, (size, alone, most)
+            for n in (16, cap + 9):
                 counting.calls.clear()
-                got = group.all_gather_json(obj)
-                expected: list[object] = [None] * world
-                dist.all_gather_object(expected, obj)  # torch's own gather: the oracle
-                assert got == expected, (size, alone)
-                longest = max(len(json.dumps(o)) for o in expected)
-                assert counting.calls == ["all_gather"] * (1 if longest <= cap else 2), (size, alone)
+                fixed = group.all_gather_fixed(bytes([rank]) * n)
+                assert fixed == [bytes([r]) * n for r in range(world)] and counting.calls == calls(n * world)
+            for n in (1, 54, cap):  # int64s: a load's "asked for by nobody" flags
+                values = np.random.default_rng(rank * 1000 + n).integers(-(2**62), 2**62, n)
+                counting.calls.clear()
+                low = group.all_reduce_min(values)
+                oracle = torch.from_numpy(values.copy())
+                dist.all_reduce(oracle, op=dist.ReduceOp.MIN)  # torch's own all-reduce
+                assert np.array_equal(low, oracle.numpy()), n
+                assert counting.calls == (calls(8 * n * world) if 8 * n * world <= most else ["all_reduce"]), n
+        zdist.GATHER_MAX = real_max
         for root in range(world):
             for size in (0, zdist.INLINE_MAX - 10, zdist.INLINE_MAX - 9, zdist.INLINE_MAX - 8, 5 * zdist.INLINE_MAX):
                 data = bytes([65 + root]) * size if rank == root else b"not sent"
@@ -249,6 +272,7 @@ def _primitives(rank: int, world: int) -> None:
         assert rank == 0 or "opening failed on rank 0: ValueError" in str(err.value)
     finally:
         zdist.torch_dist = counting.real
+        zdist.GATHER_MAX = real_max
 
 
 @pytest.mark.slow
