@@ -172,12 +172,12 @@ def run_job(
 
 
 def _moment(tier: str, since: float, lines: list[tuple[float, str]], world: int) -> str:
-    """What the job was doing at the kill, from its output and what this run made (since ``since``)
-    in its nodes' tier directories: a restore's scratch directory; the step whose digest it printed
-    last (it starts that step's save next) not yet committed on every node."""
+    """What the job was doing at the kill, from its output (it said it restores) and what this run
+    made (since ``since``) in its nodes' tier directories: the step whose digest it printed last (it
+    starts that step's save next) not yet committed on every node."""
     begun = any(re.match(r"(resumed from|starting from scratch)", ln) for _, ln in lines)
     printed = [int(m[1]) for _, ln in lines if (m := re.match(r"digest step (\d+)", ln))]
-    restoring, committed = False, []
+    committed = []
     for node in NODES[: world // PER_NODE]:
         root, done = os.path.join(tier, node), False
         with suppress(FileNotFoundError):
@@ -186,13 +186,12 @@ def _moment(tier: str, since: float, lines: list[tuple[float, str]], world: int)
                 with suppress(FileNotFoundError):
                     if os.stat(path).st_mtime < since - 1:
                         continue
-                restoring |= name.startswith(".restore-")
                 if printed and name.startswith(f"step_{printed[-1]:010d}."):
                     done |= os.path.exists(os.path.join(path, ".zarrckpt-tier", "committed.json"))
         committed.append(done)
-    if not begun:  # (the scratch directory: a local step's restore; a remote one's has none)
+    if not begun:
         said = any(ln.startswith("restoring the newest") for _, ln in lines)
-        return "restoring" if restoring or said else "starting (before any restore)"
+        return "restoring" if said else "starting (before any restore)"
     return "saving" if printed and not all(committed) else "training (no save in flight)"
 
 
@@ -491,8 +490,9 @@ def report(result: dict[str, Any], seconds: float) -> str:
     lines += [
         "",
         "*killed*: what the job was doing at the kill, from its output and what it had made in the tier "
-        "(a restore's scratch directory; *saving*: the job printed the digest of a step, then starts its "
-        "save, and the step was not yet committed on every node); half the kills of the other kinds wait "
+        "(*restoring*: it had said it restores, not yet that it resumed; *saving*: it printed the digest "
+        "of a step, then starts its save, and the step was not yet committed on every node); half the "
+        "kills of the other kinds wait "
         "for a step's digest and come 0-0.4 s after it."
         + (left if "restored a step of a branch an earlier restart left" in c else ""),
     ]
