@@ -23,7 +23,7 @@ import zarrckpt
 from zarrckpt.errors import ModifiedCheckpointError
 from zarrckpt.format.array import ArrayMeta
 from zarrckpt.format.layout import Box
-from zarrckpt.plan.fetch import Request, plan_fetches, plan_reads, shards_needed
+from zarrckpt.plan.fetch import Request, plan_fetches
 from zarrckpt.storage.caps import LOCAL_FILES, OBJECT_STORE
 from zarrckpt.storage.store import Storage
 from zarrckpt.testing import RequestLog
@@ -159,12 +159,3 @@ def test_on_local_files_every_chunk_a_request_takes_whole_is_read_straight_into_
             assert all(views) if fetch.direct else not any(views), (fetch, views)
             seen += fetch.chunks
         assert sorted(seen) == sorted(task.needs), "every needed chunk read once"
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.lists(_reads(), min_size=1, max_size=3))
-def test_the_shards_a_local_restore_gathers_are_those_the_read_plans(reads: list[tuple[ArrayMeta, Box]]) -> None:
-    """The local tier's restore gathers the objects :func:`shards_needed` names before it plans the
-    reads: the same shards, no fewer (a read would miss an object) and no more (a copy shipped for nothing)."""
-    requests = [Request(meta, box, np.empty(box.sizes, np.float32)) for meta, box in reads]
-    assert shards_needed(requests) == {t.meta.shard_path(t.index) for t in plan_reads(requests)}

@@ -318,8 +318,8 @@ def _restore_from_a_damaged_copy(rank: int, world: int, base: str) -> None:
     if rank == 0:  # what node n0 sends the lost node is damaged on its way (or in n0's memory)
         real = nodedir.read_into
 
-        def damaged(step_root: str, path: str, view: memoryview) -> None:
-            real(step_root, path, view)
+        def damaged(step_root: str, path: str, view: memoryview, offset: int = 0) -> None:
+            real(step_root, path, view, offset)
             if len(view):
                 view[len(view) // 2] ^= 0xFF
 
@@ -390,23 +390,25 @@ def test_a_node_holding_another_save_of_the_step_is_not_mixed_in(tmp_path: Path)
 
 @settings(max_examples=200, deadline=None)
 @given(
-    size=st.integers(0, 300),
-    offset=st.integers(0, 320),
+    size=st.integers(1, 300),
     cuts=st.lists(st.tuples(st.integers(0, 40), st.sampled_from(["B", "f", "2d"])), max_size=6),
-    span=st.tuples(st.none() | st.integers(0, 320), st.none() | st.integers(0, 320)),
+    data=st.data(),
 )
-def test_a_received_object_reads_as_the_same_bytes_in_a_file_would(
-    tmp_path_factory: pytest.TempPathFactory, size: int, offset: int, cuts: list[tuple[int, str]], span: Any
+def test_a_received_range_reads_as_the_same_bytes_in_a_file_would(
+    tmp_path_factory: pytest.TempPathFactory, size: int, cuts: list[tuple[int, str]], data: st.DataObject
 ) -> None:
-    """A restore reads a received object from memory; the oracle is the same bytes as a local file:
-    every read (vectored into buffers of any format, a range, a view, whole) gives the same bytes
-    and the same count, past the end included."""
+    """A restore reads the ranges it received of an object from memory; the oracle is the same bytes
+    as a local file: a read inside a received range (vectored into buffers of any format, a range, a
+    view) gives the same bytes and count; one reaching outside every range is an error, never other bytes."""
+    from zarrckpt.errors import ZarrckptError
     from zarrckpt.tier.received import with_received
 
     root = tmp_path_factory.mktemp("received")
-    data = bytes(np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8))
-    (root / "file").write_bytes(data)
-    memory = with_received(str(root), {"mem": memoryview(bytearray(data))})
+    raw = bytes(np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8))
+    (root / "file").write_bytes(raw)
+    bounds = sorted(data.draw(st.lists(st.integers(0, size), min_size=2, max_size=6, unique=True)))
+    ranges = list(zip(bounds[::2], bounds[1::2], strict=False))  # disjoint received ranges (an odd last bound: none)
+    memory = with_received(str(root), {"mem": [(a, memoryview(bytearray(raw[a:b]))) for a, b in ranges]})
     files = with_received(str(root), {})
 
     def buffers() -> list[memoryview]:
@@ -421,11 +423,18 @@ def test_a_received_object_reads_as_the_same_bytes_in_a_file_would(
         return out
 
     a, b = buffers(), buffers()
-    assert memory.read_into("mem", offset, a) == files.read_into("file", offset, b)
-    assert [bytes(x) for x in a] == [bytes(x) for x in b]
-    start, end = span
-    assert memory.read("mem", start, end) == files.read("file", start, end)
-    with memory.reading("mem", start, end) as got, files.reading("file", start, end) as want:
-        assert bytes(got) == bytes(want)
-    assert memory.backend.stored(f"{memory.root}/mem") == data
-    assert memory.read("file") == data, "what was not received is read from the directory"
+    total = sum(x.nbytes for x in a)
+    start = data.draw(st.integers(0, size))
+    inside = any(lo <= start and start + total <= hi for lo, hi in ranges)
+    if inside:
+        assert memory.read_into("mem", start, a) == files.read_into("file", start, b)
+        assert [bytes(x) for x in a] == [bytes(x) for x in b]
+        assert memory.read("mem", start, start + total) == files.read("file", start, start + total)
+        with memory.reading("mem", start, start + total) as got:
+            assert bytes(got) == raw[start : start + total]
+    else:
+        with pytest.raises(ZarrckptError, match="were not received"):
+            memory.read_into("mem", start, a)
+    with pytest.raises(ZarrckptError, match="were not received"):
+        memory.read("mem")  # whole: never all received here (nor read so by a restore)
+    assert memory.read("file") == raw, "what was not received is read from the directory"

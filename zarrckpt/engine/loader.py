@@ -21,7 +21,7 @@ from zarrckpt.errors import InvalidCheckpointError, ZarrckptError
 from zarrckpt.format import integrity
 from zarrckpt.format.manifest import MANIFEST, Manifest
 from zarrckpt.plan import targets
-from zarrckpt.plan.fetch import Request
+from zarrckpt.plan.fetch import Request, ShardRead
 from zarrckpt.storage.store import Storage
 
 
@@ -90,6 +90,7 @@ def read(
     fan_out: bool,
     allow_modified: bool,
     on_received: Callable[[int], None] | None = None,
+    planned: Sequence[ShardRead] | None = None,
 ) -> int:
     """Fill every request (every rank calls it); returns the bytes this rank fetched.
 
@@ -97,7 +98,7 @@ def read(
     (:mod:`zarrckpt.engine.fanread`; ``on_received`` is told the bytes of what arrived). A load that
     returns holds the committed data of ``manifest``: every chunk used is compared with the commit
     record, or, where that cannot tell (``allow_modified``, no record), rank 0 checks at the end that
-    the manifest is still this save's.
+    the manifest is still this save's. ``planned``: the reads, as :func:`read_regions` would plan them.
 
     Raises:
         IncompleteCheckpointError: the checkpoint was overwritten or deleted meanwhile (what a read
@@ -109,7 +110,8 @@ def read(
         if fan_out:
             nbytes = read_shared(group, storage, manifest, requests, any_layout=allow_modified, on_received=on_received)
         else:
-            nbytes = group.run_together(lambda: read_regions(storage, requests, any_layout=allow_modified), "reading")
+            read = partial(read_regions, storage, requests, any_layout=allow_modified, planned=planned)
+            nbytes = group.run_together(read, "reading")
     except ZarrckptError:
         _check_unchanged(group, storage, manifest.save_id)  # an overwrite explains it better
         raise

@@ -62,6 +62,7 @@ def read_regions(
     read_through: bool = True,
     lazy: bool = False,
     partly: list[PartRead] | None = None,
+    planned: Sequence[ShardRead] | None = None,
 ) -> int:
     """Fill every request's ``dest``; returns the number of bytes fetched from storage.
 
@@ -71,6 +72,8 @@ def read_regions(
     ``any_layout``: read shards laid out by any Zarr writer (``allow_modified``), see :func:`read_any`.
     ``read_through=False``: never fetch the chunks between two needed ones (a fanned-out read: other
     ranks read those). ``lazy``: a lazy view's read, which reads through smaller gaps (:func:`lazy_caps`).
+    ``planned``: the reads, planned already as this function would plan them (a local tier's restore
+    planned them to know which byte ranges to receive).
     """
     if any_layout:  # constant arrays too: a peer may have written chunks into them since
         return _run_all(storage, plan_reads(requests))
@@ -81,7 +84,7 @@ def read_regions(
     caps = storage.caps if read_through else replace(storage.caps, read_through_bytes=0)
     caps = lazy_caps(caps) if lazy else caps
     # planned shard by shard as the reads go: a read that fails stops the planning too
-    reads = (plan_shard(task, caps, partial) for task in plan_reads(stored))
+    reads = planned if planned is not None else (plan_shard(task, caps, partial) for task in plan_reads(stored))
     return _run_all(storage, _checksums_beside(stored, (one for read in reads for one in _apart(read, lazy))), partly)
 
 

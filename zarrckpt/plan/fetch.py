@@ -172,11 +172,6 @@ def plan_reads(requests: Sequence[Request]) -> list[ShardTask]:
     return list(tasks.values())
 
 
-def shards_needed(requests: Sequence[Request]) -> set[str]:
-    """The paths of the shards :func:`plan_reads` groups ``requests`` by (without planning their chunks)."""
-    return {req.meta.shard_path(sidx) for req in requests for sidx in cells_in(req.box, req.meta.shard_shape)}
-
-
 def plan_fetches(requests: Sequence[Request], caps: ReadCaps, *, partial: bool = False) -> list[ShardRead]:
     """What to read to fill every request: one :class:`ShardRead` per shard touched."""
     return [plan_shard(task, caps, partial) for task in plan_reads(requests)]

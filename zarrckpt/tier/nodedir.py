@@ -141,8 +141,10 @@ def usage(root: str, names: Sequence[str]) -> int:
     return total
 
 
-def read_into(step_root: str, path: str, view: memoryview) -> None:
+def read_into(step_root: str, path: str, view: memoryview, offset: int = 0) -> None:
+    """Fill ``view`` from byte ``offset`` of the object ``path``."""
     with open(os.path.join(step_root, path), "rb") as f:
+        f.seek(offset)
         if f.readinto(view) != len(view):
             raise ZarrckptError(f"{os.path.join(step_root, path)}: shorter than it was a moment ago")
 

@@ -1,8 +1,8 @@
 """What a restoring rank reads a local step from, as one checkpoint: the objects its node's tier
-holds of the step, where they are, and those a peer sent over the process group, kept in memory
-where they arrived.
+holds of the step, where they are, and the byte ranges of others a peer sent over the process group
+(the ranges its read plan fetches), kept in memory where they arrived.
 
-A received object is never written to the node's tier: a write to fresh pages of host memory and a
+A received range is never written to the node's tier: a write to fresh pages of host memory and a
 read back would cost more than the transfer itself. It is read, and checked against the step's
 commit record, like any object.
 """
@@ -12,20 +12,33 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from zarrckpt.errors import ZarrckptError
 from zarrckpt.storage.local import LocalBackend
 from zarrckpt.storage.store import Storage
 
+Pieces = Mapping[str, Sequence[tuple[int, memoryview]]]  # object -> (its first byte, the bytes from there)
+
 
 class Received(LocalBackend):
-    """Local files, except the objects in ``objects`` (full path -> bytes), read from memory."""
+    """Local files, except the objects in ``pieces`` (full path -> the ranges received), read from memory."""
 
-    def __init__(self, fs: Any, objects: Mapping[str, memoryview]) -> None:
+    def __init__(self, fs: Any, pieces: Pieces) -> None:
         super().__init__(fs)
-        self.objects = objects
+        self.pieces = pieces
 
     def _range(self, full: str, start: int | None, end: int | None) -> memoryview | None:
-        data = self.objects.get(full)
-        return None if data is None else data[start or 0 : end].toreadonly()
+        """Bytes ``[start, end)`` of a received object (None: not received, a local file)."""
+        got = self.pieces.get(full)
+        if got is None:
+            return None
+        lo = start or 0
+        for first, data in got:
+            if first <= lo and end is not None and end <= first + len(data):
+                return data[lo - first : end - first].toreadonly()
+        raise ZarrckptError(
+            f"{full}: bytes {lo}-{end} of it were not received from its node (a restore receives the ranges "
+            "its read plan fetches, and reads nothing else)"
+        )
 
     def get(self, full: str, start: int | None, end: int | None) -> Any:
         got = self._range(full, start, end)
@@ -40,25 +53,21 @@ class Received(LocalBackend):
         return super().read_view(full, start, end) if got is None else (None, got)
 
     def read_into(self, full: str, offset: int, buffers: Sequence[memoryview]) -> int:
-        data = self.objects.get(full)
-        if data is None:
+        if full not in self.pieces:
             return super().read_into(full, offset, buffers)
-        at = offset
+        data = self._range(full, offset, offset + sum(b.nbytes for b in buffers))
+        assert data is not None
+        at = 0
         for buf in buffers:
-            if not buf.nbytes:
-                continue
-            dst = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
-            n = max(0, min(len(dst), len(data) - at))
-            dst[:n] = data[at : at + n]
-            at += n
-            if n < len(dst):
-                break
-        return at - offset
+            if buf.nbytes:
+                (buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf)[:] = data[at : at + buf.nbytes]
+                at += buf.nbytes
+        return at
 
 
-def with_received(root: str, received: Mapping[str, memoryview]) -> Storage:
-    """The local directory ``root`` as a storage, with the objects in ``received`` (relative path ->
-    the object's bytes) read from memory."""
+def with_received(root: str, received: Pieces) -> Storage:
+    """The local directory ``root`` as a storage, with the ranges in ``received`` (relative path ->
+    (first byte, bytes) of each) read from memory."""
     storage = Storage(root)
     storage.backend = Received(storage.fs, {f"{storage.root}/{p}": v for p, v in received.items()})
     return storage

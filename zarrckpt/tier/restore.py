@@ -25,7 +25,8 @@ from zarrckpt.engine.dist import Group
 from zarrckpt.errors import IncompleteCheckpointError
 from zarrckpt.format import integrity
 from zarrckpt.format.manifest import MANIFEST, Manifest
-from zarrckpt.plan.fetch import Request, shards_needed
+from zarrckpt.plan.fetch import Request, plan_reads, plan_shard
+from zarrckpt.storage.caps import LOCAL_FILES
 from zarrckpt.storage.store import Storage
 from zarrckpt.tier import LocalTier, nodedir
 from zarrckpt.tier.layout import Choice, Nodes, StepSeen, choose, senders, step_dir
@@ -99,12 +100,19 @@ def _read(
     *,
     on_received: Any = None,
 ) -> int:
-    """Gather the objects ``requests`` read that this rank's node lacks (received into memory from a
-    node that holds them), then read them and the node's own from ``step_root``."""
-
-    needed = shards_needed([r for r in requests if r.meta.constant is None])
-    wanted = group.all_gather_json([p for p in sorted(needed) if not os.path.isfile(os.path.join(step_root, p))])
-    union = sorted({p for w in wanted for p in w})
+    """Gather the byte ranges ``requests`` read of the objects this rank's node lacks (received into
+    memory from a node that holds them), then read them and the node's own objects from ``step_root``."""
+    stored = [r for r in requests if r.meta.constant is None]
+    reads = [plan_shard(task, LOCAL_FILES) for task in plan_reads(stored)]  # what loader.read fetches below
+    lacking = {r.task.path for r in reads if not os.path.isfile(os.path.join(step_root, r.task.path))}
+    mine = [
+        _range(r.task.path, f.start, f.start + f.nbytes(r.layout))
+        for r in reads
+        if r.task.path in lacking
+        for f in r.fetches
+    ]
+    wanted = group.all_gather_json(mine)
+    union = sorted({_unrange(item)[0] for w in wanted for item in w})
     lead = nodes.lead(group.rank)
     have = [i for i, p in enumerate(union) if os.path.exists(os.path.join(step_root, p))] if lead and union else []
     haves = group.all_gather_json(have)
@@ -119,15 +127,39 @@ def _read(
             "although every rank's held marker survives; the tier was changed after it was committed"
         )
     sends: dict[int, list[str]] = {}
-    for rank, paths in enumerate(wanted):  # each rank receives what it wants and its node lacks
-        for path in paths:
-            if sender[path] == group.rank:
-                sends.setdefault(rank, []).append(path)
-    sources = sorted({sender[p] for p in wanted[group.rank]})
-    objects: dict[str, memoryview] = {}
-    size, read = partial(nodedir.size, step_root), partial(nodedir.read_into, step_root)
-    received = ship(group, sends, sources, size, read, objects.__setitem__)
+    for rank, items in enumerate(wanted):  # each rank receives the ranges it reads of what its node lacks
+        for item in items:
+            if sender[_unrange(item)[0]] == group.rank:
+                sends.setdefault(rank, []).append(item)
+    sources = sorted({sender[_unrange(item)[0]] for item in wanted[group.rank]})
+    pieces: dict[str, list[tuple[int, memoryview]]] = {}
+
+    def size(item: str) -> int:
+        _, start, end = _unrange(item)
+        return end - start
+
+    def read(item: str, view: memoryview) -> None:
+        path, start, _ = _unrange(item)
+        nodedir.read_into(step_root, path, view, start)
+
+    def land(item: str, view: memoryview) -> None:
+        path, start, _ = _unrange(item)
+        pieces.setdefault(path, []).append((start, view))
+
+    received = ship(group, sends, sources, size, read, land)
     if on_received is not None and received:
         on_received(received)
-    storage = with_received(step_root, objects)
-    return loader.read(group, storage, manifest, requests, fan_out=False, allow_modified=False) + received
+    storage = with_received(step_root, pieces)
+    return (
+        loader.read(group, storage, manifest, requests, fan_out=False, allow_modified=False, planned=reads) + received
+    )
+
+
+def _range(path: str, start: int, end: int) -> str:
+    """A byte range of an object, as shipped: ``<start>:<end>:<path>``."""
+    return f"{start}:{end}:{path}"
+
+
+def _unrange(item: str) -> tuple[str, int, int]:
+    start, end, path = item.split(":", 2)
+    return path, int(start), int(end)
