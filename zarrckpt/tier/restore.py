@@ -5,9 +5,9 @@ all-gather); :func:`zarrckpt.tier.layout.choose` picks, alike on every rank, the
 some node saw committed and whose every saving rank's objects survive on some node. The manifest
 and checksum table come from a node holding the step (one broadcast each). The load is planned as
 any load (:func:`zarrckpt.api.load_from`). Each rank reads what its node's tier holds of the step
-where it is, and receives the rest from a rank of a node that holds it, into memory
-(:mod:`zarrckpt.tier.received`; an object two ranks of a node need travels to each). Every chunk is
-checked against the step's commit record, wherever it came from.
+where it is; of the other objects, a rank of a node holding them sends it the byte ranges its reads
+fetch, into memory (:mod:`zarrckpt.tier.received`). Every chunk is checked against the step's commit
+record, wherever it came from.
 """
 
 from __future__ import annotations
