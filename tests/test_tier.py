@@ -327,6 +327,24 @@ def _restore_from_a_damaged_copy(rank: int, world: int, base: str) -> None:
     _restore(rank, world, base, 1, 10, 0.0)
 
 
+def _restore_when_a_copy_cannot_be_read(rank: int, world: int, base: str) -> None:
+    if rank == 0:  # n0's copy of n1's objects vanishes between the survey and the send
+
+        def vanished(step_root: str, path: str, view: memoryview, offset: int = 0) -> None:
+            raise FileNotFoundError(2, "No such file or directory", os.path.join(step_root, path))
+
+        nodedir.read_into = vanished  # type: ignore[assignment]
+    _restore(rank, world, base, 1, 10, 0.0)
+
+
+@pytest.mark.slow
+def test_a_copy_a_peer_cannot_read_fails_the_local_restore_on_every_rank_without_a_hang(tmp_path: Path) -> None:
+    base = str(tmp_path)
+    spawn(2, _train, base, 1, range(18), 0.0)  # 2 nodes of 1 rank; local 10 and 15, remote 0 and 10
+    shutil.rmtree(f"{base}/tier/n1")
+    spawn(2, _restore_when_a_copy_cannot_be_read, base, timeout_s=90.0)  # the remote step 10, on both ranks
+
+
 @pytest.mark.slow
 def test_a_damaged_copy_from_a_peer_is_caught_and_the_remote_step_restored(tmp_path: Path) -> None:
     base = str(tmp_path)
@@ -364,6 +382,30 @@ def _die_while_copying(rank: int, world: int, base: str) -> None:
     tier_save.ship = dying  # type: ignore[assignment]
     manager.save(25, _state(25, world))  # (a local step only: remote saves are every 10)
     manager.wait()
+
+
+def _fail_to_read_a_copy(rank: int, world: int, base: str) -> None:
+    manager = _manager(base, rank, world, 1)
+    for step in range(16):
+        manager.save(step, _state(step, world))
+    manager.wait()
+    if rank == 0:  # its staged shards cannot be read back to send to its replica node
+
+        def unreadable(step_root: str, path: str, view: memoryview, offset: int = 0) -> None:
+            raise OSError(5, "Input/output error", os.path.join(step_root, path))
+
+        nodedir.read_into = unreadable  # type: ignore[assignment]
+    manager.save(25, _state(25, world))  # (a local step only)
+    with pytest.raises(zarrckpt.CheckpointSaveError, match="could not read"):  # on both ranks, not a hang
+        manager.wait()
+    manager.close()
+
+
+@pytest.mark.slow
+def test_a_copy_that_cannot_be_read_fails_the_local_save_on_every_rank(tmp_path: Path) -> None:
+    base = str(tmp_path)
+    spawn(2, _fail_to_read_a_copy, base, timeout_s=90.0)
+    spawn(2, _restore, base, 1, 15, 0.0)  # step 25 was never committed
 
 
 @pytest.mark.slow

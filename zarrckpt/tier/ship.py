@@ -35,7 +35,9 @@ def ship(
     sends (every rank calls it, with matching pairs); returns the bytes received.
 
     Raises:
-        ZarrckptError: a transfer failed, or a received header is malformed.
+        ZarrckptError: a transfer failed, a received header is malformed, or a rank could not read
+            an object it sends (on every rank: it sends zeros in its place, so no peer waits for
+            bytes that never come, and one all-gather at the end tells every rank).
     """
     if not group.active:
         return 0
@@ -55,8 +57,9 @@ def ship(
     in_batches = {src: _batches(items) for src, items in incoming.items()}
     rounds = max([len(b) for b in [*out_batches.values(), *in_batches.values()]], default=0)
     received = 0
+    failures: list[str] = []
     for k in range(rounds):
-        send_bufs = [(dst, _pack(b[k], read)) for dst, b in out_batches.items() if k < len(b)]
+        send_bufs = [(dst, _pack(b[k], read, failures)) for dst, b in out_batches.items() if k < len(b)]
         recv_bufs = [
             (src, b[k], np.empty(sum(n for _, n in b[k]), dtype=np.uint8))
             for src, b in in_batches.items()
@@ -70,6 +73,10 @@ def ship(
                 land(path, view[at : at + n])
                 at += n
             received += at
+    mine = [f"rank {group.rank} could not read {failures[0]}"] if failures else []
+    problems = [p for theirs in group.all_gather_json(mine) for p in theirs]
+    if problems:
+        raise ZarrckptError(f"shipping objects between ranks: {problems[0]}")
     return received
 
 
@@ -94,10 +101,15 @@ def _batches(items: Sequence[tuple[str, int]]) -> list[list[tuple[str, int]]]:
     return out
 
 
-def _pack(batch: Sequence[tuple[str, int]], read: Read) -> np.ndarray:
+def _pack(batch: Sequence[tuple[str, int]], read: Read, failures: list[str]) -> np.ndarray:
+    """The batch's objects back to back; one that cannot be read goes as zeros, noted in ``failures``."""
     buf = np.empty(sum(n for _, n in batch), dtype=np.uint8)
     view, at = memoryview(buf.data), 0
     for path, n in batch:
-        read(path, view[at : at + n])
+        try:
+            read(path, view[at : at + n])
+        except Exception as e:  # (raised on every rank after the last round: a peer never waits in vain)
+            buf[at : at + n] = 0
+            failures.append(f"{path} to send it: {type(e).__name__}: {e}")
         at += n
     return buf
