@@ -25,6 +25,7 @@ import zarrckpt
 from zarrckpt.cli import commands as cli
 from zarrckpt.engine import commit as protocol
 from zarrckpt.engine import markers
+from zarrckpt.engine.markers import BEAT, stop_heartbeat
 from zarrckpt.format.manifest import DELETING, PENDING, Manifest
 from zarrckpt.storage.store import Storage
 from zarrckpt.testing import spawn
@@ -48,8 +49,12 @@ def _files(path: Path) -> list[str]:
 
 def _age(doc_path: Path, seconds: float) -> None:
     """Make a marker one a zarrckpt without heartbeats wrote ``seconds`` ago (only such markers age out by
-    the grace period; a marker with heartbeats is dead only once they stop)."""
+    the grace period; a marker with heartbeats is dead only once they stop). Its save's heartbeat, if
+    this process runs it, stops first and its heartbeat object goes: a beat landing after the marker was
+    aged (a loaded machine) would make it a marker with heartbeats again."""
     doc = json.loads(doc_path.read_text())
+    stop_heartbeat(Storage(str(doc_path.parent)), doc["save_id"])
+    (doc_path.parent / BEAT).unlink(missing_ok=True)
     doc["started"] = (datetime.now(UTC) - timedelta(seconds=seconds)).isoformat(timespec="seconds")
     del doc["heartbeat"]
     doc_path.write_text(json.dumps(doc))
